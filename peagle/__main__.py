@@ -1,0 +1,3 @@
+from peagle.cli import main
+
+main()

@@ -1,0 +1,149 @@
+"""Crash-safe file writes: temp name, fsync, rename, fsync the directory (DESIGN §7).
+
+Nothing written through here is ever visible half-written: a reader sees the old file, no file, or
+the whole new file. Temp files are named ``.<name>.tmp-<pid>-<random>`` in the target's directory
+(same filesystem, so ``os.replace`` is atomic) and are ignored by every reader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from peagle.schemas.errors import UserError
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temp_path_for(path: str | os.PathLike) -> Path:
+    """A fresh temp file beside ``path`` (created empty, so names never collide across writers)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=path.parent)
+    os.close(fd)
+    return Path(tmp)
+
+
+def publish(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
+    """fsync ``tmp``, rename it onto ``path``, fsync the directory."""
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(Path(path).parent)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    tmp = temp_path_for(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        publish(tmp, path)
+    except OSError as err:
+        _discard(tmp)
+        raise_if_disk_full(err, path)
+        raise
+    except BaseException:
+        _discard(tmp)
+        raise
+
+
+def canonical_json(obj: Any) -> bytes:
+    """Sorted keys, fixed separators, trailing newline: equal content gives equal bytes."""
+    return (json.dumps(obj, sort_keys=True, indent=1, ensure_ascii=False) + "\n").encode()
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_bytes(path, canonical_json(obj))
+
+
+def create_exclusive(path: str | os.PathLike, data: bytes) -> bool:
+    """Publish ``data`` at ``path`` only if nothing is there yet; True if this call created it.
+
+    A hard link of a complete temp file fails with EEXIST when another writer won the race, so
+    exactly one complete version ever appears.
+    """
+    tmp = temp_path_for(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        fsync_dir(Path(path).parent)
+        return True
+    except OSError as err:
+        raise_if_disk_full(err, path)
+        raise
+    finally:
+        _discard(tmp)
+
+
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike) -> Iterator[None]:
+    """An exclusive advisory lock (flock) held for the block; serialises writers of one store."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def raise_if_disk_full(err: OSError, path: str | os.PathLike) -> None:
+    if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        raise UserError(f"no space left writing {path} ({os.strerror(err.errno)}); free space and re-run "
+                        "the same command: finished work is kept") from err
+
+
+def remove_stale_temps(directory: str | os.PathLike) -> int:
+    """Delete temp files left by killed writers (``.*.tmp-*``); returns how many were removed.
+
+    Safe while other writers run only for temp files of dead processes: the pid in the name is
+    checked, and files of live processes are left alone.
+    """
+    removed = 0
+    directory = Path(directory)
+    if not directory.is_dir():
+        return 0
+    for p in directory.glob(".*.tmp-*"):
+        try:
+            pid = int(p.name.split(".tmp-")[1].split("-")[0])
+        except (IndexError, ValueError):
+            continue
+        if _pid_alive(pid):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+            removed += 1
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _discard(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()

@@ -1,0 +1,26 @@
+"""Named failpoints for fault tests (DESIGN §7): the process SIGKILLs itself at a named phase.
+
+``PEAGLE_FAILPOINT=name`` kills at the first hit of ``failpoint("name")``; ``name:N`` at the N-th
+hit (1-based). Unset, a failpoint is one dict lookup: cheap enough to leave in hot loops.
+Names in use: extract.forward, extract.write, extract.before_commit, extract.after_commit,
+train.step, train.checkpoint_write, train.before_checkpoint_rename.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+_hits: dict[str, int] = {}
+
+
+def failpoint(name: str) -> None:
+    spec = os.environ.get("PEAGLE_FAILPOINT")
+    if not spec:
+        return
+    target, _, nth = spec.partition(":")
+    if target != name:
+        return
+    _hits[name] = _hits.get(name, 0) + 1
+    if _hits[name] >= int(nth or 1):
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,45 @@
+"""Shared fixtures: tiny targets built once per test session (real transformers models, saved locally)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from peagle.testing.tiny_target import TinyTargetSpec, build_tiny_target
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """8-layer Llama target, hidden 128, head_dim 32, random weights, byte-level BPE tokenizer."""
+    return build_tiny_target(tmp_path_factory.mktemp("targets") / "llama", TinyTargetSpec(arch="llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> Path:
+    """8-layer Qwen3 target (explicit head_dim, q/k norms) with a ChatML template."""
+    return build_tiny_target(tmp_path_factory.mktemp("targets") / "qwen3", TinyTargetSpec(arch="qwen3"))
+
+
+def peagle_bin() -> list[str]:
+    """The real `peagle` console script of this interpreter's environment."""
+    exe = Path(sys.executable).with_name("peagle")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "peagle"]
+
+
+@pytest.fixture
+def run_peagle():
+    """Run the real CLI in a subprocess; returns CompletedProcess (text). No check: tests assert rc."""
+
+    def run(*args: str, env: dict[str, str] | None = None, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        return subprocess.run([*peagle_bin(), *map(str, args)], capture_output=True, text=True,
+                              env=full_env, timeout=timeout, **kw)
+
+    return run
