@@ -1,0 +1,157 @@
+"""The demo's target: a tiny Llama trained for a few minutes on stdlib documentation, cached.
+
+A random-weight target predicts noise, so a draft trained on it says nothing about acceptance.
+This one learns a real (small) language: chats in which a user asks about a Python stdlib object
+and the assistant answers with its docstring. The corpus ships with Python, so the demo needs no
+download; the target trains in a few minutes on 2 CPU cores and is cached by its settings' hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from peagle.testing.tiny_target import TinyTargetSpec, build_tiny_target
+
+DEMO_MODULES = (
+    "argparse", "asyncio", "base64", "bisect", "calendar", "collections", "configparser", "contextlib",
+    "copy", "csv", "dataclasses", "datetime", "decimal", "difflib", "email", "enum", "fractions",
+    "functools", "glob", "gzip", "hashlib", "heapq", "html", "http", "inspect", "io", "ipaddress",
+    "itertools", "json", "logging", "mailbox", "math", "operator", "optparse", "os", "pathlib",
+    "pickle", "pprint", "queue", "random", "re", "sched", "secrets", "shlex", "shutil", "smtplib",
+    "socket", "sqlite3", "statistics", "string", "struct", "subprocess", "tarfile", "tempfile",
+    "textwrap", "threading", "timeit", "tokenize", "trace", "typing", "unittest", "urllib", "uuid",
+    "warnings", "wave", "weakref", "xml", "zipfile", "zlib",
+)
+QUESTIONS = ("What does {name} do?", "Explain {name}.", "Describe {name} in Python.", "How do I use {name}?")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoTargetSpec:
+    """Everything that changes the demo target; its hash names the cache entry."""
+
+    base: TinyTargetSpec = TinyTargetSpec(arch="llama", num_layers=8, hidden_size=128, num_heads=4,
+                                          num_kv_heads=2, intermediate_size=384, vocab_size=1024)
+    train_seconds: float = 150.0
+    max_steps: int = 1200
+    seq_len: int = 256
+    batch_size: int = 16
+    lr: float = 3e-3
+    max_answer_chars: int = 700
+    seed: int = 0
+
+    def cache_key(self) -> str:
+        blob = json.dumps({"spec": asdict(self), "python": sys.version_info[:2]}, sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def demo_chats(max_answer_chars: int = 700, seed: int = 0) -> list[dict]:
+    """Chat records (OpenAI messages) from stdlib docstrings: question about a name -> its docstring."""
+    import importlib
+
+    rng = random.Random(seed)
+    chats = []
+    for mod_name in DEMO_MODULES:
+        try:
+            module = importlib.import_module(mod_name)
+        except Exception:  # a module missing from this Python build is simply not used
+            continue
+        for attr, obj in sorted(vars(module).items()):
+            if attr.startswith("_") or getattr(obj, "__module__", mod_name) != mod_name and not inspect.ismodule(obj):
+                continue
+            doc = inspect.getdoc(obj)
+            if not doc or len(doc) < 40 or inspect.ismodule(obj) and obj.__name__ != mod_name:
+                continue
+            answer = doc[:max_answer_chars].rsplit(" ", 1)[0] if len(doc) > max_answer_chars else doc
+            question = rng.choice(QUESTIONS).format(name=f"{mod_name}.{attr}")
+            chats.append({"messages": [{"role": "user", "content": question},
+                                       {"role": "assistant", "content": answer}]})
+    rng.shuffle(chats)
+    return chats
+
+
+def _training_stream(tokenizer, chats: list[dict], seq_len: int, seed: int):
+    """Endless stream of [seq_len+1] windows over the rendered chats, reshuffled each pass."""
+    import torch
+
+    ids: list[int] = []
+    for chat in chats:
+        ids.extend(tokenizer.apply_chat_template(chat["messages"], tokenize=True)["input_ids"])
+    data = torch.tensor(ids, dtype=torch.long)
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        starts = torch.randperm(len(data) - seq_len - 1, generator=gen)
+        for s in starts.tolist():
+            yield data[s : s + seq_len + 1]
+
+
+def build_demo_target(cache_dir: str | Path, spec: DemoTargetSpec = DemoTargetSpec(), *,
+                      log=print) -> Path:
+    """Return the trained demo target directory, training it first if the cache has none.
+
+    Training stops at ``train_seconds`` or ``max_steps``, whichever comes first, so the first demo
+    run stays within minutes on a slow machine (fewer steps, slightly weaker target) while a fast
+    machine gets the full schedule. The result is written atomically.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cache_dir = Path(cache_dir)
+    out = cache_dir / f"demo-target-{spec.cache_key()}"
+    if (out / "config.json").exists():
+        return out
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".demo-target-", dir=cache_dir))
+    try:
+        base = build_tiny_target(work / "base", spec.base)
+        tokenizer = AutoTokenizer.from_pretrained(base)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        chats = demo_chats(spec.max_answer_chars, spec.seed)
+        stream = _training_stream(tokenizer, chats, spec.seq_len, spec.seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01, betas=(0.9, 0.95))
+        torch.manual_seed(spec.seed)
+        model.train()
+        start, step, loss_ema = time.monotonic(), 0, None
+        log(f"training the demo target ({len(chats)} stdlib docstring chats, up to {spec.train_seconds:.0f} s)")
+        while step < spec.max_steps and time.monotonic() - start < spec.train_seconds:
+            warm = min(1.0, (step + 1) / 50)
+            decay = 0.5 * (1 + math.cos(math.pi * min(1.0, (time.monotonic() - start) / spec.train_seconds,
+                                                      step / spec.max_steps)))
+            for group in opt.param_groups:
+                group["lr"] = spec.lr * warm * (0.1 + 0.9 * decay)
+            batch = torch.stack([next(stream) for _ in range(spec.batch_size)])
+            logits = model(input_ids=batch[:, :-1]).logits
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
+            step += 1
+            if step % 100 == 0:
+                log(f"  step {step}: loss {loss_ema:.3f} ({time.monotonic() - start:.0f} s)")
+        model.eval()
+        final = work / "model"
+        model.save_pretrained(final)
+        tokenizer.save_pretrained(final)
+        (final / "demo_target.json").write_text(json.dumps(
+            {"spec": asdict(spec), "steps": step, "final_loss_ema": loss_ema,
+             "train_seconds": time.monotonic() - start}, indent=1, default=str))
+        try:
+            os.replace(final, out)
+        except OSError:  # another process published it first
+            if not (out / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
