@@ -1,0 +1,191 @@
+"""Read chat records from JSONL and Parquet files in one deterministic order.
+
+Order is a pure function of the input: files in the order given, records in file order. A record's
+``index`` is its position in its file: the 0-based line number for JSONL (every line is a record, so
+``count_records`` can count newlines instead of parsing), the row number for Parquet. A line that
+cannot be decoded still yields a record, with ``error`` set to its skip reason, so that counts and
+indices never depend on content.
+
+A file that cannot be opened or read (missing, a directory, corrupt Parquet) is a ``UserError``
+naming the file; a bad line inside a readable file is not.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from peagle.schemas.errors import UserError
+from peagle.stages.extract.conversation import BLANK_LINE, INVALID_UTF8, MALFORMED_JSON, NOT_AN_OBJECT
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+PARQUET_SUFFIXES = (".parquet",)
+_PARQUET_BATCH_ROWS = 256
+_COUNT_CHUNK_BYTES = 1 << 22
+_UTF8_BOM = b"\xef\xbb\xbf"
+
+
+@dataclass(frozen=True)
+class SourceRecord:
+    """One record of one input file.
+
+    ``raw`` is the decoded JSON object, or the line's bytes (without its newline) when it could not
+    be decoded; then ``error`` is the skip reason (``malformed_json``, ``invalid_utf8``,
+    ``not_an_object``, ``blank_line``).
+    """
+
+    path: Path
+    index: int
+    raw: dict[str, Any] | bytes
+    error: str | None = None
+
+    @property
+    def basename(self) -> str:
+        return self.path.name
+
+    @property
+    def where(self) -> str:
+        """Where a user finds the record: 'data.jsonl line 12' (1-based) or 'data.parquet row 11'."""
+        if is_parquet(self.path):
+            return f"{self.path} row {self.index}"
+        return f"{self.path} line {self.index + 1}"
+
+
+def is_parquet(path: Path) -> bool:
+    return path.name.lower().endswith(PARQUET_SUFFIXES)
+
+
+def check_data_path(path: str | Path) -> Path:
+    """The path as a Path, if it names a readable data file of a known format.
+
+    Raises:
+        UserError: missing, not a regular file, or not ``.jsonl``/``.ndjson``/``.parquet``.
+    """
+    path = Path(path)
+    if not path.name.lower().endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES):
+        raise UserError(f"data file {path} is neither JSONL (.jsonl, .ndjson) nor Parquet (.parquet)")
+    if not path.exists():
+        raise UserError(f"data file {path} does not exist")
+    if not path.is_file():
+        raise UserError(f"data file {path} is not a regular file")
+    return path
+
+
+def count_records(paths: Iterable[str | Path]) -> list[int]:
+    """Records per file, without decoding any: newlines for JSONL, footer metadata for Parquet.
+
+    Equals the number of records ``iter_records`` yields for each file.
+
+    Raises:
+        UserError: a file is missing, unreadable or not valid Parquet.
+    """
+    return [_count_file(check_data_path(p)) for p in paths]
+
+
+def iter_records(paths: Iterable[str | Path]) -> Iterator[SourceRecord]:
+    """Every record of every file: files in the given order, records in file order.
+
+    Raises:
+        UserError: a file is missing, unreadable or not valid Parquet.
+    """
+    for path in paths:
+        yield from iter_file_records(path)
+
+
+def iter_file_records(path: str | Path, start: int = 0, stop: int | None = None) -> Iterator[SourceRecord]:
+    """Records ``start <= index < stop`` of one file; records before ``start`` are not decoded.
+
+    For Parquet, row groups outside the range are not read at all, so a worker that owns one shard
+    of a large file does not pay for the rest.
+
+    Raises:
+        UserError: the file is missing, unreadable or not valid Parquet.
+    """
+    path = check_data_path(path)
+    if is_parquet(path):
+        return _iter_parquet(path, start, stop)
+    return _iter_jsonl(path, start, stop)
+
+
+def decode_jsonl_line(line: bytes, *, first: bool = False) -> tuple[dict[str, Any] | bytes, str | None]:
+    """``(object, None)`` for a line holding a JSON object, else ``(line bytes, skip reason)``."""
+    body = line[:-1] if line.endswith(b"\n") else line
+    body = body[:-1] if body.endswith(b"\r") else body
+    if first and body.startswith(_UTF8_BOM):
+        body = body[len(_UTF8_BOM):]
+    if not body.strip():
+        return body, BLANK_LINE
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        return body, INVALID_UTF8
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
+        return body, MALFORMED_JSON
+    if not isinstance(value, dict):
+        return body, NOT_AN_OBJECT
+    return value, None
+
+
+def _iter_jsonl(path: Path, start: int, stop: int | None) -> Iterator[SourceRecord]:
+    try:
+        with open(path, "rb") as f:
+            for index, line in enumerate(f):  # binary mode splits on b"\n" only
+                if stop is not None and index >= stop:
+                    return
+                if index < start:
+                    continue
+                raw, error = decode_jsonl_line(line, first=index == 0)
+                yield SourceRecord(path, index, raw, error)
+    except OSError as err:
+        raise UserError(f"cannot read data file {path}: {err.strerror or err}") from None
+
+
+def _iter_parquet(path: Path, start: int, stop: int | None) -> Iterator[SourceRecord]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+        meta = pf.metadata
+        end = meta.num_rows if stop is None else min(stop, meta.num_rows)
+        first_row = 0
+        for group in range(meta.num_row_groups):
+            num_rows = meta.row_group(group).num_rows
+            lo, hi = max(start, first_row), min(end, first_row + num_rows)
+            if lo < hi:
+                batch_start = first_row
+                for batch in pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS, row_groups=[group]):
+                    a, b = max(lo, batch_start), min(hi, batch_start + batch.num_rows)
+                    if a < b:  # decode only the rows in range
+                        rows = batch.slice(a - batch_start, b - a).to_pylist()
+                        for offset, row in enumerate(rows):
+                            yield SourceRecord(path, a + offset, row)
+                    batch_start += batch.num_rows
+            first_row += num_rows
+    except (OSError, pa.ArrowException) as err:
+        raise UserError(f"cannot read Parquet data file {path}: {err}") from None
+
+
+def _count_file(path: Path) -> int:
+    try:
+        if is_parquet(path):
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            try:
+                return pq.ParquetFile(path).metadata.num_rows
+            except pa.ArrowException as err:
+                raise UserError(f"cannot read Parquet data file {path}: {err}") from None
+        num_lines, last = 0, b"\n"
+        with open(path, "rb") as f:
+            while chunk := f.read(_COUNT_CHUNK_BYTES):
+                num_lines += chunk.count(b"\n")
+                last = chunk[-1:]
+        return num_lines + (last != b"\n")  # a final line without newline is a record too
+    except OSError as err:
+        raise UserError(f"cannot read data file {path}: {err.strerror or err}") from None
