@@ -1,0 +1,382 @@
+"""The P-EAGLE draft model (DESIGN §5): an EAGLE-3 Llama draft that predicts K tokens in one forward.
+
+Input is one flat sequence of N elements (no batch, no padding to K·L). The first R are *real*
+(depth 0): element i reads ``(embed(token_i), fc(aux_i))``. The other M = N - R are *mask slots*
+(depth >= 1): they all read ``(embed(mask_token_id), fc(mask_hidden))``. Which element sees which is
+the caller's attention mask (peagle.model.mask for training, causal for the inference proposer).
+
+Layer 0 attends over ``cat[input_layernorm(embeds), hidden_norm(fc_hidden)]`` (2H wide q/k/v) with
+its residual taken from the hidden stream; layers 1.. are plain pre-norm Llama layers. Parameter
+names equal the speculators/vLLM P-EAGLE checkpoint keys, so export is a near-identity key map.
+
+Mask slots share one layer-0 input, so its q/k/v (before RoPE) and residual are computed once and
+broadcast: layer 0's projections cost R rows instead of N (R is ~40% of N in COD training).
+
+Shape letters: N elements, R real, M mask slots, A aux layers, H hidden, T target hidden,
+V draft vocab, h/g query/kv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.utils.checkpoint import checkpoint
+
+from peagle.schemas.draft_config import DraftConfig
+from peagle.schemas.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+AttnMask = Tensor | BlockMask  # bool [N, N] (True = may attend) selects SDPA, a BlockMask selects flex
+
+
+def rope_inv_freq(config: DraftConfig) -> Tensor:
+    """RoPE inverse frequencies [D/2] from ``rope_parameters`` (default, linear and llama3 types)."""
+    params = config.rope_parameters
+    dim = config.head_dim
+    inv_freq = 1.0 / (float(params["rope_theta"]) ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(params["factor"])
+    elif rope_type == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between
+        # interpolated linearly in 1/wavelength.
+        factor = float(params["factor"])
+        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+        old_context = float(params["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((old_context / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+        inv_freq = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return inv_freq.float()
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """The neox-style rotation used by HF Llama and vLLM (``is_neox_style=True``)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32 then scale in the input dtype, as HF Llama and vLLM do.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class FlexRunner:
+    """Runs flex_attention compiled where Inductor supports the device (CUDA), eager elsewhere.
+
+    Decided once per device type, on the first call, and logged. Eager flex is a correctness path
+    (CPU tests); if the first compiled call fails, the run falls back to eager with a warning.
+    """
+
+    def __init__(self) -> None:
+        self._fn_of_device: dict[str, Any] = {}
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask) -> Tensor:
+        device = q.device.type
+        fn = self._fn_of_device.get(device)
+        if fn is not None:
+            return fn(q, k, v, block_mask=block_mask, enable_gqa=True)
+        if device != "cuda":
+            logger.info("flex attention: eager flex_attention on %s (no Inductor flex lowering)", device)
+            self._fn_of_device[device] = flex_attention
+            return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+        compiled = torch.compile(flex_attention, dynamic=True)
+        try:
+            out = compiled(q, k, v, block_mask=block_mask, enable_gqa=True)
+        except Exception as err:  # noqa: BLE001 - any Inductor failure on the first call means "use eager"
+            logger.warning("flex attention: compile failed on %s (%s); using eager flex_attention", device, err)
+            self._fn_of_device[device] = flex_attention
+            return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
+        logger.info("flex attention: torch.compile'd flex_attention on %s", device)
+        self._fn_of_device[device] = compiled
+        return out
+
+
+run_flex = FlexRunner()
+
+
+def attend(q_hND: Tensor, k_gND: Tensor, v_gND: Tensor, attn_mask: AttnMask) -> Tensor:
+    """Masked attention with GQA; SDPA for a dense bool mask, flex for a BlockMask. Returns [N, h*D].
+
+    With SDPA every query must see at least one key (true for COD masks: an element sees itself).
+    """
+    q, k, v = q_hND[None], k_gND[None], v_gND[None]
+    if isinstance(attn_mask, BlockMask):
+        out = run_flex(q, k, v, attn_mask)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
+    return out[0].transpose(0, 1).reshape(q_hND.shape[1], -1)
+
+
+class Attention(nn.Module):
+    """Llama attention (no bias) whose q/k/v read ``in_features`` (H, or 2H in layer 0)."""
+
+    def __init__(self, config: DraftConfig, in_features: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_proj = nn.Linear(in_features, config.num_heads * config.head_dim, bias=False)
+        self.k_proj = nn.Linear(in_features, config.num_kv_heads * config.head_dim, bias=False)
+        self.v_proj = nn.Linear(in_features, config.num_kv_heads * config.head_dim, bias=False)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+
+    def attend_projected(self, q_N: Tensor, k_N: Tensor, v_N: Tensor, cos_ND: Tensor, sin_ND: Tensor,
+                         attn_mask: AttnMask) -> Tensor:
+        """RoPE, attention and o_proj on already projected q/k/v rows."""
+        n = q_N.shape[0]
+        q = q_N.view(n, self.num_heads, self.head_dim).transpose(0, 1)
+        k = k_N.view(n, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        v = v_N.view(n, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        cos, sin = cos_ND.to(q.dtype), sin_ND.to(q.dtype)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        return self.o_proj(attend(q, k, v, attn_mask))
+
+    def forward(self, x_NH: Tensor, cos_ND: Tensor, sin_ND: Tensor, attn_mask: AttnMask) -> Tensor:
+        q, k, v = self.q_proj(x_NH), self.k_proj(x_NH), self.v_proj(x_NH)
+        return self.attend_projected(q, k, v, cos_ND, sin_ND, attn_mask)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """A pre-norm Llama layer (layers 1..num_layers-1)."""
+
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, config.hidden_size)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x_NH: Tensor, cos_ND: Tensor, sin_ND: Tensor, attn_mask: AttnMask) -> Tensor:
+        h = x_NH + self.self_attn(self.input_layernorm(x_NH), cos_ND, sin_ND, attn_mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class FirstLayer(DecoderLayer):
+    """Layer 0: attention over ``cat[input_layernorm(embeds), hidden_norm(fc_hidden)]``, residual from
+    the hidden stream (normed when ``norm_before_residual``, as vLLM's ``_norm_before_residual``)."""
+
+    def __init__(self, config: DraftConfig):
+        super().__init__(config)
+        self.self_attn = Attention(config, 2 * config.hidden_size)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm_before_residual = config.norm_before_residual
+
+    def forward(self, embeds_RH: Tensor, hidden_RH: Tensor, mask_embed_1H: Tensor, mask_hidden_1H: Tensor,
+                num_mask: int, cos_ND: Tensor, sin_ND: Tensor, attn_mask: AttnMask) -> Tensor:
+        # Real rows and the one shared mask row go through the norms and projections together.
+        normed_hidden = self.hidden_norm(torch.cat([hidden_RH, mask_hidden_1H]))
+        x = torch.cat([self.input_layernorm(torch.cat([embeds_RH, mask_embed_1H])), normed_hidden], dim=-1)
+        residual = normed_hidden if self.norm_before_residual else torch.cat([hidden_RH, mask_hidden_1H])
+        attn = self.self_attn
+        q, k, v = (_expand_last_row(proj(x), num_mask) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+        h = _expand_last_row(residual, num_mask) + attn.attend_projected(q, k, v, cos_ND, sin_ND, attn_mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def _expand_last_row(x_R1: Tensor, num_repeats: int) -> Tensor:
+    """``[R+1, F] -> [R+M, F]``: keep the R real rows, repeat the shared mask row M times."""
+    return torch.cat([x_R1[:-1], x_R1[-1:].expand(num_repeats, -1)])
+
+
+class PEagleDraft(nn.Module):
+    """P-EAGLE draft. ``forward`` returns final-normed hidden states; ``compute_logits`` applies lm_head.
+
+    ``lm_head`` is frozen unless ``train_lm_head``; ``embed_tokens`` trains (P-EAGLE's choice).
+    ``d2t`` (draft index -> target id offset) and ``t2d`` (target id in draft vocab) are the buffers
+    vLLM reads; identity/all-True when the draft vocab is the whole target vocab.
+    """
+
+    def __init__(self, config: DraftConfig, *, train_lm_head: bool = False, activation_checkpointing: bool = False):
+        super().__init__()
+        self.config = config
+        self.activation_checkpointing = activation_checkpointing
+        self.embed_tokens = nn.Embedding(config.target_vocab_size, config.hidden_size)
+        self.fc = nn.Linear(config.num_aux * config.target_hidden_size, config.hidden_size, bias=False)
+        self.layers = nn.ModuleList([FirstLayer(config)]
+                                    + [DecoderLayer(config) for _ in range(config.num_layers - 1)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.mask_hidden = nn.Parameter(torch.empty(1, 1, config.num_aux * config.target_hidden_size))
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(config.target_vocab_size, dtype=torch.bool))
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.reset_parameters()
+        self.set_vocab_map(torch.arange(config.draft_vocab_size) if not config.has_vocab_map else None)
+        self.lm_head.weight.requires_grad_(train_lm_head)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Random init: N(0, 0.02) linears and embeddings (HF's initializer_range), unit norms, and a
+        unit-variance ``mask_hidden`` (the scale of a raw aux state is O(1) per feature or larger)."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, 0.02)
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+        self.mask_hidden.normal_(0.0, 1.0)
+
+    @torch.no_grad()
+    def set_vocab_map(self, draft_token_ids: Tensor | None) -> None:
+        """Record which target ids the draft vocab holds (sorted ascending); None leaves t2d all-False."""
+        if draft_token_ids is None:
+            return
+        ids = torch.as_tensor(draft_token_ids, dtype=torch.long).flatten().cpu()
+        check_draft_token_ids(ids, self.config)
+        self.d2t.copy_(ids - torch.arange(ids.numel()))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    def draft_to_target(self, draft_ids: Tensor) -> Tensor:
+        """Map draft-vocab indices to target token ids (vLLM: ``target = draft + d2t[draft]``)."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def target_to_draft(self, target_ids: Tensor) -> Tensor:
+        """Map target ids to draft-vocab indices, -1 where the id is not in the draft vocab (or is -1)."""
+        index_of_target = torch.where(self.t2d, torch.cumsum(self.t2d.long(), 0) - 1, -1)
+        in_range = target_ids.long().clamp(0, self.config.target_vocab_size - 1)
+        return torch.where(target_ids >= 0, index_of_target[in_range], -1)
+
+    def rope(self, position_ids_N: Tensor) -> tuple[Tensor, Tensor]:
+        """cos/sin ``[N, D]`` (fp32) for absolute positions (vLLM counts a request's positions from 0)."""
+        freqs_N = position_ids_N.float()[:, None] * self.inv_freq[None, :]
+        angles_ND = torch.cat([freqs_N, freqs_N], dim=-1)
+        return angles_ND.cos(), angles_ND.sin()
+
+    def forward(self, token_ids_N: Tensor, aux_RAH: Tensor, position_ids_N: Tensor, attn_mask: AttnMask) -> Tensor:
+        """Final-normed hidden ``[N, H]`` of a flat sequence: R = len(aux_RAH) real rows, then mask slots.
+
+        ``token_ids_N`` holds the real tokens in its first R entries; entries R.. must be
+        ``config.mask_token_id`` (they are not read: every mask slot's layer-0 input is computed once
+        from it). ``aux_RAH`` is ``[R, A, T]`` (or ``[R, A*T]``, aux layers in ``aux_layer_ids`` order).
+        ``position_ids_N`` are RoPE positions (reference positions, DESIGN §3). A leading batch dim of
+        1 is accepted on every argument.
+        """
+        token_ids_N, position_ids_N = token_ids_N.reshape(-1), position_ids_N.reshape(-1)
+        aux_R = aux_RAH.reshape(-1, self.fc.in_features)
+        num_real = aux_R.shape[0]
+        if not torch.is_autocast_enabled(aux_R.device.type):  # autocast casts inside fc itself
+            aux_R = aux_R.to(self.fc.weight.dtype)
+        num_mask = token_ids_N.shape[0] - num_real
+        assert num_mask >= 0 and position_ids_N.shape[0] == token_ids_N.shape[0], "token/position/aux sizes disagree"
+
+        hidden_RH = self.fc(aux_R)
+        mask_hidden_1H = self.fc(self.mask_hidden.reshape(1, -1).to(aux_R.dtype))
+        embeds_RH = self.embed_tokens(token_ids_N[:num_real])
+        mask_embed_1H = self.embed_tokens.weight[self.config.mask_token_id][None]
+        cos_ND, sin_ND = self.rope(position_ids_N)
+
+        h = self._run(self.layers[0], embeds_RH, hidden_RH, mask_embed_1H, mask_hidden_1H, num_mask,
+                      cos_ND, sin_ND, attn_mask)
+        for layer in self.layers[1:]:
+            h = self._run(layer, h, cos_ND, sin_ND, attn_mask)
+        return self.norm(h)
+
+    def _run(self, layer: nn.Module, *args: Any) -> Tensor:
+        # Activation checkpointing trades one extra layer forward for not keeping its activations;
+        # use_reentrant=False lets the BlockMask (not a tensor) pass through and composes with flex.
+        if self.activation_checkpointing and torch.is_grad_enabled():
+            return checkpoint(layer, *args, use_reentrant=False)
+        return layer(*args)
+
+    def compute_logits(self, hidden_NH: Tensor) -> Tensor:
+        """Draft-vocab logits ``[N, V]`` (index with ``draft_to_target`` for target ids)."""
+        return self.lm_head(hidden_NH)
+
+
+def check_draft_token_ids(ids: Tensor, config: DraftConfig) -> None:
+    """Raise UserError unless ``ids`` are draft_vocab_size sorted, unique target ids without the mask token."""
+    if ids.numel() != config.draft_vocab_size:
+        raise UserError(f"draft vocab has {ids.numel()} ids but draft_vocab_size is {config.draft_vocab_size}")
+    if ids.numel() > 1 and bool((ids[1:] <= ids[:-1]).any()):
+        raise UserError("draft token ids must be strictly ascending target ids")
+    if int(ids.min()) < 0 or int(ids.max()) >= config.target_vocab_size:
+        raise UserError(f"draft token ids must lie in [0, {config.target_vocab_size})")
+
+
+def _target_tensor_reader(target_dir: Path):
+    """Return ``read(name) -> Tensor`` over a target's (possibly sharded) safetensors, and the key set."""
+    from safetensors import safe_open
+
+    index_file = target_dir / "model.safetensors.index.json"
+    if index_file.exists():
+        file_of_key = json.loads(index_file.read_text())["weight_map"]
+    elif (target_dir / "model.safetensors").exists():
+        with safe_open(target_dir / "model.safetensors", framework="pt") as f:
+            file_of_key = {key: "model.safetensors" for key in f.keys()}
+    else:
+        raise UserError(f"no model.safetensors or model.safetensors.index.json in target dir {target_dir}")
+
+    def read(name: str) -> Tensor:
+        with safe_open(target_dir / file_of_key[name], framework="pt") as f:
+            return f.get_tensor(name)
+
+    return read, set(file_of_key)
+
+
+def _find_key(keys: set[str], suffix: str) -> str | None:
+    """The unique checkpoint key ending in ``suffix`` at a module boundary (``model.``, ``language_model.``...)."""
+    hits = sorted(k for k in keys if k == suffix or k.endswith("." + suffix))
+    return hits[0] if len(hits) == 1 else None
+
+
+def build_draft_from_target(target_dir: str | Path, config: DraftConfig, draft_token_ids: Tensor | None = None,
+                            **draft_kwargs: Any) -> PEagleDraft:
+    """A randomly initialised draft whose ``embed_tokens`` and ``lm_head`` rows come from the target.
+
+    ``draft_token_ids`` are the draft vocab's target ids (sorted ascending); None means the whole
+    target vocab. A target with tied embeddings gives its embedding rows to ``lm_head``. Weights are
+    fp32 (master weights) whatever the target's dtype. Extra keyword arguments go to PEagleDraft.
+
+    Raises:
+        UserError: when files are missing, shapes disagree with the config, or the ids are invalid.
+    """
+    target_dir = Path(target_dir)
+    read, keys = _target_tensor_reader(target_dir)
+    embed_key = _find_key(keys, "embed_tokens.weight")
+    if embed_key is None:
+        raise UserError(f"target {target_dir} has no unique embed_tokens.weight")
+    head_key = _find_key(keys, "lm_head.weight") or embed_key  # tied embeddings: lm_head is embed_tokens
+    embed_VH = read(embed_key)
+    expected = (config.target_vocab_size, config.hidden_size)
+    if tuple(embed_VH.shape) != expected:
+        raise UserError(f"target embed_tokens shape {tuple(embed_VH.shape)} does not match draft config {expected}")
+    if draft_token_ids is None:
+        if config.has_vocab_map:
+            raise UserError(f"draft_vocab_size {config.draft_vocab_size} < target vocab needs draft_token_ids")
+        draft_token_ids = torch.arange(config.target_vocab_size)
+    ids = torch.as_tensor(draft_token_ids, dtype=torch.long).flatten()
+    check_draft_token_ids(ids, config)
+
+    draft = PEagleDraft(config, **draft_kwargs)
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(embed_VH.float())
+        draft.lm_head.weight.copy_((embed_VH if head_key == embed_key else read(head_key)).float()[ids])
+    draft.set_vocab_map(ids)
+    return draft

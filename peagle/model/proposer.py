@@ -1,0 +1,89 @@
+"""The inference-time P-EAGLE proposer in plain torch: one draft forward yields K draft tokens.
+
+It builds the draft's input the way vLLM's parallel-drafting runtime does, so that the parity test
+(tests/model/test_proposer.py) proves the training layout (DESIGN §3) equals serving. What vLLM
+does, as read in its source (vllm-project/vllm):
+
+* ``vllm/v1/spec_decode/llm_base_proposer.py`` (``set_inputs_first_pass``) with the triton kernel
+  ``copy_and_expand_eagle_inputs_kernel`` in ``vllm/v1/spec_decode/utils.py``; the same layout in
+  the v2 model runner ``vllm/v1/worker/gpu/spec_decode/eagle/peagle.py``
+  (``_prepare_peagle_prefill_inputs_kernel``):
+
+  - EAGLE shifts token ids by one and keeps positions and hidden states: draft slot j of a request
+    holds token ``x_{s+j+1}``, the target's (fc-combined) aux state of position ``s+j`` and RoPE
+    position ``s+j`` (positions count from 0 within the request). The last real slot pairs the
+    token just sampled by the target (the "bonus" token x_{p+1}) with aux[p].
+  - With ``parallel_drafting`` it appends K-1 slots right after the last real slot: token id
+    ``pard_token`` (= the speculators config's ``mask_token_id``, mapped in
+    ``vllm/transformers_utils/configs/speculators/algos.py``), positions ``p+1 .. p+K-1``, hidden
+    state ``parallel_drafting_hidden_state_tensor``, which ``load_model`` sets to
+    ``model.combine_hidden_states(model.mask_hidden.view(-1))`` = ``fc(mask_hidden)``.
+  - One forward with ordinary causal attention over the request (earlier real slots come from the
+    draft's KV cache, which holds the depth-0 entries of earlier steps); the K sampled slots are the
+    last real slot and the K-1 mask slots, in order: slot p+d gives the depth-d draft token.
+  - Rejected tokens of the previous step get padding slot ids (no KV write) and mask slots' KV is
+    overwritten by the next step's real tokens, so a query never sees a stale mask slot.
+
+* ``vllm/model_executor/models/llama_eagle3.py`` (``Eagle3LlamaForCausalLM``, also registered for
+  ``PeagleLlamaForCausalLM``): layer 0 normalises embeds with ``input_layernorm`` and the hidden
+  with ``hidden_norm``, concatenates ``[embeds, hidden]`` (2H q/k/v), residual from the hidden
+  (normed first iff ``norm_before_residual``); final ``norm``; ``lm_head`` over the draft vocab,
+  target id = draft id + ``d2t[draft id]``.
+
+A depth-0 element at reference position p in training therefore matches the last real slot of
+the prefix ending at p, and depth d matches mask slot p+d: same token, hidden, position, keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from peagle.model.draft import PEagleDraft
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """K drafts for one context: ``logits_KV`` over the draft vocab, ``draft_ids_K`` (argmax) and
+    ``token_ids_K`` (the same as target-vocab ids)."""
+
+    logits_KV: Tensor
+    draft_ids_K: Tensor
+    token_ids_K: Tensor
+
+
+def build_proposer_inputs(token_ids: Tensor, aux_PAH: Tensor, num_depths: int,
+                          mask_token_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Token ids ``[P+K-1]``, positions and causal mask of one parallel-drafting step.
+
+    ``token_ids`` are ``x_0 .. x_{p+1}`` (p+2 ids; the last is the token the target just sampled) and
+    ``aux_PAH`` the target's aux states of positions ``0 .. p`` (P = p+1 rows). Real slot i reads
+    ``(x_{i+1}, aux[i])`` at position i; mask slots follow at positions ``p+1 .. p+K-1``.
+    """
+    num_real = aux_PAH.shape[0]
+    if token_ids.shape[0] != num_real + 1:
+        raise ValueError(f"need {num_real + 1} token ids for {num_real} aux states, got {token_ids.shape[0]}")
+    device = token_ids.device
+    mask_ids = torch.full((num_depths - 1,), mask_token_id, dtype=token_ids.dtype, device=device)
+    slot_ids_N = torch.cat([token_ids[1:], mask_ids])
+    positions_N = torch.arange(slot_ids_N.shape[0], device=device)
+    causal_NN = torch.ones(slot_ids_N.shape[0], slot_ids_N.shape[0], dtype=torch.bool, device=device).tril()
+    return slot_ids_N, positions_N, causal_NN
+
+
+@torch.no_grad()
+def propose(draft: PEagleDraft, token_ids: Tensor, aux_PAH: Tensor, num_depths: int) -> Proposal:
+    """Run one parallel-drafting step over the whole context (prefill-style, no KV cache).
+
+    A KV cache changes nothing here: depth-0 keys depend only on earlier depth-0 slots, so the
+    cached keys vLLM reuses equal the ones this single forward recomputes.
+    """
+    slot_ids_N, positions_N, causal_NN = build_proposer_inputs(
+        token_ids, aux_PAH, num_depths, draft.config.mask_token_id)
+    hidden_NH = draft(slot_ids_N, aux_PAH, positions_N, causal_NN)
+    last_real = aux_PAH.shape[0] - 1
+    logits_KV = draft.compute_logits(hidden_NH[last_real:last_real + num_depths])
+    draft_ids_K = logits_KV.argmax(dim=-1)
+    return Proposal(logits_KV, draft_ids_K, draft.draft_to_target(draft_ids_K))

@@ -1,0 +1,222 @@
+"""PEagleDraft against an obvious reference built from transformers' Llama modules, plus its backends,
+gradients, checkpointing and loading from a target (both tiny target architectures)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer, LlamaRotaryEmbedding
+
+from peagle.model.draft import PEagleDraft, build_draft_from_target, rope_inv_freq
+from peagle.model.mask import cod_block_mask, dense_peagle_mask
+from peagle.schemas.draft_config import DraftConfig
+from peagle.schemas.errors import UserError
+from peagle.testing.tiny_target import MASK_TOKEN, TinyTargetSpec, build_tiny_target
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def small_config(**overrides) -> DraftConfig:
+    fields = dict(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
+                  rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                  num_layers=3, target_hidden_size=64, num_aux=3, target_vocab_size=200,
+                  draft_vocab_size=200, mask_token_id=199, max_position_embeddings=512,
+                  aux_layer_ids=[2, 4, 5])
+    fields.update(overrides)
+    return DraftConfig(**fields)
+
+
+def random_draft(config: DraftConfig, seed: int = 0, **kwargs) -> PEagleDraft:
+    torch.manual_seed(seed)
+    draft = PEagleDraft(config, **kwargs)
+    with torch.no_grad():  # non-trivial norms so that a swapped norm would show
+        for name, param in draft.named_parameters():
+            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+    return draft
+
+
+def hf_llama_config(config: DraftConfig) -> LlamaConfig:
+    return LlamaConfig(**{k: v for k, v in config.llama_config_dict().items() if k not in ("model_type", "architectures")})
+
+
+def reference_forward(draft: PEagleDraft, token_ids_N, aux_RAH, position_ids_N, allowed_NN) -> torch.Tensor:
+    """The obvious computation: every row builds its own layer-0 input (no sharing), transformers'
+    Llama attention (eager, additive mask), decoder layers and rotary embedding."""
+    cfg = draft.config
+    hf_cfg = hf_llama_config(cfg)
+    hf_cfg._attn_implementation = "eager"
+    num_real, n = aux_RAH.shape[0], token_ids_N.shape[0]
+    cos, sin = LlamaRotaryEmbedding(hf_cfg)(torch.zeros(1), position_ids_N[None])
+    additive = torch.zeros(n, n).masked_fill(~allowed_NN, float("-inf"))[None, None]
+
+    hidden = torch.cat([aux_RAH.reshape(num_real, -1), draft.mask_hidden.reshape(1, -1).expand(n - num_real, -1)])
+    hidden = draft.fc(hidden)
+    ids = token_ids_N.clone()
+    ids[num_real:] = cfg.mask_token_id
+    layer0 = draft.layers[0]
+    normed_hidden = layer0.hidden_norm(hidden)
+    x = torch.cat([layer0.input_layernorm(draft.embed_tokens(ids)), normed_hidden], dim=-1)
+    attn = LlamaAttention(hf_cfg, layer_idx=0)
+    attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj = (layer0.self_attn.q_proj, layer0.self_attn.k_proj,
+                                                          layer0.self_attn.v_proj, layer0.self_attn.o_proj)
+    residual = normed_hidden if cfg.norm_before_residual else hidden
+    h = residual + attn(x[None], position_embeddings=(cos, sin), attention_mask=additive)[0][0]
+    h = h + layer0.mlp(layer0.post_attention_layernorm(h))
+    h = h[None]
+    for i, layer in enumerate(draft.layers[1:], start=1):
+        hf_layer = LlamaDecoderLayer(hf_cfg, layer_idx=i)
+        hf_layer.load_state_dict(layer.state_dict())
+        h = hf_layer(h, attention_mask=additive, position_embeddings=(cos, sin))
+    return draft.norm(h[0])
+
+
+def cod_row(lengths: list[int], num_depths: int):
+    """A full-chain flat COD row (every anchor at every depth) of packed samples, in the COD layout."""
+    offsets = torch.tensor([0] + lengths[:-1]).cumsum(0)
+    anchor_N = torch.cat([torch.cat([torch.arange(n) + o for n, o in zip(lengths, offsets)])
+                          for _ in range(num_depths)])
+    depth_N = torch.arange(num_depths).repeat_interleave(sum(lengths))
+    sample_start_N = torch.cat([torch.full((n,), int(o)) for n, o in zip(lengths, offsets)]).repeat(num_depths)
+    position_N = anchor_N - sample_start_N + depth_N
+    return anchor_N, depth_N, position_N
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+@pytest.mark.parametrize("rope", [None, LLAMA3_ROPE])
+def test_forward_matches_transformers_reference(norm_before_residual, rope):
+    overrides = {"norm_before_residual": norm_before_residual}
+    if rope:
+        overrides["rope_parameters"] = rope
+    draft = random_draft(small_config(**overrides))
+    anchor_N, depth_N, position_N = cod_row([7, 5], num_depths=3)
+    num_real, n = int((depth_N == 0).sum()), anchor_N.numel()
+    torch.manual_seed(1)
+    token_ids_N = torch.randint(0, 199, (n,))
+    token_ids_N[num_real:] = 199
+    aux_RAH = torch.randn(num_real, 3, 64)
+    allowed_NN = dense_peagle_mask(anchor_N, depth_N, torch.tensor([7, 5]), 12)
+
+    got = draft(token_ids_N, aux_RAH, position_N, allowed_NN)
+    want = reference_forward(draft, token_ids_N, aux_RAH, position_N, allowed_NN)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_rope_inv_freq_matches_transformers():
+    for rope in ({"rope_type": "default", "rope_theta": 10000.0}, LLAMA3_ROPE,
+                 {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}):
+        cfg = small_config(rope_parameters=rope)
+        hf = LlamaRotaryEmbedding(hf_llama_config(cfg))
+        torch.testing.assert_close(rope_inv_freq(cfg), hf.inv_freq.float(), rtol=1e-6, atol=0)
+
+
+def test_sdpa_and_flex_give_equal_outputs():
+    draft = random_draft(small_config(num_layers=2))
+    lengths = [70, 61]  # > one 128-block of elements, two documents
+    anchor_N, depth_N, position_N = cod_row(lengths, num_depths=3)
+    num_real, n = int((depth_N == 0).sum()), anchor_N.numel()
+    token_ids_N = torch.randint(0, 199, (n,))
+    token_ids_N[num_real:] = 199
+    aux_RAH = torch.randn(num_real, 3, 64)
+    dense = dense_peagle_mask(anchor_N, depth_N, torch.tensor(lengths), sum(lengths))
+    block = cod_block_mask(anchor_N, depth_N, torch.tensor(lengths), sum(lengths))
+    with torch.no_grad():
+        torch.testing.assert_close(draft(token_ids_N, aux_RAH, position_N, block),
+                                   draft(token_ids_N, aux_RAH, position_N, dense), atol=1e-5, rtol=1e-5)
+
+
+def test_gradients_checkpointing_and_frozen_lm_head():
+    config = small_config(draft_vocab_size=50)
+    anchor_N, depth_N, position_N = cod_row([9], num_depths=3)
+    num_real, n = 9, anchor_N.numel()
+    token_ids_N = torch.randint(0, 199, (n,))
+    token_ids_N[num_real:] = 199
+    aux_RAH = torch.randn(num_real, 3, 64)
+    mask = dense_peagle_mask(anchor_N, depth_N, torch.tensor([9]), 9)
+
+    grads = []
+    for checkpointing in (False, True):
+        draft = random_draft(config, activation_checkpointing=checkpointing)
+        draft.set_vocab_map(torch.arange(0, 100, 2))
+        draft.compute_logits(draft(token_ids_N, aux_RAH, position_N, mask)).square().sum().backward()
+        grads.append({name: p.grad for name, p in draft.named_parameters()})
+    assert grads[0]["lm_head.weight"] is None
+    for name, grad in grads[0].items():
+        if name == "lm_head.weight":
+            continue
+        assert grad is not None and grad.abs().sum() > 0, name
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-6, rtol=1e-5)
+
+    trainable = PEagleDraft(config, train_lm_head=True)
+    assert trainable.lm_head.weight.requires_grad
+
+
+def test_batch_dim_and_bf16_autocast():
+    draft = random_draft(small_config())
+    token_ids_N = torch.tensor([5, 6, 7, 199, 199])
+    aux_RAH = torch.randn(3, 3, 64, dtype=torch.bfloat16)
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()
+    plain = draft(token_ids_N, aux_RAH, torch.arange(5), mask)
+    batched = draft(token_ids_N[None], aux_RAH[None], torch.arange(5)[None], mask)
+    torch.testing.assert_close(batched, plain)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = draft.compute_logits(draft(token_ids_N, aux_RAH, torch.arange(5), mask))
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+    torch.testing.assert_close(logits.float(), draft.compute_logits(plain), atol=0.05, rtol=0.05)
+
+
+def test_vocab_maps_round_trip():
+    draft = PEagleDraft(small_config(draft_vocab_size=4))
+    ids = torch.tensor([3, 10, 11, 150])
+    draft.set_vocab_map(ids)
+    assert draft.d2t.tolist() == [3, 9, 9, 147]
+    assert torch.equal(draft.draft_to_target(torch.arange(4)), ids)
+    assert draft.target_to_draft(torch.tensor([10, 4, -1, 150, 3])).tolist() == [1, -1, -1, 3, 0]
+    assert int(draft.t2d.sum()) == 4
+    with pytest.raises(UserError):
+        draft.set_vocab_map(torch.tensor([3, 2, 11, 150]))
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tiny_target(request, tmp_path_factory):
+    return build_tiny_target(tmp_path_factory.mktemp(request.param) / "target", TinyTargetSpec(arch=request.param))
+
+
+def test_build_draft_from_target_copies_embeddings_and_head_rows(tiny_target):
+    hf_config = AutoConfig.from_pretrained(tiny_target)
+    tokenizer = json.loads((tiny_target / "tokenizer.json").read_text())
+    mask_id = next(t["id"] for t in tokenizer["added_tokens"] if t["content"] == MASK_TOKEN)
+    config = DraftConfig.from_target_config(hf_config, num_layers=2, draft_vocab_size=100, mask_token_id=mask_id)
+    ids = torch.randperm(hf_config.vocab_size, generator=torch.Generator().manual_seed(0))[:100].sort().values
+    draft = build_draft_from_target(tiny_target, config, ids)
+
+    with safe_open(tiny_target / "model.safetensors", framework="pt") as f:
+        embed = f.get_tensor("model.embed_tokens.weight").float()
+        head = f.get_tensor("lm_head.weight").float()
+    assert torch.equal(draft.embed_tokens.weight, embed)
+    assert torch.equal(draft.lm_head.weight, head[ids])
+    assert torch.equal(draft.draft_to_target(torch.arange(100)), ids)
+    assert not draft.lm_head.weight.requires_grad and draft.embed_tokens.weight.requires_grad
+    assert all(p.dtype == torch.float32 for p in draft.parameters())
+
+    full = build_draft_from_target(tiny_target, DraftConfig.from_target_config(hf_config, mask_token_id=mask_id))
+    assert torch.equal(full.lm_head.weight, head) and full.d2t.abs().sum() == 0 and bool(full.t2d.all())
+
+
+def test_build_draft_from_target_user_errors(tiny_target, tmp_path):
+    hf_config = AutoConfig.from_pretrained(tiny_target)
+    config = DraftConfig.from_target_config(hf_config, draft_vocab_size=10, mask_token_id=5)
+    with pytest.raises(UserError, match="needs draft_token_ids"):
+        build_draft_from_target(tiny_target, config)
+    with pytest.raises(UserError, match="draft_vocab_size"):
+        build_draft_from_target(tiny_target, config, torch.arange(11))
+    with pytest.raises(UserError, match="no model.safetensors"):
+        build_draft_from_target(tmp_path, config, torch.arange(10))
+    wrong = DraftConfig.from_dict({**config.to_dict(), "hidden_size": 64, "target_hidden_size": 64})
+    with pytest.raises(UserError, match="embed_tokens shape"):
+        build_draft_from_target(tiny_target, wrong, torch.arange(10))
