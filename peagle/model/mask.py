@@ -1,0 +1,253 @@
+"""The P-EAGLE attention rule over a flat COD sequence, as a flex ``mask_mod``, a dense mask and a BlockMask.
+
+A training row is one *flat COD sequence*: every COD element (DESIGN §4) of every sample packed into
+the row, laid out as depth groups in order (all depth-0 elements, then all depth-1, ...), sorted by
+anchor inside each group. Element ``i`` carries ``anchor_pos[i]`` (the row offset where its chain
+starts) and ``depth[i]``; its reference position is ``anchor_pos[i] + depth[i]``.
+
+Visibility (DESIGN §4): query q may see key k iff both lie in the same document, q is not padding,
+and either
+
+* k is depth 0 and ``anchor_k <= anchor_q`` (the real context the draft has read), or
+* k is in q's own chain: ``anchor_k == anchor_q`` and ``depth_k <= depth_q``.
+
+Documents come from ``lengths``: document j covers anchors ``[sum(lengths[:j]), sum(lengths[:j+1]))``;
+anchors at or after ``sum(lengths)`` (up to ``total_seq_len``) are padding (document id -1).
+
+Three consumers, one rule:
+
+* :func:`create_peagle_mask_mod` -- the ``mask_mod`` closure that flex_attention evaluates;
+* :func:`dense_peagle_mask` -- ``[N, N]`` bool for SDPA on CPU (training has no flex backward there);
+* :func:`cod_block_mask` -- a BlockMask built from metadata in O(N·K + blocks²) instead of evaluating
+  the mask_mod on every block pair (DESIGN §8); :func:`cod_block_indices` is its CPU half, for
+  DataLoader workers, and :func:`block_mask_from_indices` the device half, for the trainer.
+
+Shape letters: N = flat COD elements in the row, D = documents, L = ``total_seq_len`` (original-token
+row length), Qb/KVb = query/key blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+DEFAULT_BLOCK_SIZE = 128
+
+
+def document_ids(anchor_pos_N: Tensor, lengths_D: Tensor, total_seq_len: int) -> Tensor:
+    """Document id of every element (-1 for padding), looked up through its anchor.
+
+    Raises:
+        ValueError: when the lengths overflow the row or an anchor lies outside ``[0, total_seq_len)``.
+    """
+    lengths_D = torch.as_tensor(lengths_D, dtype=torch.long).flatten().cpu()
+    anchor_pos_N = torch.as_tensor(anchor_pos_N, dtype=torch.long)
+    if int(lengths_D.sum()) > total_seq_len or bool((lengths_D < 0).any()):
+        raise ValueError(f"document lengths {lengths_D.tolist()} do not fit total_seq_len {total_seq_len}")
+    if anchor_pos_N.numel() and (int(anchor_pos_N.min()) < 0 or int(anchor_pos_N.max()) >= total_seq_len):
+        raise ValueError(
+            f"anchors must lie in [0, {total_seq_len}); got [{int(anchor_pos_N.min())}, {int(anchor_pos_N.max())}]"
+        )
+    doc_of_pos_L = torch.full((total_seq_len,), -1, dtype=torch.long)
+    doc_of_pos_L[: int(lengths_D.sum())] = torch.repeat_interleave(torch.arange(lengths_D.numel()), lengths_D)
+    return doc_of_pos_L.to(anchor_pos_N.device)[anchor_pos_N]
+
+
+def create_peagle_mask_mod(anchor_pos: Tensor, depth: Tensor, lengths: Tensor, total_seq_len: int) -> MaskMod:
+    """Build the flex_attention ``mask_mod(b, h, q_idx, kv_idx)`` of the P-EAGLE rule (module docstring).
+
+    ``anchor_pos``/``depth`` are ``[N]`` per flat element (anchors are row offsets), ``lengths`` is
+    ``[D]`` document lengths in the same coordinates, ``total_seq_len`` the padded row length. The
+    closure reads tensors on ``anchor_pos``'s device, so build it where attention runs. The rule does
+    not depend on the element order; only :func:`cod_block_mask` needs the flat COD layout.
+    """
+    anchor_N = torch.as_tensor(anchor_pos, dtype=torch.long)
+    depth_N = torch.as_tensor(depth, dtype=torch.long).to(anchor_N.device)
+    # Resolve documents once per element so the kernel does two gathers, not four.
+    doc_N = document_ids(anchor_N, lengths, total_seq_len)
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        doc_q, doc_k = doc_N[q_idx], doc_N[kv_idx]
+        anchor_q, anchor_k = anchor_N[q_idx], anchor_N[kv_idx]
+        depth_q, depth_k = depth_N[q_idx], depth_N[kv_idx]
+        real_context = (depth_k == 0) & (anchor_k <= anchor_q)
+        own_chain = (anchor_k == anchor_q) & (depth_k <= depth_q)
+        return (doc_q == doc_k) & (doc_q >= 0) & (real_context | own_chain)
+
+    return mask_mod
+
+
+def dense_peagle_mask(anchor_pos: Tensor, depth: Tensor, lengths: Tensor, total_seq_len: int) -> Tensor:
+    """The same rule as ``[N, N]`` bool (True = may attend), for SDPA; equals evaluating the mask_mod."""
+    anchor_N = torch.as_tensor(anchor_pos, dtype=torch.long)
+    depth_N = torch.as_tensor(depth, dtype=torch.long).to(anchor_N.device)
+    doc_N = document_ids(anchor_N, lengths, total_seq_len)
+    q_idx = torch.arange(anchor_N.numel(), device=anchor_N.device)[:, None]
+    kv_idx = torch.arange(anchor_N.numel(), device=anchor_N.device)[None, :]
+    doc_q, doc_k = doc_N[q_idx], doc_N[kv_idx]
+    anchor_q, anchor_k = anchor_N[q_idx], anchor_N[kv_idx]
+    depth_q, depth_k = depth_N[q_idx], depth_N[kv_idx]
+    real_context = (depth_k == 0) & (anchor_k <= anchor_q)
+    own_chain = (anchor_k == anchor_q) & (depth_k <= depth_q)
+    return (doc_q == doc_k) & (doc_q >= 0) & (real_context | own_chain)
+
+
+class CodBlockIndices(NamedTuple):
+    """The block-sparse structure of one row, as ``create_block_mask`` would return it (B = H = 1).
+
+    Tensors are int32: ``kv_num_blocks`` ``[1, 1, Qb]`` and ``kv_indices`` ``[1, 1, Qb, KVb]`` for
+    partial blocks (mask_mod evaluated), ``full_*`` for blocks every (q, k) pair of which is visible.
+    """
+
+    kv_num_blocks: Tensor
+    kv_indices: Tensor
+    full_kv_num_blocks: Tensor
+    full_kv_indices: Tensor
+    seq_len: int
+    block_size: int
+
+
+def _merged_visible_runs(anchor_N: Tensor, depth_N: Tensor, doc_N: Tensor, doc_start_D: Tensor,
+                         total_seq_len: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Visible keys of every real query as disjoint runs ``[lo, hi)`` over the *real* elements.
+
+    Real elements (doc >= 0), in flat order, are sorted by the key ``depth·(L+1) + anchor``. A query at
+    (doc d, anchor a, depth e) sees the depth-0 run ``[doc_start_d, a]`` and, for each 1 <= j <= e,
+    the depth-j run of anchor a: at most K+1 searchsorted runs per query, in increasing order. Runs
+    that touch are merged, so that a key block covered by two adjacent runs counts as covered.
+    Returns ``(query_R, lo_R, hi_R)``, one row per merged non-empty run, indices into the real list.
+    """
+    real_N = doc_N >= 0
+    key_stride = total_seq_len + 1
+    key_R = (depth_N[real_N] * key_stride + anchor_N[real_N]).contiguous()
+    if key_R.numel() > 1 and bool((key_R[1:] < key_R[:-1]).any()):
+        raise ValueError("cod_block_mask needs the flat COD layout: depth groups in order, anchors sorted inside")
+    anchor_Q, depth_Q, doc_Q = anchor_N[real_N], depth_N[real_N], doc_N[real_N]
+    max_depth = int(depth_Q.max()) if key_R.numel() else 0
+
+    # The current (open) run of each still-active query; a query leaves after its own depth.
+    active_A = torch.arange(key_R.numel())
+    cur_lo_A = torch.searchsorted(key_R, doc_start_D[doc_Q], right=False)
+    cur_hi_A = torch.searchsorted(key_R, anchor_Q, right=True)
+    out_q, out_lo, out_hi = [], [], []
+
+    def emit(keep: Tensor) -> None:
+        keep = keep & (cur_hi_A > cur_lo_A)
+        out_q.append(active_A[keep]), out_lo.append(cur_lo_A[keep]), out_hi.append(cur_hi_A[keep])
+
+    for j in range(1, max_depth + 1):
+        stays = depth_Q[active_A] >= j
+        emit(~stays)
+        active_A, cur_lo_A, cur_hi_A = active_A[stays], cur_lo_A[stays], cur_hi_A[stays]
+        probe_A = j * key_stride + anchor_Q[active_A]
+        lo_A = torch.searchsorted(key_R, probe_A, right=False)
+        hi_A = torch.searchsorted(key_R, probe_A, right=True)
+        nonempty = hi_A > lo_A
+        extend = nonempty & (lo_A == cur_hi_A) & (cur_hi_A > cur_lo_A)
+        restart = nonempty & ~extend
+        emit(restart)
+        cur_lo_A = torch.where(restart, lo_A, cur_lo_A)
+        cur_hi_A = torch.where(nonempty, hi_A, cur_hi_A)
+    emit(torch.ones_like(active_A, dtype=torch.bool))
+    return torch.cat(out_q), torch.cat(out_lo), torch.cat(out_hi)
+
+
+def _ordered(blocks_QK: Tensor) -> tuple[Tensor, Tensor]:
+    """Block-row counts and column indices in create_block_mask's order (set columns first, ascending)."""
+    as_int = blocks_QK.to(torch.int32)
+    indices = torch.argsort(as_int, dim=-1, descending=True, stable=True).to(torch.int32)
+    return as_int.sum(dim=-1, dtype=torch.int32)[None, None], indices[None, None].contiguous()
+
+
+def cod_block_indices(anchor_pos: Tensor, depth: Tensor, lengths: Tensor, total_seq_len: int, *,
+                      block_size: int = DEFAULT_BLOCK_SIZE) -> CodBlockIndices:
+    """Compute the BlockMask index arrays of a flat COD row on the CPU, without the mask_mod.
+
+    Layout contract: the real elements (anchor inside a document), taken in flat order, are sorted by
+    (depth, anchor); padding elements may sit anywhere (they see nothing and nobody sees them), e.g.
+    appended at the end to bring N to a common size. Every query's visible keys are then at most K+1
+    contiguous runs of real elements (module docstring). A (query block, key block) pair is *partial*
+    if some query sees some key in it, *full* if all ``block_size²`` pairs are visible (blocks that
+    stick out past N are never full, as in ``create_block_mask``, which pads with False). Both are
+    counted with difference arrays over runs: O(N·K + Qb·KVb), against create_block_mask's O(N²).
+
+    Raises:
+        ValueError: when the real elements are not in the flat COD layout, or metadata do not fit.
+    """
+    anchor_N = torch.as_tensor(anchor_pos, dtype=torch.long).flatten().cpu()
+    depth_N = torch.as_tensor(depth, dtype=torch.long).flatten().cpu()
+    lengths_D = torch.as_tensor(lengths, dtype=torch.long).flatten().cpu()
+    num_elements = anchor_N.numel()
+    doc_N = document_ids(anchor_N, lengths_D, total_seq_len)
+    doc_start_D = torch.cumsum(lengths_D, 0) - lengths_D
+    num_blocks = -(-num_elements // block_size)
+
+    real_N = doc_N >= 0
+    flat_of_real = torch.nonzero(real_N).flatten()
+    query_R, lo_R, hi_R = _merged_visible_runs(anchor_N, depth_N, doc_N, doc_start_D, total_seq_len)
+    query_block_R = flat_of_real[query_R] // block_size
+    first_flat_R = flat_of_real[lo_R]
+    last_flat_R = flat_of_real[hi_R - 1]
+
+    # Key blocks holding at least one real element of the run: those between the run's first and last
+    # flat index that hold any real element (padding in between hides nothing it should not).
+    reach_QK = torch.zeros((num_blocks, num_blocks + 1), dtype=torch.int32)
+    ones = torch.ones_like(query_block_R, dtype=torch.int32)
+    reach_QK.index_put_((query_block_R, first_flat_R // block_size), ones, accumulate=True)
+    reach_QK.index_put_((query_block_R, last_flat_R // block_size + 1), -ones, accumulate=True)
+    real_per_block = torch.zeros(num_blocks, dtype=torch.long).index_add_(
+        0, torch.arange(num_elements) // block_size, real_N.long())
+    any_QK = (reach_QK.cumsum(dim=-1)[:, :num_blocks] > 0) & (real_per_block > 0)[None, :]
+
+    # Key blocks lying wholly inside the run, counted per query block; full when all block_size
+    # queries of the block cover it and the block holds no padding element.
+    first_full_R = -(-first_flat_R // block_size)
+    end_full_R = (last_flat_R + 1) // block_size
+    has_full = end_full_R > first_full_R
+    cover_QK = torch.zeros((num_blocks, num_blocks + 1), dtype=torch.int32)
+    ones = torch.ones(int(has_full.sum()), dtype=torch.int32)
+    cover_QK.index_put_((query_block_R[has_full], first_full_R[has_full]), ones, accumulate=True)
+    cover_QK.index_put_((query_block_R[has_full], end_full_R[has_full]), -ones, accumulate=True)
+    block_all_real = real_per_block == block_size
+    full_QK = (cover_QK.cumsum(dim=-1)[:, :num_blocks] == block_size) & block_all_real[None, :]
+
+    kv_num_blocks, kv_indices = _ordered(any_QK & ~full_QK)
+    full_kv_num_blocks, full_kv_indices = _ordered(full_QK)
+    return CodBlockIndices(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, num_elements, block_size)
+
+
+def block_mask_from_indices(indices: CodBlockIndices, mask_mod: MaskMod, *,
+                            device: torch.device | str | None = None) -> BlockMask:
+    """Wrap precomputed indices (e.g. from a DataLoader worker) into a BlockMask on ``device``.
+
+    ``mask_mod`` must be the row's :func:`create_peagle_mask_mod`, built on the same device.
+    """
+    return BlockMask.from_kv_blocks(
+        indices.kv_num_blocks.to(device),
+        indices.kv_indices.to(device),
+        indices.full_kv_num_blocks.to(device),
+        indices.full_kv_indices.to(device),
+        BLOCK_SIZE=(indices.block_size, indices.block_size),
+        mask_mod=mask_mod,
+        seq_lengths=(indices.seq_len, indices.seq_len),
+    )
+
+
+def cod_block_mask(anchor_pos: Tensor, depth: Tensor, lengths: Tensor, total_seq_len: int, *,
+                   block_size: int = DEFAULT_BLOCK_SIZE, device: torch.device | str | None = None) -> BlockMask:
+    """BlockMask of a flat COD row, equal to ``create_block_mask(mask_mod, None, None, N, N)`` (DESIGN §8).
+
+    Indices come from :func:`cod_block_indices` on the CPU; the mask_mod is built on ``device``
+    (default: ``anchor_pos``'s device).
+    """
+    device = torch.as_tensor(anchor_pos).device if device is None else torch.device(device)
+    indices = cod_block_indices(anchor_pos, depth, lengths, total_seq_len, block_size=block_size)
+    mask_mod = create_peagle_mask_mod(
+        torch.as_tensor(anchor_pos).to(device), torch.as_tensor(depth).to(device),
+        torch.as_tensor(lengths), total_seq_len)
+    return block_mask_from_indices(indices, mask_mod, device=device)
