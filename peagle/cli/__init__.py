@@ -8,6 +8,7 @@ User errors (``UserError``) print one line on stderr and exit 2; never a traceba
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
@@ -37,6 +38,10 @@ def _register() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # rich lays --help out for 80 columns when stdout is not a terminal, which cuts long flag names
+    # (`--down-sample-ra…`); give it room unless the user set a width.
+    if not sys.stdout.isatty():
+        os.environ.setdefault("COLUMNS", "120")
     _register()
     try:
         app(args=argv, standalone_mode=False)

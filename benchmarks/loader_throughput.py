@@ -1,0 +1,283 @@
+"""Loader throughput on an 8B-shaped synthetic store: can DataLoader workers keep the GPU fed?
+
+    python benchmarks/loader_throughput.py --out /tmp/peagle-bench --json loader_throughput.json
+
+Builds (once; reused when present) one store per row length L, shaped like an 8B target: hidden 4096,
+3 aux layers, top-32 float16 log-probs (24,768 bytes/token), random tensors written through the real
+store writer (``init_store`` + ``write_shard_file`` + ``commit_shard``). Each sample has n = L + 1
+tokens (one row of L training positions per batch, as the reference harness runs) and supervises
+every position but the first (DESIGN §8), so COD lengths match the reference (~27.6k at L = 8192).
+
+Measured per (L, S, attention), with K = 8, r = 0.7, r_min = 0.2, on one CPU thread (= one worker):
+
+* worker side -- ``build_ms``: one whole batch as a worker builds it (``ShardStream.build``: Parquet
+  columns, mmap'd top-k rows, COD, packing, targets at supervised elements, segment plans, block
+  indices; the aux rows stay on disk), page cache warm; ``build_cold_ms`` after evicting the shard
+  files from the page cache (posix_fadvise, these files only); ``items_ms`` (index shifting + COD
+  draw) and ``collate_ms`` (the rest) break it down; ``transfer_ms``: pickling the batch into shared
+  memory and unpickling it, as between a worker and the trainer; ``worker_ms_per_batch`` = build +
+  transfer, one worker's cost per batch; ``dataloader_batches_per_s_wW``: batches/s that real
+  DataLoader workers deliver to this process (meaningful only with W + 2 free cores);
+* trainer side -- ``aux_read_ms``: the pin thread's read of the batch's aux rows (``AuxSource``,
+  preadv) into a reused buffer, as into the CUDA host allocator's cached pinned blocks; ``_cold``
+  with the page cache evicted; ``aux_read_fresh_memory_ms`` into fresh memory (every page faulted
+  in: what copying the rows in a worker and shipping them through shared memory costs, twice).
+
+From ``worker_ms_per_batch`` (warm cache; a cold build adds the top-k page-ins) it derives the
+workers needed for < 2% data wait at the reference GPU step times (one H100, L = 8192: 190 ms/step
+with 1 draft layer, 491 ms with 4): with prefetching, the trainer waits only when the workers
+together deliver fewer than one batch per step, so
+W = ceil(worker_ms / step_ms) suffices in steady state (``recommended_workers`` adds one for
+jitter); the pin thread, one per rank, must read one batch's aux rows per step
+(``pin_thread_share_of_step`` < 1). On a machine with fewer free cores than W + 2 (trainer, pin
+thread, workers) the W-worker rates cannot scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import os
+import pickle
+import platform
+import statistics
+import time
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.multiprocessing  # noqa: F401  (registers the shared-memory reductions of tensors)
+
+from peagle.pipeline.store import commit_shard, init_store, open_store, write_shard_file
+from peagle.schemas import store as S
+from peagle.schemas.train_config import StoreSpec
+from peagle.stages.train.batch import CodSettings, collate, make_item
+from torch.utils.data import DataLoader
+
+from peagle.stages.train.loader import LoaderConfig, ShardStream, TrainLoader, _ShardReader
+from peagle.stages.train.vocab import build_draft_vocab, load_draft_vocab
+
+HIDDEN, AUX_LAYERS, TOPK, TARGET_VOCAB, DRAFT_VOCAB = 4096, (2, 16, 29), 32, 128256, 32000
+REFERENCE_STEP_MS = {"1_layer": 190.0, "4_layers": 491.0}  # one H100, L = 8192 (shared/anchors)
+
+
+def settings_for(max_len: int) -> S.StoreSettings:
+    return S.StoreSettings(
+        target=S.TargetIdentity(path="synthetic-8b", architecture="LlamaForCausalLM", num_hidden_layers=32,
+                                hidden_size=HIDDEN, vocab_size=TARGET_VOCAB, dtype="bfloat16",
+                                content_hash="synthetic"),
+        tokenizer_fingerprint="synthetic", chat_template_hash="synthetic", aux_layer_ids=AUX_LAYERS, topk=TOPK,
+        max_seq_len=max_len, logprob_dtype="float16", loss_on="all", mask_token_id=TARGET_VOCAB - 1)
+
+
+def build_store(root: Path, seq_len: int, num_samples: int, samples_per_shard: int) -> Path:
+    """Write a synthetic store (skipped when one with these settings and sizes is committed already)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from safetensors.torch import save
+
+    n = seq_len + 1
+    num_shards = -(-num_samples // samples_per_shard)
+    if (root / S.MANIFEST_FILE).exists() and len(open_store(root).shards) == num_shards:
+        return root
+    init_store(root, settings_for(n))
+    gen = torch.Generator().manual_seed(seq_len)
+    for index in range(num_shards):
+        count = min(samples_per_shard, num_samples - index * samples_per_shard)
+        tokens = count * n
+        ids = torch.randint(0, TARGET_VOCAB - 1, (count, n), generator=gen, dtype=torch.int32)
+        mask = np.ones((count, n), dtype=np.uint8)
+        mask[:, :3] = 0  # shifted mask m[p] = loss_mask[p+2]: every position but the first (and the last)
+        # Top-k ids skewed to low ids (so most fall in a 32k draft vocab), log-probs descending.
+        topk_ids = (torch.rand(tokens, TOPK, generator=gen) ** 3 * (TARGET_VOCAB - 1)).to(torch.int32)
+        logits = torch.randn(tokens, TOPK, generator=gen).sort(dim=-1, descending=True).values
+        tensors = {
+            S.AUX_HIDDEN: torch.randn(tokens, len(AUX_LAYERS), HIDDEN, generator=gen, dtype=torch.bfloat16),
+            S.TOPK_IDS: topk_ids,
+            S.TOPK_LOGPROBS: (logits.log_softmax(-1) - 0.1).to(torch.float16),
+        }
+        table = pa.table({
+            "sample_id": [f"L{seq_len}-{index}-{i}" for i in range(count)],
+            "source": [f"synthetic:{index * samples_per_shard + i}" for i in range(count)],
+            "input_ids": pa.array(ids.tolist(), type=pa.list_(pa.int32())),
+            "loss_mask": pa.array(mask.tolist(), type=pa.list_(pa.uint8())),
+            "num_tokens": pa.array([n] * count, type=pa.int64()),
+            "token_offset": pa.array([i * n for i in range(count)], type=pa.int64()),
+        })
+
+        def write_parquet(path, table=table):
+            buf = io.BytesIO()
+            pq.write_table(table, buf)
+            Path(path).write_bytes(buf.getvalue())
+
+        def write_tensors(path, tensors=tensors):
+            Path(path).write_bytes(save(tensors))
+
+        pq_bytes, pq_sha = write_shard_file(root, S.parquet_name(index), write_parquet)
+        st_bytes, st_sha = write_shard_file(root, S.tensors_name(index), write_tensors)
+        commit_shard(root, S.ShardRecord(
+            index=index, parquet=S.parquet_name(index), safetensors=S.tensors_name(index), num_samples=count,
+            num_tokens=tokens, parquet_bytes=pq_bytes, safetensors_bytes=st_bytes, parquet_sha256=pq_sha,
+            safetensors_sha256=st_sha, input_file="synthetic", first_record=index * samples_per_shard,
+            end_record=index * samples_per_shard + count, num_records=count, backend="synthetic"))
+    return root
+
+
+def evict(store_root: Path) -> None:
+    """Drop the store's shard files from the page cache (only these files; nothing system-wide)."""
+    for path in (store_root / S.SHARDS_DIR).glob("*.safetensors"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def loader_config(root: Path, seq_len: int, segments: int, attention: str, workers: int = 0) -> LoaderConfig:
+    return LoaderConfig(stores=(StoreSpec(str(root)),), seed=0, token_budget=seq_len,
+                        cod=CodSettings(num_depths=8, down_sample_ratio=0.7, down_sample_ratio_min=0.2),
+                        sequence_partitions=segments, attention=attention, num_workers=workers)
+
+
+def time_builds(loader: TrainLoader, root: Path, num_batches: int) -> dict:
+    """Per-batch timings of one worker's work, in this process (torch uses one thread, as in a worker),
+    and of the trainer-side read of the aux rows (what the pin thread does)."""
+    cfg = loader.config
+    build, cold, items_t, collate_t, transfer, elements, supervised = [], [], [], [], [], [], []
+    aux_warm, aux_cold, aux_fresh = [], [], []
+    reused_TAH = None
+    for b in range(num_batches):
+        epoch, batch = divmod(b, loader.num_batches)
+        plan = loader.plan(epoch)
+        refs = plan.refs_of_rank[0]
+        loc = np.stack([loader.index.store_of[refs], loader.index.shard_of[refs], loader.index.row_of[refs]])
+        stream = ShardStream(loader.stores, cfg, loc_3B=loc, bounds=plan.bounds_of_rank[0],
+                             num_batches=plan.num_batches, start=0, epoch=epoch,
+                             target_to_draft_V=loader.target_to_draft_V, mask_token_id=loader.mask_token_id)
+        for cold_cache, sink in ((True, cold), (False, build)):
+            if cold_cache:
+                evict(root)
+            t0 = time.perf_counter()
+            out = stream.build(_ShardReader(loader.stores, capacity=8), batch)
+            sink.append(time.perf_counter() - t0)
+        elements.append(out.num_elements)
+        supervised.append(out.num_supervised)
+        t0 = time.perf_counter()  # what sending the batch to the trainer process costs (shared memory)
+        pickle.loads(ForkingPickler.dumps(out))
+        transfer.append(time.perf_counter() - t0)
+
+        # The trainer side: aux rows from the file into a reused buffer (as into cached pinned memory),
+        # page cache warm and cold, and into fresh memory (every page faulted in: the cost workers avoid).
+        src = out.aux_source
+        if reused_TAH is None or tuple(reused_TAH.shape) != tuple(src.shape):
+            reused_TAH = torch.zeros(src.shape, dtype=src.dtype)
+        for sink, fresh, evict_first in ((aux_cold, False, True), (aux_warm, False, False), (aux_fresh, True, False)):
+            if evict_first:
+                evict(root)
+            t0 = time.perf_counter()
+            src.read_into(torch.empty(src.shape, dtype=src.dtype) if fresh else reused_TAH)
+            sink.append(time.perf_counter() - t0)
+
+        # Breakdown of the worker's build (warm cache): items (shift + COD), then collate.
+        reader = _ShardReader(loader.stores, capacity=8)
+        lo, hi = plan.bounds_of_rank[0][batch], plan.bounds_of_rank[0][batch + 1]
+        t0 = time.perf_counter()
+        items = []
+        for i in range(lo, hi):
+            s, j, row = (int(v) for v in loc[:, i])
+            cols, tensors = reader.columns(s, j), reader.tensors(s, j)
+            a, e = cols["offsets"][row], cols["offsets"][row + 1]
+            off, n = int(cols["token_offset"][row]), int(e - a)
+            items.append(make_item(cols["sample_id"][row], torch.from_numpy(cols["ids"][a:e]),
+                                   torch.from_numpy(cols["mask"][a:e]), tensors[S.AUX_HIDDEN][off:off + n],
+                                   tensors[S.TOPK_IDS][off:off + n], tensors[S.TOPK_LOGPROBS][off:off + n],
+                                   cod=cfg.cod, seed=cfg.seed, epoch=epoch))
+        t1 = time.perf_counter()
+        collate(items, target_to_draft_V=loader.target_to_draft_V, mask_token_id=loader.mask_token_id,
+                num_segments=cfg.sequence_partitions, block_size=cfg.block_size if cfg.attention == "flex" else None,
+                aux_reads=[("", 0, 0)] * len(items))
+        items_t.append(t1 - t0)
+        collate_t.append(time.perf_counter() - t1)
+    ms = lambda xs: round(1000 * statistics.median(xs), 1)  # noqa: E731
+    return {
+        "build_ms": ms(build), "build_cold_ms": ms(cold), "items_ms": ms(items_t), "collate_ms": ms(collate_t),
+        "transfer_ms": ms(transfer), "worker_ms_per_batch": ms([a + b for a, b in zip(build, transfer)]),
+        "aux_read_ms": ms(aux_warm), "aux_read_cold_ms": ms(aux_cold), "aux_read_fresh_memory_ms": ms(aux_fresh),
+        "aux_mib": round(math.prod(src.shape) * 2 / 2**20, 1),
+        "cod_elements": int(statistics.median(elements)), "supervised_elements": int(statistics.median(supervised)),
+        "items_per_s": round(1 / statistics.median(build), 2),
+        "tokens_per_s": round(cfg.token_budget / statistics.median(build)),
+    }
+
+
+def time_dataloader(loader: TrainLoader, workers: int, num_batches: int) -> float:
+    """Batches/s arriving from W real DataLoader workers (aux rows not read: that is the pin thread's)."""
+    plan = loader.plan(0)
+    refs = plan.refs_of_rank[0][:plan.bounds_of_rank[0][plan.num_batches]]
+    loc = np.stack([loader.index.store_of[refs], loader.index.shard_of[refs], loader.index.row_of[refs]])
+    got, t0 = 0, None
+    while got < num_batches + 1:  # cycle through the (small) store; the first batch warms up
+        stream = ShardStream(loader.stores, loader.config, loc_3B=loc, bounds=plan.bounds_of_rank[0],
+                             num_batches=plan.num_batches, start=0, epoch=0,
+                             target_to_draft_V=loader.target_to_draft_V, mask_token_id=loader.mask_token_id)
+        for _ in DataLoader(stream, batch_size=None, num_workers=workers, prefetch_factor=2):
+            got += 1
+            if got == 1:
+                t0 = time.perf_counter()
+            if got == num_batches + 1:
+                break
+    return round(num_batches / (time.perf_counter() - t0), 3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="/tmp/peagle-bench", help="where the synthetic stores live (reused)")
+    parser.add_argument("--json", default=None, help="write results here (default: stdout only)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--segments", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--attention", nargs="+", default=["flex", "sdpa"])
+    parser.add_argument("--samples", type=int, default=0,
+                        help="samples per store (default: ~400 MB per store: 8 at L=2048, 2 at L=8192)")
+    parser.add_argument("--batches", type=int, default=6, help="timed batches per configuration")
+    parser.add_argument("--workers", type=int, nargs="*", default=[1, 2], help="DataLoader runs with W workers")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # a DataLoader worker runs with one thread
+
+    results = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+               "bytes_per_token": settings_for(2).bytes_per_token(), "num_depths": 8, "configs": []}
+    for seq_len in args.lengths:
+        num_samples = args.samples or max(2, 16384 // seq_len)
+        root = Path(args.out) / f"store-L{seq_len}"
+        t0 = time.perf_counter()
+        build_store(root, seq_len, num_samples, samples_per_shard=max(1, 4096 // seq_len * 2))
+        store_gib = sum(p.stat().st_size for p in (root / S.SHARDS_DIR).iterdir()) / 2**30
+        t0 = time.perf_counter()
+        build_draft_vocab(root, DRAFT_VOCAB)
+        vocab_s = time.perf_counter() - t0
+        vocab = load_draft_vocab(root, DRAFT_VOCAB)
+        print(f"L={seq_len}: store {root} ({num_samples} samples, {store_gib:.2f} GiB); `peagle vocab` "
+              f"{vocab_s:.2f} s", flush=True)
+        for segments in args.segments:
+            for attention in args.attention:
+                loader = TrainLoader(loader_config(root, seq_len, segments, attention), vocab=vocab)
+                rec = {"seq_len": seq_len, "segments": segments, "attention": attention,
+                       "store_gib": round(store_gib, 3), **time_builds(loader, root, args.batches)}
+                for w in args.workers:
+                    rec[f"dataloader_batches_per_s_w{w}"] = time_dataloader(loader, w, args.batches)
+                if seq_len == 8192 and args.workers:
+                    for name, step_ms in REFERENCE_STEP_MS.items():
+                        need = max(1, math.ceil(rec["worker_ms_per_batch"] / step_ms))
+                        rec[f"workers_needed_{name}"] = need
+                        rec[f"recommended_workers_{name}"] = need + 1
+                        rec[f"pin_thread_share_of_step_{name}"] = round(rec["aux_read_cold_ms"] / step_ms, 3)
+                results["configs"].append(rec)
+                print(json.dumps(rec), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

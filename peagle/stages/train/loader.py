@@ -1,0 +1,366 @@
+"""The training data stream: committed shards -> COD items -> packed batches, on DataLoader workers.
+
+**Order is a pure function.** Before an epoch starts, every rank plans the whole epoch for *all*
+ranks from Parquet metadata only (sample ids and token counts; ``epoch_plan.plan_epoch``: shards
+spread over ranks balanced by tokens, reshuffled per epoch, mixed by store weights, packed under the
+token budget, every rank cut to the same batch count so DDP never hangs).
+
+**Workers do not change the stream.** DataLoader worker w of W builds the rank's remaining batches
+w, w+W, w+2W, ...; the DataLoader's in-order round robin then yields them in canonical order. So the
+stream is a function of (seed, epoch, world size, rank, store contents) for any ``num_workers``, and
+an item depends only on (seed, epoch, sample_id) (``cod_generator``). The loader's state is two
+integers (epoch, batches handed out) plus what must not change; resume = re-plan the epoch, skip.
+
+**Workers do the CPU work** (DESIGN §8): they memory-map the shard tensors (``Store.open_tensors``;
+only the rows of a batch are touched), draw COD, pack, gather top-k targets at supervised elements,
+and compute segment plans and flex block indices. The trainer receives finished ``TrainBatch``es
+(pinned when ``pin_memory``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from peagle.model.mask import DEFAULT_BLOCK_SIZE
+from peagle.pipeline.store import Store, manifest_hash, open_store
+from peagle.schemas import store as S
+from peagle.schemas.errors import UserError
+from peagle.schemas.train_config import StoreSpec
+from peagle.stages.train.batch import CodSettings, TrainBatch, collate, make_item
+from peagle.stages.train.epoch_plan import EpochPlan, PlanSettings, SampleIndex, is_heldout, plan_epoch, worker_batches
+from peagle.stages.train.vocab import DraftVocab
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+SPLITS = ("train", "heldout", "all")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoaderConfig:
+    """Everything the data stream depends on. Fields marked (plan) must not change across a resume."""
+
+    stores: tuple[StoreSpec, ...]
+    seed: int = 0  # (plan)
+    token_budget: int = 16384  # (plan) training positions (n − 1 per sample) per batch
+    cod: CodSettings = field(default_factory=CodSettings)  # (plan)
+    split: str = "train"  # (plan) train | heldout | all
+    heldout_fraction: float = 0.0  # (plan)
+    shuffle: bool = True  # (plan)
+    shuffle_window: int = 4  # (plan) units whose samples are shuffled together
+    sequence_partitions: int = 1
+    attention: str = "sdpa"  # flex: block indices are computed in the workers
+    block_size: int = DEFAULT_BLOCK_SIZE
+    num_workers: int = 0
+    prefetch_factor: int = 2
+    pin_memory: bool = False
+    verify: bool = False
+    mask_token_id: int | None = None  # default: the stores' StoreSettings.mask_token_id
+    hidden_size: int | None = None  # what training asks for; None = whatever the stores hold
+    aux_layer_ids: tuple[int, ...] | None = None
+    target_vocab_size: int | None = None
+
+    def plan_settings(self) -> PlanSettings:
+        return PlanSettings(seed=self.seed, token_budget=self.token_budget, shuffle=self.shuffle,
+                            shuffle_window=self.shuffle_window, weights=tuple(s.weight for s in self.stores))
+
+    def __post_init__(self) -> None:
+        if self.split not in SPLITS:
+            raise UserError(f"split must be one of {'|'.join(SPLITS)}, got {self.split!r}")
+        if self.token_budget < 1 or self.shuffle_window < 1:
+            raise UserError(f"token_budget and shuffle_window must be >= 1, got {self.token_budget}, "
+                            f"{self.shuffle_window}")
+        if self.attention not in ("flex", "sdpa"):
+            raise UserError(f"loader attention must be flex or sdpa, got {self.attention!r}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Opening
+
+
+def open_training_stores(config: LoaderConfig) -> list[Store]:
+    """Open every store, check it against what training asks and against the first store.
+
+    Raises:
+        UserError: one line naming the store, the field and both values.
+    """
+    stores = [open_store(spec.path, verify=config.verify) for spec in config.stores]
+    asked = {"hidden_size": config.hidden_size, "aux_layer_ids": config.aux_layer_ids,
+             "vocab_size": config.target_vocab_size}
+    for store in stores:
+        held = _store_facts(store)
+        for name, want in asked.items():
+            if want is not None and tuple(np.atleast_1d(held[name])) != tuple(np.atleast_1d(want)):
+                raise UserError(f"store {store.root} has {name} {_show(held[name])}, training asks for "
+                                f"{name} {_show(want)}")
+    first = _store_facts(stores[0])
+    for store in stores[1:]:
+        held = _store_facts(store)
+        for name, value in first.items():
+            if held[name] != value:
+                raise UserError(f"store {store.root} has {name} {_show(held[name])} but store {stores[0].root} "
+                                f"has {_show(value)}; stores mixed in one run must come from one target")
+    return stores
+
+
+def _store_facts(store: Store) -> dict[str, Any]:
+    s = store.settings
+    return {"hidden_size": s.target.hidden_size, "aux_layer_ids": tuple(s.aux_layer_ids),
+            "vocab_size": s.target.vocab_size, "topk": s.topk, "mask_token_id": s.mask_token_id,
+            "tokenizer_fingerprint": s.tokenizer_fingerprint, "target_content_hash": s.target.content_hash}
+
+
+def _show(value: Any) -> str:
+    return ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
+
+
+# --------------------------------------------------------------------------------------------------
+# Metadata (Parquet columns only)
+
+
+def build_sample_index(stores: list[Store], config: LoaderConfig) -> SampleIndex:
+    """Read ``sample_id`` and ``num_tokens`` of every committed shard (no tensors, no token columns)."""
+    store_of, shard_of, row_of, positions, ids = [], [], [], [], []
+    for s, store in enumerate(stores):
+        for j, record in enumerate(store.shards):
+            table = store.read_rows(record.index, ["sample_id", "num_tokens"])
+            n = table.column("num_tokens").to_numpy().astype(np.int64)
+            store_of.append(np.full(n.size, s, np.int32))
+            shard_of.append(np.full(n.size, j, np.int32))
+            row_of.append(np.arange(n.size, dtype=np.int32))
+            positions.append(n - 1)
+            ids.extend(table.column("sample_id").to_pylist())
+    cat = (lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dt))
+    positions_of = cat(positions, np.int64)
+    in_split = np.ones(positions_of.size, bool)
+    if config.split != "all":
+        held = np.fromiter((is_heldout(i, config.heldout_fraction) for i in ids), bool, len(ids))
+        in_split = held if config.split == "heldout" else ~held
+    too_long = in_split & (positions_of > config.token_budget)
+    if too_long.any():
+        log.warning("%d samples are longer than --token-budget %d and are skipped", int(too_long.sum()),
+                    config.token_budget)
+    eligible = in_split & (positions_of >= 1) & ~too_long
+    return SampleIndex(cat(store_of, np.int32), cat(shard_of, np.int32), cat(row_of, np.int32), positions_of,
+                       eligible, ids, int(too_long.sum()))
+
+
+# --------------------------------------------------------------------------------------------------
+# Building batches (runs in DataLoader workers)
+
+
+def _flat_list(array) -> tuple[np.ndarray, np.ndarray]:
+    """Values and offsets (rebased to those values) of a pyarrow list array, possibly a slice."""
+    offsets = array.offsets.to_numpy().astype(np.int64)
+    values = array.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]]
+    return values, offsets - offsets[0]
+
+
+class _ShardReader:
+    """Per-worker LRU caches: a shard's token columns (small) and its memory-mapped tensors."""
+
+    def __init__(self, stores: list[Store], capacity: int):
+        self.stores, self.capacity = stores, capacity
+        self._columns: OrderedDict[tuple[int, int], dict[str, Any]] = OrderedDict()
+        self._tensors: OrderedDict[tuple[int, int], dict[str, torch.Tensor]] = OrderedDict()
+        self._layouts: OrderedDict[tuple[int, int], tuple[str, int, int]] = OrderedDict()
+
+    def _cached(self, cache: OrderedDict, key: tuple[int, int], load) -> Any:
+        if key in cache:
+            cache.move_to_end(key)
+            return cache[key]
+        value = cache[key] = load()
+        while len(cache) > self.capacity:
+            cache.popitem(last=False)
+        return value
+
+    def columns(self, store: int, shard: int) -> dict[str, Any]:
+        def load() -> dict[str, Any]:
+            index = self.stores[store].shards[shard].index
+            table = self.stores[store].read_rows(index, ["sample_id", "input_ids", "loss_mask", "token_offset"])
+            ids, offsets = _flat_list(table.column("input_ids").combine_chunks())
+            mask, mask_offsets = _flat_list(table.column("loss_mask").combine_chunks())
+            return {
+                "sample_id": table.column("sample_id").to_pylist(),
+                "offsets": offsets, "ids": ids.astype(np.int64),
+                "mask_offsets": mask_offsets, "mask": mask.astype(bool),
+                "token_offset": table.column("token_offset").to_numpy().astype(np.int64),
+            }
+
+        return self._cached(self._columns, (store, shard), load)
+
+    def tensors(self, store: int, shard: int) -> dict[str, torch.Tensor]:
+        index = self.stores[store].shards[shard].index
+        return self._cached(self._tensors, (store, shard), lambda: self.stores[store].open_tensors(index))
+
+    def aux_layout(self, store: int, shard: int) -> tuple[str, int, int]:
+        """(absolute path, byte offset of row 0, bytes per row) of the shard's ``aux_hidden``."""
+        def load() -> tuple[str, int, int]:
+            path = (self.stores[store].root / self.stores[store].shards[shard].safetensors).resolve()
+            with open(path, "rb") as f:  # safetensors: u64 header length, JSON header, data
+                (header_len,) = struct.unpack("<Q", f.read(8))
+                meta = json.loads(f.read(header_len))[S.AUX_HIDDEN]
+            start, end = meta["data_offsets"]
+            num_rows = meta["shape"][0]
+            return str(path), 8 + header_len + start, (end - start) // max(1, num_rows)
+
+        return self._cached(self._layouts, (store, shard), load)
+
+
+class ShardStream(IterableDataset):
+    """One rank's batches ``start..num_batches-1`` of one epoch; worker w builds w, w+W, ... of them."""
+
+    def __init__(self, stores: list[Store], config: LoaderConfig, *, loc_3B: np.ndarray, bounds: np.ndarray,
+                 num_batches: int, start: int, epoch: int, target_to_draft_V: torch.Tensor, mask_token_id: int):
+        self.stores, self.config = stores, config
+        self.loc_3B, self.bounds = loc_3B, bounds  # (store, shard, row) of the rank's refs, batch bounds
+        self.num_batches, self.start, self.epoch = num_batches, start, epoch
+        self.target_to_draft_V, self.mask_token_id = target_to_draft_V, mask_token_id
+
+    def __iter__(self) -> Iterator[TrainBatch]:
+        info = get_worker_info()
+        worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
+        reader = _ShardReader(self.stores, capacity=self.config.shuffle_window * len(self.stores) + 2)
+        for b in worker_batches(self.num_batches, self.start, worker, num_workers):
+            yield self.build(reader, b)
+
+    def build(self, reader: _ShardReader, batch: int) -> TrainBatch:
+        """Batch ``batch`` of the rank's plan, with its aux rows left on disk (``TrainBatch.aux_source``)."""
+        items, aux_reads = [], []
+        for i in range(self.bounds[batch], self.bounds[batch + 1]):
+            store, shard, row = (int(v) for v in self.loc_3B[:, i])
+            cols, tensors = reader.columns(store, shard), reader.tensors(store, shard)
+            a, b = cols["offsets"][row], cols["offsets"][row + 1]
+            off, n = int(cols["token_offset"][row]), int(b - a)
+            assert cols["mask_offsets"][row + 1] - cols["mask_offsets"][row] == n, "loss_mask length differs"
+            assert off + n <= tensors[S.AUX_HIDDEN].shape[0], "token_offset past the shard's tensors"
+            m0 = cols["mask_offsets"][row]
+            path, base, row_bytes = reader.aux_layout(store, shard)
+            aux_reads.append((path, base + off * row_bytes, (n - 1) * row_bytes))
+            items.append(make_item(
+                cols["sample_id"][row], torch.from_numpy(cols["ids"][a:b]), torch.from_numpy(cols["mask"][m0:m0 + n]),
+                tensors[S.AUX_HIDDEN][off:off + n], tensors[S.TOPK_IDS][off:off + n],
+                tensors[S.TOPK_LOGPROBS][off:off + n], cod=self.config.cod, seed=self.config.seed, epoch=self.epoch))
+        return collate(items, target_to_draft_V=self.target_to_draft_V, mask_token_id=self.mask_token_id,
+                       num_segments=self.config.sequence_partitions,
+                       block_size=self.config.block_size if self.config.attention == "flex" else None,
+                       epoch=self.epoch, batch_index=batch, aux_reads=aux_reads)
+
+
+# --------------------------------------------------------------------------------------------------
+# The loader the trainer holds
+
+
+class TrainLoader:
+    """The batch stream of one rank, with resumable state (module docstring).
+
+    ``for batch in loader`` yields the rest of the current epoch and then moves to the next epoch;
+    ``stream()`` goes on forever. ``state_dict()`` counts batches handed out (not prefetched).
+    """
+
+    def __init__(self, config: LoaderConfig, *, vocab: DraftVocab | None = None, rank: int = 0,
+                 world_size: int = 1):
+        if not 0 <= rank < world_size:
+            raise UserError(f"rank {rank} is outside world size {world_size}")
+        self.config, self.rank, self.world_size = config, rank, world_size
+        self.stores = open_training_stores(config)
+        settings = self.stores[0].settings
+        vocab_size = settings.target.vocab_size
+        if vocab is not None and vocab.target_vocab_size != vocab_size:
+            raise UserError(f"draft vocab was built for target vocab {vocab.target_vocab_size}, store "
+                            f"{self.stores[0].root} has target vocab {vocab_size}")
+        self.target_to_draft_V = vocab.target_to_draft() if vocab is not None else torch.arange(vocab_size)
+        mask_token_id = config.mask_token_id if config.mask_token_id is not None else settings.mask_token_id
+        if mask_token_id is None:
+            raise UserError(f"store {self.stores[0].root} records no mask_token_id; pass one explicitly")
+        self.mask_token_id = int(mask_token_id)
+        self.index = build_sample_index(self.stores, config)
+        self.manifest_hashes = [manifest_hash(store.root) for store in self.stores]
+        self.epoch, self.batch_in_epoch = 0, 0
+        self._plan: tuple[int, EpochPlan] | None = None
+        if config.split == "train" and self.plan(0).num_batches == 0:
+            raise UserError(f"the training stores hold {int(self.index.eligible.sum())} usable samples: not "
+                            f"one batch per rank for world size {world_size}")
+
+    def plan(self, epoch: int) -> EpochPlan:
+        if self._plan is None or self._plan[0] != epoch:
+            self._plan = (epoch, plan_epoch(self.index, self.config.plan_settings(), epoch, self.world_size))
+        return self._plan[1]
+
+    @property
+    def num_batches(self) -> int:
+        """Batches per epoch on this rank (equal on every rank)."""
+        return self.plan(self.epoch).num_batches
+
+    def batches(self, epoch: int, start: int = 0) -> Iterator[TrainBatch]:
+        """Batches ``start..`` of ``epoch`` on this rank, built by ``num_workers`` workers; no state change."""
+        plan = self.plan(epoch)
+        refs, bounds = plan.refs_of_rank[self.rank], plan.bounds_of_rank[self.rank]
+        used = refs[:bounds[plan.num_batches]]
+        loc_3B = np.stack([self.index.store_of[used], self.index.shard_of[used], self.index.row_of[used]])
+        dataset = ShardStream(self.stores, self.config, loc_3B=loc_3B, bounds=bounds[:plan.num_batches + 1],
+                              num_batches=plan.num_batches, start=start, epoch=epoch,
+                              target_to_draft_V=self.target_to_draft_V, mask_token_id=self.mask_token_id)
+        workers = self.config.num_workers
+        loader = DataLoader(dataset, batch_size=None, num_workers=workers, pin_memory=self.config.pin_memory,
+                            prefetch_factor=self.config.prefetch_factor if workers else None)
+        # With pin_memory the pin thread reads the aux rows into pinned memory; otherwise read them here.
+        return iter(loader) if self.config.pin_memory else (batch.materialize() for batch in loader)
+
+    def __iter__(self) -> Iterator[TrainBatch]:
+        epoch, start = self.epoch, self.batch_in_epoch
+        num_batches = self.plan(epoch).num_batches
+        for i, batch in enumerate(self.batches(epoch, start), start=start):
+            if i + 1 >= num_batches:
+                self.epoch, self.batch_in_epoch = epoch + 1, 0
+            else:
+                self.batch_in_epoch = i + 1
+            yield batch
+        if start >= num_batches:  # state left at an epoch's end by an older state dict
+            self.epoch, self.batch_in_epoch = epoch + 1, 0
+
+    def stream(self) -> Iterator[TrainBatch]:
+        """Every batch of every epoch from the current position on, forever."""
+        while True:
+            if self.plan(self.epoch).num_batches == 0:
+                raise UserError(f"epoch {self.epoch} has no batch on rank {self.rank}: too few samples for "
+                                f"world size {self.world_size} (split {self.config.split})")
+            yield from self
+
+    # ---------------------------------------------------------------------------------------------- state
+
+    def _identity(self) -> dict[str, Any]:
+        """What the stream depends on besides (epoch, position): must be equal to resume."""
+        c = self.config
+        return {
+            "seed": c.seed, "world_size": self.world_size, "token_budget": c.token_budget, "split": c.split,
+            "heldout_fraction": c.heldout_fraction, "shuffle": c.shuffle, "shuffle_window": c.shuffle_window,
+            **{f"cod.{k}": v for k, v in asdict(c.cod).items()},
+            # A store is its committed content (manifest hash), wherever it is mounted now.
+            **{f"store[{i}]": f"manifest {h[:16]}, weight {spec.weight}"
+               for i, (spec, h) in enumerate(zip(c.stores, self.manifest_hashes))},
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": STATE_VERSION, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
+                "identity": self._identity()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a saved position. Raises UserError (one line) when the stream would differ."""
+        if state.get("version") != STATE_VERSION:
+            raise UserError(f"loader state has version {state.get('version')}, this peagle reads {STATE_VERSION}")
+        saved, now = state["identity"], self._identity()
+        for key in sorted(set(saved) | set(now), key=lambda k: (k != "seed", k != "world_size", k)):
+            if saved.get(key) != now.get(key):
+                raise UserError(f"the checkpointed data stream had {key}={saved.get(key)}, this run has "
+                                f"{key}={now.get(key)}; resume with the same setting (or start a new run)")
+        self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])

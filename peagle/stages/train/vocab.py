@@ -1,0 +1,218 @@
+"""The draft vocabulary (DESIGN §5): the N most frequent supervised target tokens of a store.
+
+The draft's ``lm_head`` covers only ``draft_vocab_size`` target tokens. They are chosen by counting
+the tokens the draft is charged for predicting, over the whole store, in one pass over the Parquet
+columns (``input_ids``, ``loss_mask``; no tensor is read):
+
+* a token ``x_i`` counts iff ``loss_mask[i] = 1`` and ``i >= 2``. With the shifted convention of
+  DESIGN §3 an element at position p predicts ``x_{p+2}`` and is supervised iff ``loss_mask[p+2]``,
+  so exactly these tokens are ever charged (``x_0``, ``x_1`` are never predicted);
+* the ``N`` ids with the highest counts are kept, ties broken by the lower id, and sorted by id
+  ascending; the mask token (``StoreSettings.mask_token_id``) is never selected;
+* ``d2t[i] = target_id_i - i`` (int64 offsets) and ``t2d`` (bool over the target vocab) are the
+  buffers vLLM reads; ``coverage`` is the share of counted tokens whose id is in the draft vocab.
+
+``N == target vocab`` is the identity: no mapping at all (export omits ``d2t``/``t2d``, vLLM refuses a
+``d2t`` then), recorded as ``identity: true``. The mask token is part of that vocab, like every id.
+
+Files (written atomically; the json is written last and is what marks a vocab as built)::
+
+    STORE/vocab/draft-N.safetensors   selected_ids [N] int64, counts [V] int64, d2t [N] int64, t2d [V] bool
+    STORE/vocab/draft-N.json          sizes, identity, coverage, counts, mask token, store manifest hash
+
+Shape letters: V = target vocab size, N = draft vocab size.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from peagle.pipeline.atomic import canonical_json
+from peagle.pipeline.store import Store, manifest_hash, open_store, write_bytes_atomic
+from peagle.schemas import store as S
+from peagle.schemas.errors import UserError
+
+log = logging.getLogger(__name__)
+
+VOCAB_VERSION = 1
+
+
+def vocab_stem(draft_vocab_size: int) -> str:
+    return f"{S.VOCAB_DIR}/draft-{draft_vocab_size}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftVocab:
+    """A built draft vocabulary: which target ids the draft's ``lm_head`` covers.
+
+    ``d2t``/``t2d`` are None for the identity vocab (draft vocab == target vocab).
+    """
+
+    draft_vocab_size: int
+    target_vocab_size: int
+    identity: bool
+    selected_ids_N: torch.Tensor  # int64, ascending target ids
+    counts_V: torch.Tensor  # int64, supervised-token count per target id
+    d2t_N: torch.Tensor | None  # int64, target_id - draft_id
+    t2d_V: torch.Tensor | None  # bool, target id is in the draft vocab
+    coverage: float
+    num_supervised_tokens: int
+    mask_token_id: int | None
+    manifest_hash: str
+
+    def target_to_draft(self) -> torch.Tensor:
+        """``[V]`` int64: the draft id of every target id, -1 where it is not in the draft vocab."""
+        if self.identity:
+            return torch.arange(self.target_vocab_size, dtype=torch.long)
+        out_V = torch.full((self.target_vocab_size,), -1, dtype=torch.long)
+        out_V[self.selected_ids_N] = torch.arange(self.draft_vocab_size, dtype=torch.long)
+        return out_V
+
+
+def count_supervised_tokens(store: Store, *, progress: bool = False) -> np.ndarray:
+    """``[V]`` int64 counts of the charged tokens (``loss_mask[i] = 1``, ``i >= 2``) over all shards.
+
+    Raises:
+        UserError: when a shard holds a token id outside the target vocab or ragged columns.
+    """
+    vocab_size = store.settings.target.vocab_size
+    counts_V = np.zeros(vocab_size, dtype=np.int64)
+    shards = store.shards
+    if progress:
+        from tqdm import tqdm
+
+        shards = tqdm(shards, desc="counting tokens", unit="shard")
+    for record in shards:
+        table = store.read_rows(record.index, ["input_ids", "loss_mask"])
+        for ids_chunk, mask_chunk in zip(table.column("input_ids").chunks, table.column("loss_mask").chunks):
+            ids, offsets = _flat_list(ids_chunk)
+            mask, mask_offsets = _flat_list(mask_chunk)
+            if not np.array_equal(offsets, mask_offsets):
+                raise UserError(f"store {store.root}: shard {record.index} has input_ids and loss_mask of "
+                                "different lengths in some row")
+            lengths = np.diff(offsets)
+            pos_in_sample = np.arange(ids.size) - np.repeat(offsets[:-1], lengths)
+            charged = mask.astype(bool) & (pos_in_sample >= 2)
+            picked = ids[charged].astype(np.int64)
+            if picked.size and (picked.min() < 0 or picked.max() >= vocab_size):
+                raise UserError(f"store {store.root}: shard {record.index} holds token id "
+                                f"{int(picked.max())} outside the target vocab of {vocab_size}")
+            counts_V += np.bincount(picked, minlength=vocab_size)
+    return counts_V
+
+
+def _flat_list(chunk) -> tuple[np.ndarray, np.ndarray]:
+    """Values and offsets (relative to the values) of one pyarrow list array chunk."""
+    offsets = chunk.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
+    values = chunk.values.to_numpy(zero_copy_only=False)
+    values = values[offsets[0]:offsets[-1]]
+    return values, offsets - offsets[0]
+
+
+def select_draft_ids(counts_V: np.ndarray, draft_vocab_size: int, mask_token_id: int | None) -> np.ndarray:
+    """The ``draft_vocab_size`` most frequent ids (ties: lower id), sorted ascending, mask token excluded."""
+    vocab_size = counts_V.size
+    ids = np.arange(vocab_size, dtype=np.int64)
+    if mask_token_id is not None and 0 <= mask_token_id < vocab_size:
+        ids = ids[ids != mask_token_id]
+    if draft_vocab_size > ids.size:
+        raise UserError(f"--draft-vocab-size {draft_vocab_size} leaves no room to exclude the mask token "
+                        f"{mask_token_id}: at most {ids.size} (or exactly {vocab_size}, the identity vocab)")
+    order = np.lexsort((ids, -counts_V[ids]))  # primary: count descending; then id ascending
+    return np.sort(ids[order[:draft_vocab_size]])
+
+
+def build_draft_vocab(store_root: str | Path, draft_vocab_size: int, *, progress: bool = False) -> DraftVocab:
+    """Count, select, and write ``STORE/vocab/draft-N.{safetensors,json}``; returns the vocab.
+
+    Raises:
+        UserError: when ``draft_vocab_size`` is not in ``[1, target vocab]`` or the store is unreadable.
+    """
+    store = open_store(store_root)
+    vocab_size = store.settings.target.vocab_size
+    mask_token_id = store.settings.mask_token_id
+    if draft_vocab_size < 1:
+        raise UserError(f"--draft-vocab-size must be at least 1, got {draft_vocab_size}")
+    if draft_vocab_size > vocab_size:
+        raise UserError(f"--draft-vocab-size {draft_vocab_size} is larger than the target vocab "
+                        f"{vocab_size} (store {store.root})")
+    counts_V = count_supervised_tokens(store, progress=progress)
+    identity = draft_vocab_size == vocab_size
+    selected_N = np.arange(vocab_size, dtype=np.int64) if identity else select_draft_ids(
+        counts_V, draft_vocab_size, mask_token_id)
+    total = int(counts_V.sum())
+    in_vocab = int(counts_V[selected_N].sum())
+    coverage = in_vocab / total if total else 0.0
+
+    tensors = {"selected_ids": torch.from_numpy(selected_N), "counts": torch.from_numpy(counts_V)}
+    d2t_N = t2d_V = None
+    if not identity:
+        d2t_N = torch.from_numpy(selected_N - np.arange(draft_vocab_size, dtype=np.int64))
+        t2d_V = torch.zeros(vocab_size, dtype=torch.bool)
+        t2d_V[torch.from_numpy(selected_N)] = True
+        tensors.update(d2t=d2t_N, t2d=t2d_V)
+    digest = manifest_hash(store.root)
+    info = {
+        "version": VOCAB_VERSION,
+        "draft_vocab_size": draft_vocab_size,
+        "target_vocab_size": vocab_size,
+        "identity": identity,
+        "coverage": coverage,
+        "num_supervised_tokens": total,
+        "num_in_vocab_tokens": in_vocab,
+        "num_distinct_supervised_ids": int((counts_V > 0).sum()),
+        "mask_token_id": mask_token_id,
+        "manifest_hash": digest,
+        "num_shards": len(store.shards),
+        "num_samples": store.num_samples,
+        "tensors": f"draft-{draft_vocab_size}.safetensors",
+    }
+    from safetensors.torch import save
+
+    stem = vocab_stem(draft_vocab_size)
+    write_bytes_atomic(store.root, stem + ".safetensors", save({k: v.contiguous() for k, v in tensors.items()}))
+    write_bytes_atomic(store.root, stem + ".json", canonical_json(info))
+    return DraftVocab(
+        draft_vocab_size=draft_vocab_size, target_vocab_size=vocab_size, identity=identity,
+        selected_ids_N=tensors["selected_ids"], counts_V=tensors["counts"], d2t_N=d2t_N, t2d_V=t2d_V,
+        coverage=coverage, num_supervised_tokens=total, mask_token_id=mask_token_id, manifest_hash=digest,
+    )
+
+
+def load_draft_vocab(store_root: str | Path, draft_vocab_size: int) -> DraftVocab:
+    """Read a vocab written by ``peagle vocab``; warns when the store has changed since.
+
+    Raises:
+        UserError: when that vocab was never built (naming the command that builds it) or is unreadable.
+    """
+    root = Path(store_root)
+    stem = vocab_stem(draft_vocab_size)
+    info_path, tensors_path = root / (stem + ".json"), root / (stem + ".safetensors")
+    if not info_path.exists() or not tensors_path.exists():
+        raise UserError(f"store {root} has no draft vocab of size {draft_vocab_size}; build it with "
+                        f"`peagle vocab {root} --draft-vocab-size {draft_vocab_size}`")
+    try:
+        info = json.loads(info_path.read_text())
+        from safetensors.torch import load_file
+
+        tensors = load_file(tensors_path)
+    except Exception as err:  # unreadable json or safetensors: same advice
+        raise UserError(f"draft vocab {info_path} is unreadable ({str(err).splitlines()[0]}); rebuild it with "
+                        f"`peagle vocab {root} --draft-vocab-size {draft_vocab_size}`") from err
+    current = manifest_hash(root)
+    if info["manifest_hash"] != current:
+        log.warning("draft vocab %s was built from an older state of store %s (shards added since); "
+                    "rebuild it with `peagle vocab` to count them", info_path, root)
+    return DraftVocab(
+        draft_vocab_size=info["draft_vocab_size"], target_vocab_size=info["target_vocab_size"],
+        identity=info["identity"], selected_ids_N=tensors["selected_ids"], counts_V=tensors["counts"],
+        d2t_N=tensors.get("d2t"), t2d_V=tensors.get("t2d"), coverage=info["coverage"],
+        num_supervised_tokens=info["num_supervised_tokens"], mask_token_id=info["mask_token_id"],
+        manifest_hash=info["manifest_hash"],
+    )

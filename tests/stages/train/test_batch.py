@@ -1,0 +1,141 @@
+"""Training items and batches: DESIGN §3 index shifting against the raw store, packing, targets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peagle.model.mask import dense_peagle_mask
+from peagle.stages.train.batch import CodSettings, TrainBatch, collate, make_item
+from peagle.stages.train.cod import cod_generator, generate_cod_sample_indices
+
+COD = CodSettings(num_depths=4, down_sample_ratio=0.7, down_sample_ratio_min=0.2)
+
+
+def item_of(raw, *, seed=0, epoch=0, cod=COD):
+    return make_item(raw.sample_id, torch.tensor(raw.input_ids), torch.tensor(raw.loss_mask), raw.aux_nAH,
+                     raw.topk_ids_nk, raw.topk_logprobs_nk, cod=cod, seed=seed, epoch=epoch)
+
+
+def supervised_samples(store, count):
+    return [s for s in store.samples.values() if sum(s.loss_mask[2:]) > 0][:count]
+
+
+def test_item_shifts_indices_as_design_section_3(tiny_store):
+    raw = supervised_samples(tiny_store, 1)[0]
+    item = item_of(raw, seed=3, epoch=1)
+    n = len(raw.input_ids)
+    assert item.num_positions == n - 1
+    for p in range(n - 1):
+        assert int(item.tokens_T[p]) == raw.input_ids[p + 1]
+        assert torch.equal(item.aux_TAH[p], raw.aux_nAH[p])
+        assert bool(item.supervised_T[p]) == (bool(raw.loss_mask[p + 2]) if p + 2 < n else False)
+        assert torch.equal(item.topk_ids_Tk[p], raw.topk_ids_nk[p + 1])
+        assert torch.equal(item.topk_logprobs_Tk[p], raw.topk_logprobs_nk[p + 1])
+    # The COD draw is the seeded one of (seed, epoch, sample_id) over the shifted mask.
+    anchor, depth = generate_cod_sample_indices(n - 1, item.supervised_T, 4, 0.7, 0.2, True,
+                                                generator=cod_generator(3, 1, raw.sample_id))
+    assert torch.equal(item.anchor_pos, anchor) and torch.equal(item.depth, depth)
+
+
+def test_item_depends_only_on_seed_epoch_and_sample_id(tiny_store):
+    raw = max(tiny_store.samples.values(), key=lambda s: sum(s.loss_mask))
+    same = item_of(raw, seed=1, epoch=4), item_of(raw, seed=1, epoch=4)
+    assert torch.equal(same[0].anchor_pos, same[1].anchor_pos) and torch.equal(same[0].depth, same[1].depth)
+    assert not torch.equal(item_of(raw, seed=1, epoch=5).anchor_pos, same[0].anchor_pos)
+    assert not torch.equal(item_of(raw, seed=2, epoch=4).anchor_pos, same[0].anchor_pos)
+
+
+def test_batch_targets_are_the_raw_topk_at_reference_position_plus_one(tiny_store):
+    raws = supervised_samples(tiny_store, 3)
+    vocab_size = tiny_store.vocab_size
+    batch = collate([item_of(r) for r in raws], target_to_draft_V=torch.arange(vocab_size),
+                    mask_token_id=tiny_store.mask_token_id)
+    starts = batch.doc_starts_D.tolist()
+    assert batch.doc_lengths_D.tolist() == [len(r.input_ids) - 1 for r in raws]
+    assert batch.num_tokens == sum(len(r.input_ids) - 1 for r in raws) == batch.tokens_T.numel()
+    assert batch.aux_TAH.shape == (batch.num_tokens, *raws[0].aux_nAH.shape[1:])
+    assert batch.num_no_target == 0  # identity vocab: every top-k id is in it
+
+    expected_supervised = []
+    for i in range(batch.num_elements):
+        a, d = int(batch.anchor_N[i]), int(batch.depth_N[i])
+        doc = max(j for j, s in enumerate(starts) if s <= a)
+        raw, local = raws[doc], a - starts[doc]
+        ref = local + d  # reference position in the sample
+        assert int(batch.position_ids_N[i]) == ref
+        assert int(batch.input_ids_N[i]) == (raw.input_ids[local + 1] if d == 0 else tiny_store.mask_token_id)
+        if d == 0:
+            assert i == a and torch.equal(batch.aux_TAH[a], raw.aux_nAH[local])
+        if ref + 2 < len(raw.input_ids) and raw.loss_mask[ref + 2]:
+            expected_supervised.append((i, raw, ref))
+    assert batch.supervised_idx_E.tolist() == [i for i, _, _ in expected_supervised]
+    assert batch.num_supervised == len(expected_supervised) > 0
+    for e, (i, raw, ref) in enumerate(expected_supervised):
+        assert batch.target_ids_Ek[e].tolist() == raw.topk_ids_nk[ref + 1].tolist()
+        probs = raw.topk_logprobs_nk[ref + 1].float().exp()
+        torch.testing.assert_close(batch.target_probs_Ek[e], probs / probs.sum())
+        assert int(batch.depth_E[e]) == int(batch.depth_N[i])
+
+
+def test_draft_vocab_restriction_renormalises_and_counts_uncovered(tiny_store):
+    raws = supervised_samples(tiny_store, 4)
+    v = tiny_store.vocab_size
+    # A draft vocab of every third id: some top-k rows are partly covered, some not at all.
+    selected = torch.arange(0, v, 3)
+    t2d = torch.full((v,), -1, dtype=torch.long)
+    t2d[selected] = torch.arange(selected.numel())
+    items = [item_of(r) for r in raws]
+    full = collate(items, target_to_draft_V=torch.arange(v), mask_token_id=tiny_store.mask_token_id)
+    batch = collate(items, target_to_draft_V=t2d, mask_token_id=tiny_store.mask_token_id)
+    assert batch.num_supervised + batch.num_no_target == full.num_supervised
+    keep = [j for j in range(full.num_supervised) if bool((full.target_ids_Ek[j] % 3 == 0).any())]
+    assert batch.supervised_idx_E.tolist() == full.supervised_idx_E[keep].tolist()
+    for e, j in enumerate(keep):
+        ids, probs = full.target_ids_Ek[j], full.target_probs_Ek[j]
+        in_vocab = ids % 3 == 0
+        assert batch.target_ids_Ek[e].tolist() == torch.where(in_vocab, ids // 3, -1).tolist()
+        expected = torch.where(in_vocab, probs, 0.0)
+        torch.testing.assert_close(batch.target_probs_Ek[e], expected / expected.sum())
+
+
+def test_packing_isolates_documents_and_block_indices_cover_the_mask(tiny_store):
+    raws = supervised_samples(tiny_store, 3)
+    batch = collate([item_of(r) for r in raws], target_to_draft_V=torch.arange(tiny_store.vocab_size),
+                    mask_token_id=tiny_store.mask_token_id, block_size=16)
+    dense = dense_peagle_mask(batch.anchor_N, batch.depth_N, batch.doc_lengths_D, batch.num_tokens)
+    idx = batch.block_indices
+    nb = idx.kv_num_blocks.shape[-1]
+    allowed = torch.zeros(nb, nb, dtype=torch.bool)
+    for q in range(nb):
+        for table, count in ((idx.kv_indices, idx.kv_num_blocks), (idx.full_kv_indices, idx.full_kv_num_blocks)):
+            allowed[q, table[0, 0, q, : int(count[0, 0, q])].long()] = True
+    q, k = torch.nonzero(dense, as_tuple=True)
+    assert bool(allowed[q // 16, k // 16].all())
+    doc = torch.searchsorted(batch.doc_starts_D, batch.anchor_N, right=True) - 1
+    assert bool((doc[q] == doc[k]).all())  # no element sees another sample
+
+
+def test_segments_partition_the_elements(tiny_store):
+    raws = supervised_samples(tiny_store, 2)
+    batch = collate([item_of(r) for r in raws], target_to_draft_V=torch.arange(tiny_store.vocab_size),
+                    mask_token_id=tiny_store.mask_token_id, num_segments=3, block_size=16)
+    owned = torch.cat([seg.indices[seg.owned] for seg in batch.segments]).sort().values
+    assert torch.equal(owned, torch.arange(batch.num_elements))
+    assert batch.block_indices is None and len(batch.segment_block_indices) == 3
+    for seg, idx in zip(batch.segments, batch.segment_block_indices):
+        assert idx.seq_len == seg.indices.numel()
+
+
+def test_to_and_pin_memory_keep_every_field(tiny_store):
+    raws = supervised_samples(tiny_store, 2)
+    batch = collate([item_of(r) for r in raws], target_to_draft_V=torch.arange(tiny_store.vocab_size),
+                    mask_token_id=tiny_store.mask_token_id, num_segments=2, block_size=16)
+    moved = batch.to("cpu")
+    assert isinstance(moved, TrainBatch) and torch.equal(moved.aux_TAH, batch.aux_TAH)
+    assert moved.sample_ids == batch.sample_ids and moved.segment_block_indices[1].block_size == 16
+    if not torch.cuda.is_available():
+        pytest.skip("pin_memory needs an accelerator")
+    pinned = batch.pin_memory()
+    assert pinned.aux_TAH.is_pinned() and pinned.segments[0].indices.is_pinned()
+    assert pinned.segment_block_indices[0].kv_indices.is_pinned()

@@ -1,0 +1,91 @@
+"""Draft vocabulary: counts, selection, d2t/t2d and coverage against a slow obvious count."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from peagle.schemas.errors import UserError
+from peagle.stages.train.vocab import build_draft_vocab, load_draft_vocab, select_draft_ids
+
+
+def slow_counts(store) -> Counter:
+    """Tokens x_i with loss_mask[i] = 1 and i >= 2 (the ones the draft is charged for), one by one."""
+    counts = Counter()
+    for s in store.samples.values():
+        for i, (tok, m) in enumerate(zip(s.input_ids, s.loss_mask)):
+            if m and i >= 2:
+                counts[tok] += 1
+    return counts
+
+
+def test_vocab_matches_slow_count(tiny_store):
+    n = 60
+    vocab = build_draft_vocab(tiny_store.root, n)
+    counts = slow_counts(tiny_store)
+    assert vocab.counts_V.tolist() == [counts.get(i, 0) for i in range(tiny_store.vocab_size)]
+
+    candidates = [i for i in range(tiny_store.vocab_size) if i != tiny_store.mask_token_id]
+    expected = sorted(sorted(candidates, key=lambda i: (-counts.get(i, 0), i))[:n])
+    assert vocab.selected_ids_N.tolist() == expected
+    assert vocab.d2t_N.dtype == torch.int64 and vocab.t2d_V.dtype == torch.bool
+    assert vocab.d2t_N.tolist() == [t - i for i, t in enumerate(expected)]
+    assert torch.nonzero(vocab.t2d_V).flatten().tolist() == expected
+    total = sum(counts.values())
+    assert vocab.num_supervised_tokens == total
+    assert vocab.coverage == pytest.approx(sum(counts[i] for i in expected) / total)
+    assert tiny_store.mask_token_id not in expected
+
+    t2d = vocab.target_to_draft()
+    assert t2d[torch.tensor(expected)].tolist() == list(range(n))
+    assert int((t2d >= 0).sum()) == n
+
+    info = json.loads((tiny_store.root / "vocab" / f"draft-{n}.json").read_text())
+    assert info["draft_vocab_size"] == n and info["identity"] is False
+    assert info["coverage"] == pytest.approx(vocab.coverage)
+    loaded = load_draft_vocab(tiny_store.root, n)
+    assert torch.equal(loaded.d2t_N, vocab.d2t_N) and torch.equal(loaded.t2d_V, vocab.t2d_V)
+    assert torch.equal(loaded.counts_V, vocab.counts_V) and loaded.coverage == vocab.coverage
+
+
+def test_identity_vocab_has_no_mapping(tiny_store):
+    v = tiny_store.vocab_size
+    vocab = build_draft_vocab(tiny_store.root, v)
+    assert vocab.identity and vocab.d2t_N is None and vocab.t2d_V is None
+    assert vocab.coverage == 1.0
+    assert torch.equal(vocab.target_to_draft(), torch.arange(v))
+    loaded = load_draft_vocab(tiny_store.root, v)
+    assert loaded.identity and loaded.d2t_N is None
+    assert json.loads((tiny_store.root / "vocab" / f"draft-{v}.json").read_text())["identity"] is True
+
+
+def test_one_below_target_vocab_drops_exactly_the_mask_token(tiny_store):
+    vocab = build_draft_vocab(tiny_store.root, tiny_store.vocab_size - 1)
+    assert not vocab.identity
+    assert set(range(tiny_store.vocab_size)) - set(vocab.selected_ids_N.tolist()) == {tiny_store.mask_token_id}
+
+
+def test_mask_token_is_never_selected_even_when_most_frequent():
+    counts = np.array([5, 1, 100, 3, 3, 0], dtype=np.int64)
+    assert select_draft_ids(counts, 3, mask_token_id=2).tolist() == [0, 3, 4]  # tie 3/4 by count, then 1
+    assert select_draft_ids(counts, 4, mask_token_id=2).tolist() == [0, 1, 3, 4]
+    assert select_draft_ids(counts, 2, mask_token_id=None).tolist() == [0, 2]
+    assert select_draft_ids(np.zeros(4, np.int64), 2, mask_token_id=0).tolist() == [1, 2]  # ties: lower id
+
+
+@pytest.mark.parametrize("size", [0, 10**6])
+def test_bad_sizes_are_one_line_errors(tiny_store, size):
+    with pytest.raises(UserError) as err:
+        build_draft_vocab(tiny_store.root, size)
+    assert "\n" not in str(err.value) and str(size) in str(err.value)
+
+
+def test_missing_vocab_names_the_command(tiny_store):
+    with pytest.raises(UserError) as err:
+        load_draft_vocab(tiny_store.root, 77)
+    msg = str(err.value)
+    assert "\n" not in msg and f"peagle vocab {tiny_store.root} --draft-vocab-size 77" in msg

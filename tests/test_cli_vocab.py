@@ -1,0 +1,39 @@
+"""`peagle vocab` through the real console script, on a store from a real tiny extraction."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from peagle.testing.chat_data import write_chat_jsonl
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, tiny_llama):
+    from peagle.schemas.extract_config import ExtractConfig
+    from peagle.stages.extract.run import run_extract
+
+    root = tmp_path_factory.mktemp("cli_vocab")
+    data = write_chat_jsonl(root / "chat.jsonl", 8, seed=3)
+    run_extract(ExtractConfig(data=(str(data),), target=str(tiny_llama), out=str(root / "store"), backend="hf",
+                              topk=4, samples_per_shard=4, device="cpu"), echo=lambda _: None, progress=False)
+    return root / "store"
+
+
+def test_vocab_command_writes_the_vocab_and_reports_coverage(store, tmp_path, run_peagle):
+    config = tmp_path / "vocab.toml"
+    config.write_text("draft-vocab-size = 50\nquiet = true\n")  # keys are the flags
+    result = run_peagle("vocab", store, "--config", config)
+    assert result.returncode == 0, result.stderr
+    info = json.loads((store / "vocab" / "draft-50.json").read_text())
+    assert f"coverage {info['coverage']:.4f}" in result.stdout
+    assert (store / "vocab" / "draft-50.safetensors").is_file()
+    assert info["draft_vocab_size"] == 50 and info["target_vocab_size"] == 1024 and not info["identity"]
+
+
+def test_vocab_command_refuses_a_size_above_the_target_vocab_in_one_line(store, run_peagle):
+    result = run_peagle("vocab", store, "--draft-vocab-size", "5000")
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr
+    assert "5000" in result.stderr and "1024" in result.stderr
