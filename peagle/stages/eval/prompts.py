@@ -1,0 +1,96 @@
+"""Prompts for online evaluation: from a file, from held-out store samples, or a built-in few.
+
+* ``--prompts FILE``: JSONL, one prompt per line, as ``{"messages": [...]}`` (rendered with the
+  target's chat template and the generation prompt), ``{"prompt": "text"}`` (tokenized as is), or
+  ``{"prompt_token_ids": [...]}``; or a ``.txt`` file whose every non-empty line is one user message.
+* A store: each sample's tokens before its first supervised token, i.e. the conversation up to the
+  first assistant reply the draft was (or, held out, was not) trained to predict.
+* Neither: a few built-in user messages through the chat template.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+from peagle.schemas.errors import UserError
+
+BUILTIN_MESSAGES = (
+    "Explain what a context manager is in Python and when to use one.",
+    "Write a short function that parses a CSV line into fields.",
+    "What does the logging module's basicConfig do?",
+    "Describe how argparse handles optional arguments.",
+    "How do I join two paths with pathlib?",
+    "Summarize what unittest.TestCase provides.",
+    "What is the difference between a list and a tuple?",
+    "Give an example of textwrap.dedent.",
+)
+
+
+def render_messages(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):  # BatchEncoding in some transformers versions
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def prompts_from_file(path: str | os.PathLike, tokenizer: Any) -> list[list[int]]:
+    """Token ids of every prompt in ``path`` (module docstring).
+
+    Raises:
+        UserError: for a missing file or a line that is none of the accepted forms.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"--prompts {path} does not exist")
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    if path.suffix == ".txt":
+        return [render_messages(tokenizer, [{"role": "user", "content": line.strip()}]) for line in lines]
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UserError(f"--prompts {path} line {number} is not JSON ({err.msg})") from err
+        if isinstance(record, dict) and isinstance(record.get("messages"), list):
+            messages = [m for m in record["messages"] if m.get("role") != "assistant"] or record["messages"]
+            prompts.append(render_messages(tokenizer, messages))
+        elif isinstance(record, dict) and isinstance(record.get("prompt"), str):
+            prompts.append([int(t) for t in tokenizer(record["prompt"])["input_ids"]])
+        elif isinstance(record, dict) and isinstance(record.get("prompt_token_ids"), list):
+            prompts.append([int(t) for t in record["prompt_token_ids"]])
+        else:
+            raise UserError(f"--prompts {path} line {number}: expected messages, prompt or prompt_token_ids")
+    if not prompts:
+        raise UserError(f"--prompts {path} holds no prompt")
+    return prompts
+
+
+def prompts_from_samples(samples: Iterable[Any], max_prompts: int) -> list[list[int]]:
+    """The context before the first supervised token of each sample (``input_ids_n``/``loss_mask_n``)."""
+    prompts = []
+    for sample in samples:
+        supervised = sample.loss_mask_n.nonzero().flatten()
+        if supervised.numel() and int(supervised[0]) >= 1:
+            prompts.append(sample.input_ids_n[: int(supervised[0])].tolist())
+        if len(prompts) >= max_prompts:
+            break
+    return prompts
+
+
+def builtin_prompts(tokenizer: Any, max_prompts: int) -> list[list[int]]:
+    return [render_messages(tokenizer, [{"role": "user", "content": m}]) for m in BUILTIN_MESSAGES[:max_prompts]]
+
+
+def stop_token_ids(tokenizer: Any, model_dir: str | os.PathLike) -> list[int]:
+    """EOS ids of the tokenizer and the generation config (what vLLM stops on by default)."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update([int(eos)] if isinstance(eos, int) else [int(e) for e in eos or []])
+    return sorted(ids)

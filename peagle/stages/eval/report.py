@@ -1,0 +1,204 @@
+"""The evaluation report: one JSON file and a few PNG plots a person can read at a glance.
+
+``REPORT_DIR/report.json`` holds every mode's numbers (see :func:`build_report`); the plots are
+
+* ``per_depth_acceptance.png`` -- P(draft d accepted) for d = 1..K, per mode (offline chains, own
+  loop, vLLM), with the conditional acceptance of the offline chains;
+* ``acceptance_length.png`` -- AL(k) for k = 1..K, per mode;
+* ``training_curves.png`` -- loss, per-depth agreement and acceptance-length estimate against the
+  step, from ``RUN_DIR/metrics.jsonl`` (skipped when there is none).
+
+matplotlib runs on its Agg backend (no display); the JSON is written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from peagle.pipeline.atomic import atomic_write_json
+
+REPORT_FILE = "report.json"
+MODES = ("offline", "online", "vllm")
+MODE_LABELS = {"offline": "offline (teacher-forced chains)", "online": "own loop", "vllm": "vLLM"}
+
+
+def _finite(x: Any) -> Any:
+    """JSON has no NaN: non-finite floats become null, recursively."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def compare_modes(sections: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """AL and per-depth acceptance side by side, and the own-loop vs vLLM relative AL gap."""
+    out: dict[str, Any] = {mode: {"acceptance_length": s.get("acceptance_length"),
+                                  "per_depth_acceptance": s.get("per_depth_acceptance")}
+                           for mode, s in sections.items() if s}
+    own, served = sections.get("online"), sections.get("vllm")
+    if own and served and own.get("acceptance_length") and served.get("acceptance_length"):
+        a, b = own["acceptance_length"], served["acceptance_length"]
+        out["online_vs_vllm_relative_difference"] = abs(a - b) / b if b else None
+    return out
+
+
+def build_report(*, sections: dict[str, dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
+    """``{"meta", "offline", "online", "vllm", "comparison"}`` (absent modes are null)."""
+    report = {"meta": meta, **{m: sections.get(m) for m in MODES}, "comparison": compare_modes(sections)}
+    return _finite(report)
+
+
+def read_metrics(run_dir: str | os.PathLike | None) -> list[dict[str, Any]]:
+    """The records of ``RUN_DIR/metrics.jsonl`` (unparseable lines, e.g. a torn last line, skipped)."""
+    if run_dir is None:
+        return []
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def write_report(report_dir: str | os.PathLike, report: dict[str, Any], *,
+                 metrics: list[dict[str, Any]] | None = None) -> dict[str, Path]:
+    """Write the plots and report.json (listing them under ``plots``) into ``report_dir``; sets
+    ``report["plots"]`` and returns {name: path} of everything written."""
+    report_dir = Path(report_dir)
+    report_dir.mkdir(parents=True, exist_ok=True)
+    written = {}
+    plots = {"per_depth_acceptance": plot_per_depth(report), "acceptance_length": plot_acceptance_length(report)}
+    if metrics:
+        plots["training_curves"] = plot_training_curves(metrics)
+    for name, figure in plots.items():
+        if figure is None:
+            continue
+        path = report_dir / f"{name}.png"
+        tmp = report_dir / f".{name}.png.tmp-{os.getpid()}"
+        figure.savefig(tmp, dpi=110, bbox_inches="tight", format="png")
+        os.replace(tmp, path)
+        _close(figure)
+        written[name] = path
+    report["plots"] = {name: path.name for name, path in written.items()}
+    atomic_write_json(report_dir / REPORT_FILE, report)
+    written["report"] = report_dir / REPORT_FILE
+    return written
+
+
+def _figure(width: float = 6.4, height: float = 4.0):
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height))
+
+
+def _close(figure) -> None:
+    figure.clear()
+
+
+def plot_per_depth(report: dict[str, Any]):
+    figure = _figure()
+    ax = figure.add_subplot()
+    drawn = False
+    for mode in MODES:
+        section = report.get(mode) or {}
+        values = section.get("per_depth_acceptance")
+        if not values:
+            continue
+        depths = list(range(1, len(values) + 1))
+        ax.plot(depths, [v if v is not None else math.nan for v in values], marker="o", label=MODE_LABELS[mode])
+        drawn = True
+        if mode == "offline" and section.get("conditional_acceptance"):
+            cond = [v if v is not None else math.nan for v in section["conditional_acceptance"]]
+            ax.plot(depths, cond, linestyle="--", marker=".", label="offline, conditional on depth d-1")
+    if not drawn:
+        return None
+    ax.set_xticks(range(1, max(len((report.get(m) or {}).get("per_depth_acceptance") or []) for m in MODES) + 1))
+    ax.set_xlabel("draft depth d")
+    ax.set_ylabel("P(draft d accepted)")
+    ax.set_ylim(0, 1.02)
+    ax.set_title("Per-depth acceptance")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return figure
+
+
+def plot_acceptance_length(report: dict[str, Any]):
+    figure = _figure()
+    ax = figure.add_subplot()
+    drawn = False
+    for mode in MODES:
+        values = (report.get(mode) or {}).get("acceptance_length_by_k")
+        if not values:
+            continue
+        ks = list(range(1, len(values) + 1))
+        ax.plot(ks, [v if v is not None else math.nan for v in values], marker="o", label=MODE_LABELS[mode])
+        drawn = True
+    if not drawn:
+        return None
+    ax.set_xticks(range(1, max(len((report.get(m) or {}).get("acceptance_length_by_k") or []) for m in MODES) + 1))
+    ax.set_xlabel("speculative tokens K")
+    ax.set_ylabel("acceptance length AL(K)")
+    ax.set_title("Acceptance length vs K (tokens per target forward)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return figure
+
+
+def _series(metrics: list[dict[str, Any]], kind: str, key: str, index: int | None = None) -> tuple[list, list]:
+    """(steps, values) of ``key`` (element ``index`` of a list value) in the records of ``kind``."""
+    xs, ys = [], []
+    for record in metrics:
+        if record.get("kind", "train") != kind or "step" not in record:
+            continue
+        value = record.get(key)
+        if index is not None:
+            value = value[index] if isinstance(value, list) and index < len(value) else None
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            xs.append(record["step"])
+            ys.append(float(value))
+    return xs, ys
+
+
+def plot_training_curves(metrics: list[dict[str, Any]]):
+    """Loss, per-depth top-1 agreement and the AL estimate against the step, train (solid) and eval
+    (dashed), from the trainer's metrics.jsonl records (``kind``, ``step``, ``loss``,
+    ``depth_agreement`` [K], ``acceptance_length_estimate``)."""
+    num_depths = max((len(r.get("depth_agreement") or []) for r in metrics), default=0)
+    figure = _figure(width=15.0, height=3.8)
+    axes = [figure.add_subplot(1, 3, i) for i in (1, 2, 3)]
+    drawn = False
+    for kind, style in (("train", "-"), ("eval", "--")):
+        for ax, key in ((axes[0], "loss"), (axes[2], "acceptance_length_estimate")):
+            xs, ys = _series(metrics, kind, key)
+            if xs:
+                ax.plot(xs, ys, style, marker="." if len(xs) < 30 else None, label=kind)
+                drawn = True
+        for d in range(num_depths):
+            xs, ys = _series(metrics, kind, "depth_agreement", d)
+            if xs:
+                axes[1].plot(xs, ys, style, color=f"C{d % 10}", label=f"{kind} depth {d}")
+    if not drawn:
+        return None
+    for ax, title in zip(axes, ("loss (forward KL)", "top-1 agreement per depth", "acceptance length (estimate)")):
+        ax.set_xlabel("step")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    return figure

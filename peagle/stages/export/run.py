@@ -1,0 +1,256 @@
+"""`peagle export`: a training checkpoint -> a speculators 'peagle' directory vLLM serves (DESIGN §6).
+
+Reads the checkpoint files directly (the checkpoint directory is the contract between train and
+export; stages never import each other): ``model.pt`` is the unwrapped draft's state dict,
+``config.pt`` holds the run's TrainConfig and DraftConfig, ``metadata.json`` the sizes and sha256 of
+every file, checked before anything is read. Writes ``config.json`` + ``model.safetensors`` into a
+temp directory beside ``--out``, fsyncs, and renames it into place: a reader (vLLM) sees a whole
+export or none. Re-exporting onto an existing export replaces it whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import peagle
+from peagle.pipeline.atomic import canonical_json, fsync_dir, raise_if_disk_full
+from peagle.schemas.draft_config import DraftConfig
+from peagle.schemas.errors import UserError
+from peagle.stages.export import speculators_format as fmt
+
+CHECKPOINTS_DIR = "checkpoints"
+METADATA_FILE = "metadata.json"
+MODEL_PART = "model.pt"
+CONFIG_PART = "config.pt"
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportConfig:
+    """Settings of `peagle export`."""
+
+    source: str
+    """A training run directory (its newest valid checkpoint is exported) or one checkpoint
+    directory (RUN_DIR/checkpoints/step-N)."""
+    out: str
+    """Export directory to create (replaced whole if it already holds an export)."""
+    verifier_name: str | None = None
+    """Verifier recorded in the export and loaded by `LLM(model=OUT)`. Default: the target path
+    given to training. A hub-style name (org/model) makes the export portable."""
+    speculative_tokens: int | None = None
+    """K: draft tokens vLLM proposes per step. Default: the trained number of depths."""
+    dtype: str = "float32"
+    """Weight dtype in model.safetensors: float32 (lossless) or bfloat16 (half the size)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in EXPORT_DTYPES:
+            raise UserError(f"--dtype must be one of {'|'.join(EXPORT_DTYPES)}, got {self.dtype!r}")
+        if self.speculative_tokens is not None and self.speculative_tokens < 1:
+            raise UserError(f"--speculative-tokens must be >= 1, got {self.speculative_tokens}")
+
+
+@dataclass(kw_only=True)
+class DraftCheckpoint:
+    """What export (and eval) need from one training checkpoint."""
+
+    path: Path
+    step: int
+    state_dict: dict[str, torch.Tensor]
+    draft_config: DraftConfig
+    train_config: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # everything else config.pt records
+
+
+def resolve_checkpoint(source: str | os.PathLike) -> Path:
+    """The checkpoint directory ``source`` names: itself, or the newest valid one of a run directory.
+
+    Raises:
+        UserError: when nothing usable is there.
+    """
+    source = Path(source)
+    if not source.exists():
+        raise UserError(f"{source} does not exist")
+    if (source / METADATA_FILE).is_file():
+        problem = checkpoint_problem(source)
+        if problem:
+            raise UserError(f"checkpoint {source} is damaged: {problem}")
+        return source
+    root = source / CHECKPOINTS_DIR
+    steps = sorted((int(p.name.split("-", 1)[1]), p) for p in root.glob("step-*")
+                   if p.is_dir() and p.name.split("-", 1)[1].isdigit()) if root.is_dir() else []
+    if not steps:
+        raise UserError(f"{source} is neither a checkpoint nor a run directory with checkpoints/step-N")
+    for _, path in reversed(steps):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        print(f"peagle: warning: checkpoint {path} is damaged ({problem}); trying the one before it", file=sys.stderr)
+    raise UserError(f"no valid checkpoint in {root}")
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the model and config parts of ``path`` cannot be trusted (missing, size, sha256), or None."""
+    try:
+        files = json.loads((path / METADATA_FILE).read_text())["files"]
+    except (OSError, json.JSONDecodeError, KeyError) as err:
+        return f"{METADATA_FILE} unreadable ({type(err).__name__})"
+    for name in (MODEL_PART, CONFIG_PART):
+        info, file = files.get(name), path / name
+        if info is None or not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != info["bytes"]:
+            return f"{name} has {file.stat().st_size} bytes, metadata says {info['bytes']}"
+        if _sha256(file) != info["sha256"]:
+            return f"{name} sha256 does not match its metadata"
+    return None
+
+
+def read_checkpoint(source: str | os.PathLike) -> DraftCheckpoint:
+    """Load the draft state dict and configs of a run's newest valid checkpoint (or of one checkpoint)."""
+    path = resolve_checkpoint(source)
+    step = int(json.loads((path / METADATA_FILE).read_text()).get("step", -1))
+    state_dict = torch.load(path / MODEL_PART, map_location="cpu", weights_only=True)
+    saved = torch.load(path / CONFIG_PART, map_location="cpu", weights_only=True)
+    draft_dict, train_dict, extra = split_config_part(saved, path)
+    return DraftCheckpoint(path=path, step=step, state_dict=state_dict, draft_config=DraftConfig.from_dict(draft_dict),
+                           train_config=train_dict, extra=extra)
+
+
+def split_config_part(saved: Any, path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(draft config dict, train config dict, the rest) from a checkpoint's config part."""
+    if not isinstance(saved, dict):
+        raise UserError(f"{path / CONFIG_PART} is not a mapping; was it written by another peagle version?")
+    rest = dict(saved)
+    draft = next((rest.pop(k) for k in ("draft_config", "draft") if k in rest), None)
+    train = next((rest.pop(k) for k in ("train_config", "train", "run_config", "run") if k in rest), {})
+    if draft is None:
+        raise UserError(f"{path / CONFIG_PART} records no draft config (keys: {sorted(saved)})")
+    return dict(draft), dict(train or {}), rest
+
+
+def run_export(config: ExportConfig) -> Path:
+    """Export the checkpoint ``config.source`` to ``config.out``; returns the export directory."""
+    ckpt = read_checkpoint(config.source)
+    target = ckpt.train_config.get("target")
+    verifier_name = config.verifier_name or (str(Path(target).resolve()) if target else None)
+    if not verifier_name:
+        raise UserError("the checkpoint records no target path: pass --verifier-name")
+    trained_depths = ckpt.train_config.get("num_depths")
+    k = config.speculative_tokens or trained_depths
+    if k is None:
+        raise UserError("the checkpoint records no num_depths: pass --speculative-tokens")
+    if trained_depths is not None and k > trained_depths:
+        print(f"peagle: warning: --speculative-tokens {k} exceeds the {trained_depths} trained depths; "
+              "deeper drafts are untrained and will rarely be accepted", file=sys.stderr)
+    provenance = {
+        "peagle_version": peagle.__version__,
+        "git_revision": ckpt.extra.get("git_revision") or git_revision(),
+        "checkpoint": str(ckpt.path.resolve()),
+        "step": ckpt.step,
+        "store_manifest_hash": ckpt.extra.get("store_manifest_hash") or ckpt.extra.get("manifest_hash"),
+        "num_depths_trained": trained_depths,
+        "draft_config": ckpt.draft_config.to_dict(),
+        "run_config": ckpt.train_config,
+    }
+    return write_export(ckpt.state_dict, ckpt.draft_config, config.out, verifier_name=verifier_name,
+                        verifier_architectures=verifier_architectures(target, verifier_name),
+                        speculative_tokens=int(k), dtype=config.dtype, provenance=provenance)
+
+
+def write_export(state_dict: dict[str, torch.Tensor], draft_config: DraftConfig, out: str | os.PathLike, *,
+                 verifier_name: str, verifier_architectures: list[str], speculative_tokens: int,
+                 dtype: str = "float32", provenance: dict[str, Any] | None = None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` atomically (temp dir, fsync, rename) to ``out``."""
+    from safetensors.torch import save_file
+
+    tensors = fmt.export_state_dict(state_dict, draft_config, dtype=EXPORT_DTYPES[dtype])
+    config_json = fmt.build_config(draft_config, verifier_name=verifier_name,
+                                   verifier_architectures=verifier_architectures,
+                                   speculative_tokens=speculative_tokens, dtype=dtype, provenance=provenance)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not _is_export(out):
+        raise UserError(f"--out {out} exists and is not a peagle export; choose an empty or new directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+    try:
+        save_file(tensors, str(tmp / fmt.WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / fmt.CONFIG_FILE).write_bytes(canonical_json(config_json))
+        umask = _current_umask()  # mkdtemp makes 0700: a server running as another user must read the export
+        for name in (fmt.WEIGHTS_FILE, fmt.CONFIG_FILE):
+            os.chmod(tmp / name, 0o666 & ~umask)
+            with open(tmp / name, "rb") as f:
+                os.fsync(f.fileno())
+        os.chmod(tmp, 0o777 & ~umask)
+        fsync_dir(tmp)
+        _replace_dir(tmp, out)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise_if_disk_full(err, out)
+        raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Rename ``tmp`` onto ``out``; an existing ``out`` is renamed away first and deleted after."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    os.replace(tmp, out)
+    fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _is_export(path: Path) -> bool:
+    with contextlib.suppress(OSError, json.JSONDecodeError):
+        return json.loads((path / fmt.CONFIG_FILE).read_text()).get("speculators_model_type") == "peagle"
+    return False
+
+
+def verifier_architectures(target: str | None, verifier_name: str) -> list[str]:
+    """The verifier's ``architectures`` from a local config.json (the training target, else the name)."""
+    for candidate in (target, verifier_name):
+        if candidate and (Path(candidate) / "config.json").is_file():
+            with contextlib.suppress(OSError, json.JSONDecodeError):
+                return list(json.loads((Path(candidate) / "config.json").read_text()).get("architectures") or [])
+    return []
+
+
+def git_revision() -> str | None:
+    """The git commit of the peagle source tree, if it is a checkout (provenance only)."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(peagle.__file__).parent, capture_output=True,
+                              text=True, timeout=10)
+        if done.returncode == 0:
+            return done.stdout.strip()
+    return None
+
+
+def _sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
