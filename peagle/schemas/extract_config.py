@@ -1,0 +1,203 @@
+"""The configuration of one `peagle extract` run: every CLI flag is a field, its docstring the help.
+
+Validation happens here, before any model or file is touched (STYLE smell 1: typed configs checked
+before work starts). Checks that need the target (the aux layer ids against its layer count) live in
+``resolve_aux_layer_ids``, which the driver calls once it has read the target's config.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+from dataclasses import dataclass, fields
+
+from peagle.schemas.errors import UserError
+
+BACKENDS = ("auto", "vllm", "hf")
+LOSS_ON = ("all", "last", "per_turn")
+DTYPES = ("auto", "float32", "bfloat16")
+LOGPROB_DTYPES = ("float16", "float32")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExtractConfig:
+    """Settings of `peagle extract` (DESIGN §2): inputs, target, store, and how to run the target."""
+
+    data: tuple[str, ...]
+    """Input chat files (JSONL or Parquet; OpenAI `messages` or ShareGPT `conversations`). Repeat the
+    flag or list several paths. Each file becomes its own run of shards, in the order given."""
+
+    target: str
+    """Directory of the target model (Hugging Face layout: config.json, weights, tokenizer)."""
+
+    out: str
+    """The shard store to create or to continue (several workers may write into it at once)."""
+
+    backend: str = "auto"
+    """Target backend: `vllm`, `hf` (transformers), or `auto` (= vllm when it imports, else hf)."""
+
+    aux_layers: tuple[int, ...] | None = None
+    """Layer ids whose entering hidden state is stored (the HF `output_hidden_states` index), strictly ascending,
+    each in [1, N) for an N-layer target, e.g. `2,8,13`. Default: `2,N//2,N-3`."""
+
+    topk: int = 32
+    """How many of the target's top log-probabilities to store per token."""
+
+    max_seq_len: int = 2048
+    """Samples longer than this many tokens are truncated (and counted)."""
+
+    samples_per_shard: int = 256
+    """Records per shard: each input file is cut into shards of this many consecutive records (a
+    record with several assistant turns may give several samples with `--loss-on per_turn`)."""
+
+    shard_index: int = 0
+    """This worker's index in [0, num_shards): it takes every global shard s with s % num_shards ==
+    shard_index."""
+
+    num_shards: int = 1
+    """Number of workers the shards are split over (one process per GPU/node, or an array job)."""
+
+    strict: bool = False
+    """Fail on the first malformed record (one line naming file and line) instead of skipping it."""
+
+    dry_run: bool = False
+    """Print the plan (records, estimated tokens and store size, free disk) and stop."""
+
+    loss_on: str = "all"
+    """Which assistant turns are supervised: `all`, `last` (the last one only), or `per_turn` (one
+    sample per assistant turn, each supervising that turn)."""
+
+    dtype: str = "auto"
+    """Compute dtype of the target: `float32`, `bfloat16`, or `auto` (bfloat16 on GPU, float32 on
+    CPU). Part of the store's identity: a store is extracted with one dtype."""
+
+    logprob_dtype: str = "float16"
+    """Storage dtype of the top-k log-probabilities: `float16` (k*6 bytes/token) or `float32`."""
+
+    device: str = "auto"
+    """Where the hf backend runs the target: `cpu`, `cuda`, or `auto` (cuda when available)."""
+
+    batch_size: int = 8
+    """Samples per forward pass (hf backend). Batches are a fixed function of each shard's samples,
+    so results are bit-identical across runs."""
+
+    max_batch_tokens: int = 16384
+    """Upper bound on padded tokens (samples x longest sample) in one forward pass."""
+
+    threads: int = 0
+    """CPU threads for torch (0 = torch's default). Fix it when byte-identical shards across
+    machines matter: CPU matmul results may depend on the thread count."""
+
+    regenerate: bool = False
+    """Replace every assistant turn with the target's own response before extraction, so the draft
+    learns the target's own distribution (hf: transformers generate; vllm: vLLM generate)."""
+
+    temperature: float = 0.7
+    """Sampling temperature for `--regenerate` (0 = greedy)."""
+
+    top_p: float = 0.95
+    """Nucleus-sampling top-p for `--regenerate`."""
+
+    max_new_tokens: int = 512
+    """Longest regenerated assistant turn, in tokens (`--regenerate`)."""
+
+    seed: int = 0
+    """Sampling seed for `--regenerate`; each shard draws from its own generator seeded by (seed,
+    shard index), so re-runs and any worker split regenerate the same text."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            raise UserError("no input data: pass --data PATH (one or more JSONL or Parquet files)")
+        _choice("backend", self.backend, BACKENDS)
+        _choice("loss-on", self.loss_on, LOSS_ON)
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("logprob-dtype", self.logprob_dtype, LOGPROB_DTYPES)
+        _choice("device", self.device, DEVICES)
+        for name in ("topk", "max_seq_len", "samples_per_shard", "num_shards", "batch_size",
+                     "max_batch_tokens", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{_flag(name)} must be >= 1, got {getattr(self, name)}")
+        if self.max_seq_len < 2:
+            raise UserError(f"--max-seq-len must be >= 2 (a sample needs a next token), got {self.max_seq_len}")
+        if not 0 <= self.shard_index < self.num_shards:
+            raise UserError(f"--shard-index must be in [0, {self.num_shards}) for --num-shards "
+                            f"{self.num_shards}, got {self.shard_index}")
+        if self.threads < 0:
+            raise UserError(f"--threads must be >= 0, got {self.threads}")
+        if self.temperature < 0:
+            raise UserError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.aux_layers is not None:
+            check_aux_layer_ids(self.aux_layers)
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _choice(flag: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise UserError(f"--{flag} must be one of {'|'.join(allowed)}, got {value!r}")
+
+
+def parse_int_list(text: str | list | tuple | None, flag: str = "aux-layers") -> tuple[int, ...] | None:
+    """``"2,8,13"`` (or ``"2 8 13"``, ``"[2, 8, 13]"``, a list from a config file) -> ``(2, 8, 13)``."""
+    if text is None:
+        return None
+    if isinstance(text, (list, tuple)):
+        parts = [str(p) for p in text]
+    else:
+        parts = str(text).strip().strip("[]()").replace(",", " ").split()
+    try:
+        return tuple(int(p) for p in parts)
+    except ValueError as err:
+        raise UserError(f"--{flag} must be comma-separated integers like 2,8,13, got {text!r}") from err
+
+
+def check_aux_layer_ids(ids: tuple[int, ...], num_layers: int | None = None) -> None:
+    """Strictly ascending, no repeats, each in [1, N) (DESIGN §2: vLLM sorts and de-duplicates the ids
+    and then expects exactly that many states, so anything else would silently misalign)."""
+    if not ids:
+        raise UserError("--aux-layers must name at least one layer")
+    if any(b <= a for a, b in zip(ids, ids[1:])):
+        raise UserError(f"--aux-layers must be strictly ascending with no repeats, got {','.join(map(str, ids))}")
+    if ids[0] < 1:
+        raise UserError(f"--aux-layers ids must be >= 1 (0 is the embedding output), got {ids[0]}")
+    if num_layers is not None and ids[-1] >= num_layers:
+        raise UserError(f"--aux-layers id {ids[-1]} is out of range for a target with {num_layers} layers "
+                        f"(ids must be in [1, {num_layers}))")
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
+    """``[2, N//2, N-3]`` (EAGLE-3's low, middle and high layer)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def resolve_aux_layer_ids(config: ExtractConfig, num_layers: int) -> tuple[int, ...]:
+    """The run's aux layer ids for an N-layer target (the default needs N >= 8 to be distinct)."""
+    ids = config.aux_layers if config.aux_layers is not None else default_aux_layer_ids(num_layers)
+    if config.aux_layers is None and num_layers < 6:
+        raise UserError(f"the target has {num_layers} layers: the default aux layers 2,N//2,N-3 are not "
+                        "distinct; pass --aux-layers")
+    check_aux_layer_ids(ids, num_layers)
+    return ids
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Each dataclass field's docstring (the string literal right under it), whitespace-folded: the
+    CLI's help text comes from here, so the config and ``--help`` cannot drift apart."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    missing = {f.name for f in fields(cls)} - set(docs)
+    assert not missing, f"fields without a docstring: {sorted(missing)}"
+    return docs

@@ -1,0 +1,91 @@
+"""`peagle store info` (what a store holds) and `peagle store verify` (are its files intact)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from peagle.pipeline.store import check_shards, list_commits, read_settings
+from peagle.schemas import store as S
+from peagle.schemas.errors import UserError
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreInfo:
+    root: Path
+    settings: S.StoreSettings
+    num_shards: int
+    num_records: int
+    num_samples: int
+    num_tokens: int
+    num_truncated: int
+    skipped: dict[str, int]
+    total_bytes: int
+    backends: tuple[str, ...]
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Actual bytes per token of the committed files (Parquet + safetensors)."""
+        return self.total_bytes / self.num_tokens if self.num_tokens else 0.0
+
+    @property
+    def raw_bytes_per_token(self) -> int:
+        """The tensors' raw bytes per token: A*H*2 + k*(4 + logprob bytes)."""
+        return self.settings.bytes_per_token()
+
+
+def _open_root(root: str | Path) -> Path:
+    root = Path(root)
+    if not root.is_dir():
+        raise UserError(f"store {root} does not exist")
+    return root
+
+
+def store_info(root: str | Path) -> StoreInfo:
+    """Summary of the committed shards (uncommitted files are invisible, as to every reader)."""
+    root = _open_root(root)
+    settings = read_settings(root)
+    records = list_commits(root)
+    skipped: Counter = Counter()
+    for r in records:
+        skipped.update(r.skipped)
+    return StoreInfo(
+        root=root, settings=settings, num_shards=len(records), num_records=sum(r.num_records for r in records),
+        num_samples=sum(r.num_samples for r in records), num_tokens=sum(r.num_tokens for r in records),
+        num_truncated=sum(r.num_truncated for r in records), skipped=dict(sorted(skipped.items())),
+        total_bytes=sum(r.parquet_bytes + r.safetensors_bytes for r in records),
+        backends=tuple(sorted({r.backend for r in records if r.backend})),
+    )
+
+
+def format_info(info: StoreInfo) -> str:
+    s, t = info.settings, info.settings.target
+    ratio = info.bytes_per_token / info.raw_bytes_per_token if info.num_tokens else 0.0
+    lines = [
+        f"store        {info.root}",
+        f"schema       version {s.schema_version}",
+        f"target       {t.path} ({t.architecture}, {t.num_hidden_layers} layers, hidden {t.hidden_size}, "
+        f"vocab {t.vocab_size}, {t.dtype}, content {t.content_hash[:12]})",
+        f"settings     aux_layer_ids {list(s.aux_layer_ids)}, topk {s.topk} ({s.logprob_dtype}), "
+        f"max_seq_len {s.max_seq_len}, loss_on {s.loss_on}, mask_token_id {s.mask_token_id}",
+        f"tokenizer    {s.tokenizer_fingerprint[:12]}, chat template {s.chat_template_hash[:12]}",
+        f"shards       {info.num_shards} committed" + (f" (backend {', '.join(info.backends)})" if info.backends else ""),
+        f"records      {info.num_records:,} read, {sum(info.skipped.values()):,} skipped",
+        f"samples      {info.num_samples:,} ({info.num_truncated:,} truncated to max_seq_len)",
+        f"tokens       {info.num_tokens:,}",
+        f"bytes/token  {info.bytes_per_token:,.1f} on disk vs {info.raw_bytes_per_token:,} raw tensor bytes "
+        f"({ratio:.4f}x); {info.total_bytes:,} bytes in all",
+    ]
+    if info.skipped:
+        lines.append("skipped      " + ", ".join(f"{k} {v}" for k, v in info.skipped.items()))
+    return "\n".join(lines)
+
+
+def verify_store(root: str | Path) -> tuple[int, list[str]]:
+    """(number of committed shards, problems): every committed file's size and sha256 against its
+    commit record. An empty problem list means the store is intact."""
+    root = _open_root(root)
+    read_settings(root)
+    records = list_commits(root)
+    return len(records), check_shards(root, records, verify=True)

@@ -1,0 +1,363 @@
+"""The `peagle extract` driver: plan, then for each of this worker's missing shards, records ->
+samples -> target forward in fixed batches -> write + commit (on the writer thread).
+
+Re-running the same command finishes what is missing and never redoes what is committed (DESIGN
+§1, §7). With the hf backend the shards are byte-identical to an uninterrupted one-worker run,
+because nothing here depends on timing: the split into shards is planned from the input alone, the
+batches are a fixed function of a shard's samples, and torch's thread count is fixed for the run.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Callable
+
+from peagle.pipeline import plan as P
+from peagle.pipeline.atomic import remove_stale_temps
+from peagle.pipeline.failpoints import failpoint
+from peagle.pipeline.prefetch import prefetch
+from peagle.pipeline.store import check_same_settings, init_store, list_commits, read_settings, sha256_file
+from peagle.schemas import store as S
+from peagle.schemas.errors import UserError
+from peagle.schemas.extract_config import ExtractConfig
+from peagle.stages.extract.backend import TargetBackend, TargetOutput
+from peagle.stages.extract.readers import check_data_path, count_records, iter_file_records
+from peagle.stages.extract.regenerate import SamplingSettings, regenerate_records
+from peagle.stages.extract.template import TokenizedSample, prepare_record
+from peagle.stages.extract.target import Target, load_target, resolve_backend_name, store_settings
+from peagle.stages.extract.writer import ShardContent, ShardWriter
+
+ESTIMATE_RECORDS = 256  # records tokenized to estimate the token count of a large plan
+PER_TURN_DROPPED = "per_turn_truncated_no_loss"  # per_turn samples cut to no loss (not record skips)
+WRITER_THREADS = 2  # shards written at once: sha256 and file writes release the GIL
+
+PreparedShard = tuple[P.PlannedShard, list[TokenizedSample], Counter, int]  # samples, skips, truncated
+
+
+@dataclass(kw_only=True)
+class ExtractPlan:
+    settings: S.StoreSettings
+    files: list[P.InputFile]
+    shards: list[P.PlannedShard]  # every shard of the inputs
+    mine: list[P.PlannedShard]  # this worker's
+    pending: list[P.PlannedShard]  # this worker's, not yet committed
+    estimated_tokens: int
+    estimated_from_records: int
+    free_bytes: int
+    notes: list[str] = field(default_factory=list)  # things the user should know before it starts
+
+    @property
+    def estimated_bytes(self) -> int:
+        return self.estimated_tokens * self.settings.bytes_per_token()
+
+
+@dataclass(kw_only=True)
+class ExtractSummary:
+    plan: ExtractPlan
+    records: list[S.ShardRecord] = field(default_factory=list)
+    work_seconds: float = 0.0  # from the first shard to the last commit (no model load, no planning)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.records)
+
+
+# --------------------------------------------------------------------------------------------------
+# Planning
+
+
+def check_settings(existing: S.StoreSettings, wanted: S.StoreSettings, root: Path) -> None:
+    """Refuse to continue a store made with other settings, naming both values. A different target
+    is named by its path or content first (its config, tokenizer and template differ as a result)."""
+    for key in ("path", "content_hash", "dtype"):
+        old, new = getattr(existing.target, key), getattr(wanted.target, key)
+        if old != new:
+            raise UserError(f"store {root} was made with target.{key}={old!r}, this run asks for "
+                            f"target.{key}={new!r}; use another --out or the store's settings")
+    check_same_settings(existing, wanted, root)
+
+
+def check_fits(plan: "ExtractPlan", root: Path) -> None:
+    """Refuse to start when the estimated store does not fit on the disk (DESIGN §2)."""
+    if plan.estimated_bytes > plan.free_bytes:
+        raise UserError(f"not enough disk for {root}: the plan needs ~{_human(plan.estimated_bytes)}, "
+                        f"{_human(plan.free_bytes)} is free")
+
+
+def input_files(paths: tuple[str, ...]) -> list[P.InputFile]:
+    counts = count_records(paths)  # also checks every path (one-line errors)
+    files = []
+    for path, n in zip(paths, counts):
+        try:
+            digest = sha256_file(path)
+        except OSError as err:
+            raise UserError(f"cannot read data file {path}: {err.strerror or err}") from err
+        files.append(P.InputFile(path=str(path), sha256=digest, num_records=n))
+    return files
+
+
+def make_plan(config: ExtractConfig, target: Target, settings: S.StoreSettings) -> ExtractPlan:
+    """The plan, read-only: nothing is created, so ``--dry-run`` and a refused start leave no trace."""
+    root = Path(config.out)
+    files = input_files(config.data)
+    exists = (root / S.STORE_SETTINGS_FILE).exists()
+    if exists:
+        check_settings(read_settings(root), settings, root)
+    registrations = P.read_registrations(root) if exists else []
+    new = P.assign_registrations(registrations, files, config.samples_per_shard)
+    notes = [f"note: {r.name} is in the store already with other content: this content gets new shards "
+             f"{r.first_shard}..{r.end_shard - 1}; the old shards stay" for r in new
+             if any(old.name == r.name for old in registrations)]
+    registrations += new
+    shards = P.plan_shards(files, registrations)
+    mine = P.shards_of_worker(shards, config.shard_index, config.num_shards)
+    done = {r.index for r in list_commits(root)} if exists else set()
+    pending = [s for s in mine if s.index not in done]
+    tokens, sampled = estimate_tokens(pending, target.tokenizer, settings, config.loss_on)
+    probe = root if root.exists() else next((p for p in root.parents if p.exists()), Path("."))
+    return ExtractPlan(settings=settings, files=files, shards=shards, mine=mine, pending=pending,
+                       estimated_tokens=tokens, estimated_from_records=sampled,
+                       free_bytes=shutil.disk_usage(probe).free, notes=notes)
+
+
+def estimate_tokens(pending: list[P.PlannedShard], tokenizer: Any, settings: S.StoreSettings, loss_on: str,
+                    max_records: int = ESTIMATE_RECORDS) -> tuple[int, int]:
+    """(estimated tokens of the pending shards, records tokenized for it): every record when there
+    are at most ``max_records``, else the first records of up to 16 evenly spread shards, scaled."""
+    total_records = sum(s.num_records for s in pending)
+    if not total_records:
+        return 0, 0
+    picks = pending if len(pending) <= 16 else [pending[i * len(pending) // 16] for i in range(16)]
+    per_shard = max(1, max_records // len(picks))
+    tokens = sampled = 0
+    for shard in picks:
+        stop = shard.end_record if total_records <= max_records else min(shard.end_record, shard.first_record + per_shard)
+        for record in iter_file_records(shard.input_path, shard.first_record, stop):
+            prepared = prepare_record(record, tokenizer, loss_on=loss_on, max_seq_len=settings.max_seq_len)
+            tokens += sum(len(s.input_ids) for s in prepared.samples)
+            sampled += 1
+    return round(tokens * total_records / max(sampled, 1)), sampled
+
+
+def format_plan(plan: ExtractPlan, config: ExtractConfig, store: Path) -> str:
+    s, t = plan.settings, plan.settings.target
+    num_records = sum(f.num_records for f in plan.files)
+    pending_records = sum(p.num_records for p in plan.pending)
+    how = "exact" if plan.estimated_from_records >= pending_records else f"from {plan.estimated_from_records} records"
+    lines = [
+        f"peagle extract plan -> {store}",
+        f"  target     {t.path} ({t.architecture}, {t.num_hidden_layers} layers, hidden {t.hidden_size}, "
+        f"vocab {t.vocab_size}, {t.dtype})",
+        f"  inputs     {len(plan.files)} file(s), {num_records} records -> {len(plan.shards)} shards "
+        f"({config.samples_per_shard} records per shard)",
+        f"  worker     {config.shard_index} of {config.num_shards}: {len(plan.mine)} shards, "
+        f"{len(plan.mine) - len(plan.pending)} already committed, {len(plan.pending)} to do ({pending_records} records)",
+        f"  settings   aux layers {','.join(map(str, s.aux_layer_ids))}, top-k {s.topk} ({s.logprob_dtype}), "
+        f"max len {s.max_seq_len}, loss on {s.loss_on}",
+        f"  tokens     ~{plan.estimated_tokens:,} ({how})",
+        f"  size       ~{_human(plan.estimated_bytes)} at {s.bytes_per_token():,} bytes/token; "
+        f"free disk {_human(plan.free_bytes)}",
+        *plan.notes,
+    ]
+    return "\n".join(lines)
+
+
+def _human(num_bytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if num_bytes < 1024 or unit == "TiB":
+            return f"{num_bytes:.1f} {unit}" if unit != "B" else f"{int(num_bytes)} B"
+        num_bytes /= 1024
+    raise AssertionError
+
+
+# --------------------------------------------------------------------------------------------------
+# Running
+
+
+def make_batches(lengths: list[int], batch_size: int, max_batch_tokens: int) -> list[list[int]]:
+    """Fixed batches of sample positions: longest first (little padding), at most ``batch_size``
+    samples and ``max_batch_tokens`` padded tokens each. A pure function of the lengths."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches:
+            last = batches[-1]
+            width = lengths[last[0]]  # the first is the longest
+            if len(last) < batch_size and width * (len(last) + 1) <= max_batch_tokens:
+                last.append(i)
+                continue
+        batches.append([i])
+    return batches
+
+
+def open_backend(name: str, config: ExtractConfig, settings: S.StoreSettings, target: Target) -> TargetBackend:
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    if name == "vllm":
+        from peagle.stages.extract.backend_vllm import VllmBackend  # imports vllm: only when asked for
+
+        return VllmBackend(target.path, aux_layer_ids=list(settings.aux_layer_ids), topk=settings.topk,
+                           dtype=settings.target.dtype, max_seq_len=settings.max_seq_len, seed=config.seed)
+    from peagle.stages.extract.backend_hf import HFBackend
+
+    return HFBackend(target.path, aux_layer_ids=settings.aux_layer_ids, topk=settings.topk,
+                     dtype=settings.target.dtype, device=config.device, pad_token_id=pad)
+
+
+def run_forward(backend: TargetBackend, samples: list[TokenizedSample], config: ExtractConfig) -> list[TargetOutput]:
+    """The target's outputs for a shard's samples, in sample order, computed in fixed batches."""
+    lengths = [len(s.input_ids) for s in samples]
+    if backend.name == "vllm":  # continuous batching: hand it everything, it schedules itself
+        batches = [list(range(len(samples)))] if samples else []
+    else:
+        batches = make_batches(lengths, config.batch_size, config.max_batch_tokens)
+    outputs: list[TargetOutput | None] = [None] * len(samples)
+
+    def store(batch: list[int], results: list[TargetOutput]) -> None:
+        for i, out in zip(batch, results):
+            assert out.aux_TAH.shape[0] == lengths[i], "a backend must return one row per token"
+            outputs[i] = out
+
+    submit = getattr(backend, "submit", None)
+    if submit is None:
+        for batch in batches:
+            failpoint("extract.forward")
+            store(batch, backend.run([samples[i].input_ids for i in batch]))
+        return outputs  # type: ignore[return-value]
+    # Pipelined (hf): batch i+1 is queued on the device before batch i is collected, so the device
+    # never waits for the host to take the previous batch's outputs.
+    in_flight = None
+    for batch in batches:
+        failpoint("extract.forward")
+        queued = (batch, submit([samples[i].input_ids for i in batch]))
+        if in_flight is not None:
+            store(in_flight[0], backend.collect(in_flight[1]))
+        in_flight = queued
+    if in_flight is not None:
+        store(in_flight[0], backend.collect(in_flight[1]))
+    return outputs  # type: ignore[return-value]
+
+
+def prepare_shard(records: list, target: Target, settings: S.StoreSettings,
+                  config: ExtractConfig) -> tuple[list[TokenizedSample], Counter, int]:
+    """Records -> samples, with skip counts by reason and the number of truncated samples.
+
+    Raises:
+        UserError: ``--strict`` and a record is unusable (names file and line/row).
+    """
+    forbidden = frozenset({settings.mask_token_id}) if settings.mask_token_id is not None else frozenset()
+    samples: list[TokenizedSample] = []
+    skipped: Counter = Counter()
+    num_truncated = 0
+    for record in records:
+        prepared = prepare_record(record, target.tokenizer, loss_on=config.loss_on,
+                                  max_seq_len=settings.max_seq_len, forbidden_token_ids=forbidden)
+        if prepared.skip_reason is not None:
+            if config.strict:
+                raise UserError(f"{record.where}: {prepared.skip_reason}"
+                                + (f" ({prepared.skip_detail})" if prepared.skip_detail not in (None, prepared.skip_reason) else "")
+                                + " [--strict]")
+            skipped[prepared.skip_reason] += 1
+            continue
+        if prepared.num_dropped:
+            skipped[PER_TURN_DROPPED] += prepared.num_dropped
+        num_truncated += prepared.num_truncated
+        samples.extend(prepared.samples)
+    return samples, skipped, num_truncated
+
+
+def prepared_shards(pending: list[P.PlannedShard], backend: TargetBackend, target: Target,
+                    settings: S.StoreSettings, config: ExtractConfig) -> Iterator[PreparedShard]:
+    """Each pending shard's samples (regenerated first with ``--regenerate``), in order."""
+    sampling = SamplingSettings(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                                top_p=config.top_p, seed=config.seed)
+    for shard in pending:
+        records = list(iter_file_records(shard.input_path, shard.first_record, shard.end_record))
+        if config.regenerate:
+            records = regenerate_records(records, backend, target.tokenizer, sampling=sampling,
+                                         shard_index=shard.index, batch_size=config.batch_size,
+                                         max_seq_len=settings.max_seq_len)
+        yield (shard, *prepare_shard(records, target, settings, config))
+
+
+def run_extract(config: ExtractConfig, *, echo: Callable[[str], None] = print,
+                progress: bool | None = None) -> ExtractSummary:
+    """Plan, print the plan, and (unless ``dry_run``) extract this worker's missing shards.
+
+    Raises:
+        UserError: missing/unloadable target, unreadable data, store made with other settings, not
+            enough disk, ``--strict`` and a bad record, disk full while writing.
+    """
+    import torch
+    from tqdm import tqdm
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    for path in config.data:  # cheap checks first: a typo should not wait for transformers to import
+        check_data_path(path)
+    target = load_target(config.target)
+    settings = store_settings(config, target)
+    backend_name = resolve_backend_name(config.backend)
+    root = Path(config.out)
+    plan = make_plan(config, target, settings)
+    echo(format_plan(plan, config, root))
+    check_fits(plan, root)
+    summary = ExtractSummary(plan=plan)
+    if config.dry_run:
+        return summary
+
+    init_store(root, settings)
+    for sub in (S.SHARDS_DIR, S.COMMITS_DIR, S.INPUTS_DIR, ""):
+        remove_stale_temps(root / sub)
+    registrations = P.register_inputs(root, plan.files, config.samples_per_shard)
+    mine = P.shards_of_worker(P.plan_shards(plan.files, registrations), config.shard_index, config.num_shards)
+    done = {r.index for r in list_commits(root)}
+    pending = [s for s in mine if s.index not in done]
+    if not pending:
+        echo("nothing to do: every shard of this worker is committed")
+        return summary
+
+    backend = open_backend(backend_name, config, settings, target)
+    started = time.perf_counter()
+    bar = tqdm(total=sum(s.num_records for s in pending), unit="rec", desc="extract", file=sys.stderr,
+               disable=None if progress is None else not progress)
+    writer = ShardWriter(root, settings, num_threads=WRITER_THREADS,
+                         on_commit=lambda r: bar.set_postfix(shard=r.index, tokens=r.num_tokens))
+    shards = prepared_shards(pending, backend, target, settings, config)
+    if not config.regenerate:  # regeneration runs the backend, so it stays on this thread
+        shards = prefetch(shards, depth=1)  # templating of shard s+1 overlaps the forward of shard s
+    try:
+        for shard, samples, skipped, num_truncated in shards:
+            outputs = run_forward(backend, samples, config)
+            writer.submit(ShardContent(index=shard.index, input_name=shard.input_name,
+                                       first_record=shard.first_record, end_record=shard.end_record,
+                                       samples=samples, outputs=outputs, skipped=dict(skipped),
+                                       num_truncated=num_truncated, backend=backend.name))
+            bar.update(shard.num_records)
+    except BaseException:
+        _close_quietly(writer)  # shards already handed over are complete: let them commit
+        raise
+    finally:
+        shards.close()
+        bar.close()
+        backend.close()
+    summary.records = writer.close()
+    summary.work_seconds = time.perf_counter() - started
+    skipped_total = Counter()
+    for r in summary.records:
+        skipped_total.update(r.skipped)
+    echo(f"committed {len(summary.records)} shards, {summary.num_tokens:,} tokens"
+         + (f"; skipped {dict(sorted(skipped_total.items()))}" if skipped_total else ""))
+    return summary
+
+
+def _close_quietly(writer: ShardWriter) -> None:
+    try:
+        writer.close()
+    except BaseException:  # the error already in flight is the one to report
+        pass

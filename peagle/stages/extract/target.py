@@ -1,0 +1,115 @@
+"""The target as extract sees it before loading weights: config, tokenizer, and the identity that
+goes into the store (DESIGN §2: path, content hash, architecture, sizes, dtype; tokenizer
+fingerprint; chat-template hash), from which ``StoreSettings`` are built."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from peagle.schemas import store as S
+from peagle.schemas.errors import UserError
+from peagle.schemas.extract_config import ExtractConfig, resolve_aux_layer_ids
+
+MASK_TOKEN = "<|mask|>"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Target:
+    """What the driver knows about the target before loading its weights."""
+
+    path: Path
+    config: Any  # transformers PretrainedConfig (text part)
+    tokenizer: Any
+
+
+
+def load_target(path: str) -> Target:
+    """Config and tokenizer of the target (weights are loaded later, by the backend).
+
+    Raises:
+        UserError: the directory is missing or holds no loadable config/tokenizer.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise UserError(f"target model directory {root} does not exist")
+    if not (root / "config.json").is_file():
+        raise UserError(f"target model directory {root} has no config.json")
+    from transformers import AutoConfig, AutoTokenizer  # after the checks: a typo fails fast
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        config = AutoConfig.from_pretrained(root)
+        tokenizer = AutoTokenizer.from_pretrained(root)
+    except (OSError, ValueError, KeyError) as err:
+        raise UserError(f"cannot load target {root}: {str(err).strip().splitlines()[0] if str(err).strip() else err!r}") from err
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return Target(path=root, config=text_config, tokenizer=tokenizer)
+
+
+def target_content_hash(root: Path) -> str:
+    """sha256 over config.json and the weight files' names and sizes (not their contents: hashing
+    16 GB of weights per run would cost more than it protects against)."""
+    suffixes = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+    h = hashlib.sha256((root / "config.json").read_bytes())
+    for p in sorted(root.iterdir()):
+        if p.is_file() and p.name.endswith(suffixes):
+            h.update(f"\n{p.name}\t{p.stat().st_size}".encode())
+    return h.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    if getattr(tokenizer, "is_fast", False):
+        return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
+    return hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
+
+
+def mask_token_id(tokenizer: Any) -> int | None:
+    """The reserved ``<|mask|>`` token when the tokenizer has one (the draft's mask slots use it)."""
+    ids = tokenizer.convert_tokens_to_ids([MASK_TOKEN])
+    return ids[0] if ids and ids[0] is not None and ids[0] != tokenizer.unk_token_id else None
+
+
+def resolve_backend_name(backend: str) -> str:
+    """``auto`` is vllm when ``import vllm`` works (a broken install falls back to hf), else hf."""
+    if backend == "auto":
+        if importlib.util.find_spec("vllm") is None:
+            return "hf"
+        try:
+            import vllm  # noqa: F401  (a CPU box with a half-installed vllm must still extract)
+        except Exception:
+            return "hf"
+        return "vllm"
+    if backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise UserError("--backend vllm was asked for, but vllm is not installed (pip install peagle[vllm]; "
+                        "or use --backend hf)")
+    return backend
+
+
+def compute_dtype(config: ExtractConfig) -> str:
+    """The dtype that goes into the store identity: ``auto`` is bfloat16 on GPU, float32 on CPU."""
+    if config.dtype != "auto":
+        return config.dtype
+    import torch
+
+    on_gpu = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    return "bfloat16" if on_gpu else "float32"
+
+
+def store_settings(config: ExtractConfig, target: Target) -> S.StoreSettings:
+    c = target.config
+    aux_ids = resolve_aux_layer_ids(config, c.num_hidden_layers)
+    identity = S.TargetIdentity(
+        path=str(target.path.resolve()), architecture=(getattr(c, "architectures", None) or [c.model_type])[0],
+        num_hidden_layers=c.num_hidden_layers, hidden_size=c.hidden_size, vocab_size=c.vocab_size,
+        dtype=compute_dtype(config), content_hash=target_content_hash(target.path))
+    return S.StoreSettings(
+        target=identity, tokenizer_fingerprint=tokenizer_fingerprint(target.tokenizer),
+        chat_template_hash=hashlib.sha256((target.tokenizer.chat_template or "").encode()).hexdigest(),
+        aux_layer_ids=aux_ids, topk=config.topk, max_seq_len=config.max_seq_len,
+        logprob_dtype=config.logprob_dtype, loss_on=config.loss_on, mask_token_id=mask_token_id(target.tokenizer))

@@ -1,0 +1,221 @@
+"""Write one shard's two files and commit it, on a writer thread that overlaps the model's compute.
+
+Files are byte-identical for identical input (DESIGN §7: a killed and resumed run, or n workers
+instead of one, give the same store): the Parquet file is written with fixed settings and no
+varying metadata, and the safetensors file is serialised here directly (header, then each tensor's
+rows sample by sample), which also avoids concatenating a shard's tensors into one more copy.
+
+``ShardWriter`` runs ``write_and_commit`` on a background thread fed by a bounded queue of whole
+shards: the model computes shard s+1 while shard s goes to disk, and waits only when the disk is
+more than one shard behind. An error on the writer thread (disk full) is re-raised in the caller at
+its next ``submit`` or at ``close``.
+
+Shape legend: T tokens of the shard, A aux layers, H hidden size, K top-k.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import queue
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from peagle.pipeline.store import commit_shard, write_shard_file
+from peagle.schemas import store as S
+from peagle.stages.extract.backend import TargetOutput
+from peagle.stages.extract.template import TokenizedSample
+
+NON_FINITE_TARGET = "non_finite_target"
+
+PARQUET_SCHEMA = pa.schema([
+    ("sample_id", pa.string()),
+    ("source", pa.string()),
+    ("input_ids", pa.list_(pa.int32())),
+    ("loss_mask", pa.list_(pa.uint8())),
+    ("num_tokens", pa.int64()),
+    ("token_offset", pa.int64()),
+])
+assert tuple(PARQUET_SCHEMA.names) == S.PARQUET_COLUMNS
+
+_ST_DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32"}
+
+
+@dataclass(kw_only=True)
+class ShardContent:
+    """Everything that becomes one shard: its samples with the target's outputs, and its counts."""
+
+    index: int
+    input_name: str
+    first_record: int
+    end_record: int
+    samples: list[TokenizedSample]
+    outputs: list[TargetOutput]
+    skipped: dict[str, int] = field(default_factory=dict)
+    num_truncated: int = 0
+    backend: str = ""
+
+
+def drop_non_finite(content: ShardContent) -> ShardContent:
+    """Remove samples whose aux states or top-k log-probs hold NaN/inf (DESIGN §7), counting them."""
+    keep = [i for i, out in enumerate(content.outputs)
+            if bool(torch.isfinite(out.aux_TAH).all()) and bool(torch.isfinite(out.topk_logprobs_TK).all())]
+    num_dropped = len(content.outputs) - len(keep)
+    if not num_dropped:
+        return content
+    skipped = dict(content.skipped)
+    skipped[NON_FINITE_TARGET] = skipped.get(NON_FINITE_TARGET, 0) + num_dropped
+    return ShardContent(index=content.index, input_name=content.input_name, first_record=content.first_record,
+                        end_record=content.end_record, samples=[content.samples[i] for i in keep],
+                        outputs=[content.outputs[i] for i in keep], skipped=skipped,
+                        num_truncated=content.num_truncated, backend=content.backend)
+
+
+def parquet_table(samples: list[TokenizedSample]) -> pa.Table:
+    """One row per sample (DESIGN §2); ``token_offset`` is the sample's first row in the tensors."""
+    lengths = [len(s.input_ids) for s in samples]
+    offsets = list(itertools.accumulate(lengths, initial=0))[:-1]
+    return pa.table({
+        "sample_id": [s.sample_id for s in samples],
+        "source": [s.source for s in samples],
+        "input_ids": [s.input_ids for s in samples],
+        "loss_mask": [s.loss_mask for s in samples],
+        "num_tokens": lengths,
+        "token_offset": offsets,
+    }, schema=PARQUET_SCHEMA)
+
+
+def write_parquet(table: pa.Table, path: str | Path) -> None:
+    """Fixed settings only: same rows, same pyarrow version -> same bytes."""
+    pq.write_table(table, path, compression="zstd", compression_level=3, use_dictionary=False,
+                   write_statistics=False, row_group_size=max(1, table.num_rows), data_page_version="2.0")
+
+
+def tensor_header(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> bytes:
+    """A safetensors header for tensors laid out in the given order, padded to 8 bytes."""
+    header, offset = {}, 0
+    for name, (shape, dtype) in shapes.items():
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _ST_DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+def write_tensors(path: str | Path, outputs: list[TargetOutput], *, num_aux: int, hidden_size: int,
+                  topk: int, logprob_dtype: torch.dtype) -> None:
+    """``aux_hidden [T, A, H]`` bf16, ``topk_ids [T, K]`` int32, ``topk_logprobs [T, K]``, streamed
+    sample by sample (no concatenated copy of the shard)."""
+    assert sys.byteorder == "little", "safetensors is little-endian; raw tensor bytes are written as-is"
+    num_tokens = sum(out.aux_TAH.shape[0] for out in outputs)
+    layout = {
+        S.AUX_HIDDEN: ((num_tokens, num_aux, hidden_size), torch.bfloat16),
+        S.TOPK_IDS: ((num_tokens, topk), torch.int32),
+        S.TOPK_LOGPROBS: ((num_tokens, topk), logprob_dtype),
+    }
+    low = torch.finfo(logprob_dtype).min  # a log-prob below fp16's range is zero probability anyway
+    parts = {
+        S.AUX_HIDDEN: lambda out: out.aux_TAH.to(torch.bfloat16),
+        S.TOPK_IDS: lambda out: out.topk_ids_TK.to(torch.int32),
+        S.TOPK_LOGPROBS: lambda out: out.topk_logprobs_TK.clamp(min=low).to(logprob_dtype),
+    }
+    with open(path, "wb") as f:
+        f.write(tensor_header(layout))
+        for name, (shape, dtype) in layout.items():
+            for out in outputs:
+                t = parts[name](out).contiguous()
+                assert t.shape[1:] == shape[1:] and t.dtype == dtype, (name, t.shape, t.dtype)
+                f.write(memoryview(t.view(torch.uint8).numpy()))
+
+
+def write_and_commit(root: Path, content: ShardContent, settings: S.StoreSettings) -> S.ShardRecord:
+    """Write both files (atomically each), then the commit record: the shard exists from then on."""
+    content = drop_non_finite(content)
+    logprob_dtype = torch.float16 if settings.logprob_dtype == "float16" else torch.float32
+    table = parquet_table(content.samples)
+    parquet_bytes, parquet_sha = write_shard_file(root, S.parquet_name(content.index),
+                                                  lambda tmp: write_parquet(table, tmp))
+    try:
+        tensor_bytes, tensor_sha = write_shard_file(
+            root, S.tensors_name(content.index),
+            lambda tmp: write_tensors(tmp, content.outputs, num_aux=len(settings.aux_layer_ids),
+                                      hidden_size=settings.target.hidden_size, topk=settings.topk,
+                                      logprob_dtype=logprob_dtype))
+    except Exception:
+        # Readers would ignore it (no commit record), but a half shard should not even be on disk.
+        (root / S.parquet_name(content.index)).unlink(missing_ok=True)
+        raise
+    record = S.ShardRecord(
+        index=content.index, parquet=S.parquet_name(content.index), safetensors=S.tensors_name(content.index),
+        num_samples=len(content.samples), num_tokens=sum(len(s.input_ids) for s in content.samples),
+        parquet_bytes=parquet_bytes, safetensors_bytes=tensor_bytes, parquet_sha256=parquet_sha,
+        safetensors_sha256=tensor_sha, input_file=content.input_name, first_record=content.first_record,
+        end_record=content.end_record, num_records=content.end_record - content.first_record,
+        skipped={k: v for k, v in content.skipped.items() if v}, num_truncated=content.num_truncated,
+        backend=content.backend,
+    )
+    commit_shard(root, record)
+    return record
+
+
+class ShardWriter:
+    """Background threads that write and commit submitted shards.
+
+    ``max_pending`` shards may wait in the queue (each holds its tensors in memory); ``submit`` blocks
+    when the queue is full, so memory stays bounded and the model waits only on a slow disk. With
+    ``num_threads`` > 1 several shards are written at once (file writes and sha256 release the GIL);
+    commit order then varies, which nothing depends on: each commit record stands alone and the
+    manifest is derived from all of them. ``on_commit`` runs on a writer thread after each commit.
+    """
+
+    _STOP = object()
+
+    def __init__(self, root: Path, settings: S.StoreSettings, *, max_pending: int = 1, num_threads: int = 1,
+                 on_commit=None) -> None:
+        self.root, self.settings, self.on_commit = root, settings, on_commit
+        self.records: list[S.ShardRecord] = []
+        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._threads = [threading.Thread(target=self._loop, name=f"peagle-shard-writer-{i}", daemon=True)
+                         for i in range(num_threads)]
+        for t in self._threads:
+            t.start()
+
+    def _loop(self) -> None:
+        while (item := self._queue.get()) is not self._STOP:
+            if self._error is not None:
+                continue  # drain: after a failure nothing more is written
+            try:
+                record = write_and_commit(self.root, item, self.settings)
+                with self._lock:
+                    self.records.append(record)
+                if self.on_commit is not None:
+                    self.on_commit(record)
+            except BaseException as err:  # handed to the caller's thread
+                self._error = self._error or err
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def submit(self, content: ShardContent) -> None:
+        self._raise_if_failed()
+        self._queue.put(content)
+
+    def close(self) -> list[S.ShardRecord]:
+        """Wait until every submitted shard is committed; re-raise a writer error. Returns the
+        records, by shard index."""
+        for _ in self._threads:
+            self._queue.put(self._STOP)
+        for t in self._threads:
+            t.join()
+        self._raise_if_failed()
+        return sorted(self.records, key=lambda r: r.index)

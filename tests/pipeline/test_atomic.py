@@ -1,0 +1,141 @@
+"""Crash-safe writes: nothing half-written is visible, one winner for exclusive creates, a lock that
+serialises processes, disk-full as a one-line UserError, and stale temp cleanup."""
+
+from __future__ import annotations
+
+import errno
+import json
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from peagle.pipeline import atomic as A
+from peagle.schemas.errors import UserError
+
+
+def test_atomic_write_publishes_whole_files_and_leaves_no_temp(tmp_path):
+    target = tmp_path / "x.json"
+    A.atomic_write_json(target, {"b": 1, "a": [1, 2]})
+    assert json.loads(target.read_text()) == {"a": [1, 2], "b": 1}
+    A.atomic_write_bytes(target, b"new")
+    assert target.read_bytes() == b"new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.json"]
+
+
+def test_canonical_json_is_independent_of_key_order():
+    assert A.canonical_json({"b": 1, "a": {"d": 2, "c": 3}}) == A.canonical_json({"a": {"c": 3, "d": 2}, "b": 1})
+    assert A.canonical_json({}).endswith(b"\n")
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temp(tmp_path):
+    target = tmp_path / "x.bin"
+    A.atomic_write_bytes(target, b"old")
+
+    class Boom(Exception):
+        pass
+
+    real_publish = A.publish
+
+    def exploding_publish(tmp, path):
+        raise Boom
+
+    A.publish = exploding_publish
+    try:
+        with pytest.raises(Boom):
+            A.atomic_write_bytes(target, b"new")
+    finally:
+        A.publish = real_publish
+    assert target.read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.bin"]
+
+
+def _create(args) -> bool:
+    path, payload = args
+    return A.create_exclusive(path, payload)
+
+
+def test_create_exclusive_has_exactly_one_winner_across_processes(tmp_path):
+    path = str(tmp_path / "settings.json")
+    payloads = [f"writer {i}\n".encode() * 1000 for i in range(8)]
+    with mp.get_context("fork").Pool(4) as pool:
+        won = pool.map(_create, [(path, p) for p in payloads])
+    assert sum(won) == 1
+    assert Path(path).read_bytes() == payloads[won.index(True)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["settings.json"]
+
+
+def _increment(args) -> None:
+    lock, counter, times = args
+    for _ in range(times):
+        with A.file_lock(lock):
+            n = int(Path(counter).read_text())
+            Path(counter).write_text(str(n + 1))
+
+
+def test_file_lock_serialises_read_modify_write_across_processes(tmp_path):
+    counter = tmp_path / "n"
+    counter.write_text("0")
+    with mp.get_context("fork").Pool(4) as pool:
+        pool.map(_increment, [(str(tmp_path / ".lock"), str(counter), 50)] * 4)
+    assert counter.read_text() == "200"
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EFBIG])
+def test_disk_full_errors_become_one_line_user_errors(code):
+    with pytest.raises(UserError, match="no space left writing /s/x") as info:
+        A.raise_if_disk_full(OSError(code, os.strerror(code)), "/s/x")
+    assert "\n" not in str(info.value)
+    A.raise_if_disk_full(OSError(errno.EACCES, "denied"), "/s/x")  # other errors are not ours to reword
+
+
+def test_a_real_file_size_limit_is_reported_as_disk_full_without_leftovers(tmp_path):
+    """RLIMIT_FSIZE makes write() fail with EFBIG, as a full disk would (with SIGXFSZ ignored)."""
+    code = (
+        "import resource, signal, sys\n"
+        "from peagle.pipeline.atomic import atomic_write_bytes\n"
+        "from peagle.schemas.errors import UserError\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
+        "try:\n"
+        f"    atomic_write_bytes({str(tmp_path / 'big.bin')!r}, b'x' * 100000)\n"
+        "except UserError as err:\n"
+        "    print(err); sys.exit(2)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout.startswith("no space left writing") and proc.stdout.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_remove_stale_temps_removes_only_dead_writers_files(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f".00001.parquet.tmp-{dead.pid}-abc"
+    live = tmp_path / f".00002.parquet.tmp-{os.getpid()}-def"
+    kept = tmp_path / "00003.parquet"
+    for p in (stale, live, kept):
+        p.write_bytes(b"x")
+    assert A.remove_stale_temps(tmp_path) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, kept.name])
+    assert A.remove_stale_temps(tmp_path / "missing") == 0
+
+
+def test_temp_names_are_unique_and_hidden(tmp_path):
+    a, b = A.temp_path_for(tmp_path / "f.json"), A.temp_path_for(tmp_path / "f.json")
+    assert a != b and a.name.startswith(".f.json.tmp-") and a.exists()
+
+
+def test_failpoint_kills_the_process_at_the_nth_hit():
+    code = ("from peagle.pipeline.failpoints import failpoint\n"
+            "for i in range(5):\n    failpoint('x.y')\n    print(i, flush=True)\n")
+    for spec, printed in (("x.y", ""), ("x.y:3", "0\n1\n"), ("other", "0\n1\n2\n3\n4\n")):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "PEAGLE_FAILPOINT": spec})
+        assert proc.stdout == printed
+        assert proc.returncode == (0 if spec == "other" else -signal.SIGKILL)
+

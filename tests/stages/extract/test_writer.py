@@ -1,0 +1,156 @@
+"""The shard writer: exact DESIGN §2 columns and tensors, byte-identical output for identical input,
+non-finite samples dropped and counted, and a writer thread that reports its errors."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from peagle.pipeline.store import init_store, list_commits, open_store, sha256_file
+from peagle.schemas import store as S
+from peagle.schemas.errors import UserError
+from peagle.stages.extract.backend import TargetOutput
+from peagle.stages.extract.template import TokenizedSample
+from peagle.stages.extract.writer import (
+    NON_FINITE_TARGET,
+    ShardContent,
+    ShardWriter,
+    drop_non_finite,
+    parquet_table,
+    write_and_commit,
+    write_parquet,
+    write_tensors,
+)
+
+A, H, K = 3, 16, 4
+TARGET = S.TargetIdentity(path="/m", architecture="LlamaForCausalLM", num_hidden_layers=8, hidden_size=H,
+                          vocab_size=64, dtype="float32", content_hash="c" * 64)
+SETTINGS = S.StoreSettings(target=TARGET, tokenizer_fingerprint="t", chat_template_hash="h",
+                           aux_layer_ids=(2, 4, 5), topk=K, max_seq_len=64, logprob_dtype="float16", loss_on="all")
+
+
+def _sample(i: int, n: int) -> TokenizedSample:
+    return TokenizedSample(sample_id=f"id{i}", source=f"a.jsonl:{i}", input_ids=list(range(i, i + n)),
+                           loss_mask=[0] * (n // 2) + [1] * (n - n // 2))
+
+
+def _output(i: int, n: int) -> TargetOutput:
+    g = torch.Generator().manual_seed(i)
+    return TargetOutput(aux_TAH=torch.randn(n, A, H, generator=g).to(torch.bfloat16),
+                        topk_ids_TK=torch.randint(0, 64, (n, K), generator=g, dtype=torch.int32),
+                        topk_logprobs_TK=-torch.rand(n, K, generator=g).sort(dim=-1).values * 5)
+
+
+def _content(index: int = 0, lengths=(5, 3, 7)) -> ShardContent:
+    return ShardContent(index=index, input_name="a.jsonl", first_record=0, end_record=len(lengths),
+                        samples=[_sample(i, n) for i, n in enumerate(lengths)],
+                        outputs=[_output(i, n) for i, n in enumerate(lengths)], skipped={"malformed_json": 1},
+                        num_truncated=1, backend="hf")
+
+
+def test_parquet_rows_follow_design_exactly(tmp_path):
+    content = _content()
+    write_parquet(parquet_table(content.samples), tmp_path / "x.parquet")
+    table = pq.read_table(tmp_path / "x.parquet")
+    assert tuple(table.column_names) == S.PARQUET_COLUMNS
+    assert table.schema.field("input_ids").type == pa.list_(pa.int32())
+    assert table.schema.field("loss_mask").type == pa.list_(pa.uint8())
+    rows = table.to_pylist()
+    assert [r["num_tokens"] for r in rows] == [5, 3, 7]
+    assert [r["token_offset"] for r in rows] == [0, 5, 8]
+    assert rows[1]["input_ids"] == [1, 2, 3] and rows[1]["loss_mask"] == [0, 1, 1]
+    assert rows[2]["sample_id"] == "id2" and rows[2]["source"] == "a.jsonl:2"
+
+
+def test_tensors_are_the_outputs_concatenated_in_sample_order(tmp_path):
+    content = _content()
+    path = tmp_path / "x.safetensors"
+    write_tensors(path, content.outputs, num_aux=A, hidden_size=H, topk=K, logprob_dtype=torch.float16)
+    loaded = load_file(str(path))
+    assert set(loaded) == set(S.TENSOR_NAMES)
+    assert loaded[S.AUX_HIDDEN].shape == (15, A, H) and loaded[S.AUX_HIDDEN].dtype == torch.bfloat16
+    assert loaded[S.TOPK_IDS].shape == (15, K) and loaded[S.TOPK_IDS].dtype == torch.int32
+    assert loaded[S.TOPK_LOGPROBS].dtype == torch.float16
+    assert torch.equal(loaded[S.AUX_HIDDEN], torch.cat([o.aux_TAH for o in content.outputs]))
+    assert torch.equal(loaded[S.TOPK_IDS], torch.cat([o.topk_ids_TK for o in content.outputs]))
+    assert torch.equal(loaded[S.TOPK_LOGPROBS], torch.cat([o.topk_logprobs_TK for o in content.outputs]).half())
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata() is None and sorted(f.keys()) == sorted(S.TENSOR_NAMES)
+    header_len = int.from_bytes(path.read_bytes()[:8], "little")
+    assert header_len % 8 == 0
+
+
+def test_float32_logprobs_and_an_empty_shard(tmp_path):
+    write_tensors(tmp_path / "f.safetensors", _content().outputs, num_aux=A, hidden_size=H, topk=K,
+                  logprob_dtype=torch.float32)
+    assert load_file(str(tmp_path / "f.safetensors"))[S.TOPK_LOGPROBS].dtype == torch.float32
+    write_tensors(tmp_path / "e.safetensors", [], num_aux=A, hidden_size=H, topk=K, logprob_dtype=torch.float16)
+    assert load_file(str(tmp_path / "e.safetensors"))[S.AUX_HIDDEN].shape == (0, A, H)
+    write_parquet(parquet_table([]), tmp_path / "e.parquet")
+    assert pq.read_table(tmp_path / "e.parquet").num_rows == 0
+
+
+def test_identical_input_gives_identical_bytes(tmp_path):
+    for name in ("a", "b"):
+        init_store(tmp_path / name, SETTINGS)
+        write_and_commit(tmp_path / name, _content(), SETTINGS)
+    for rel in (S.parquet_name(0), S.tensors_name(0), S.commit_name(0), S.MANIFEST_FILE):
+        assert (tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes(), rel
+
+
+def test_write_and_commit_records_sizes_hashes_and_counts(tmp_path):
+    init_store(tmp_path, SETTINGS)
+    record = write_and_commit(tmp_path, _content(index=3), SETTINGS)
+    assert (record.index, record.num_samples, record.num_tokens, record.num_records) == (3, 3, 15, 3)
+    assert record.parquet_sha256 == sha256_file(tmp_path / S.parquet_name(3))
+    assert record.safetensors_bytes == os.path.getsize(tmp_path / S.tensors_name(3))
+    assert record.skipped == {"malformed_json": 1} and record.num_truncated == 1 and record.backend == "hf"
+    assert list_commits(tmp_path) == [record]
+    store = open_store(tmp_path, verify=True)
+    assert store.open_tensors(3)[S.AUX_HIDDEN].shape == (15, A, H)
+
+
+def test_non_finite_samples_are_dropped_and_counted(tmp_path):
+    content = _content()
+    bad_aux = content.outputs[0].aux_TAH.clone()
+    bad_aux[2, 1, 3] = float("nan")
+    bad_lp = content.outputs[2].topk_logprobs_TK.clone()
+    bad_lp[0, 0] = float("-inf")
+    content.outputs[0] = TargetOutput(aux_TAH=bad_aux, topk_ids_TK=content.outputs[0].topk_ids_TK,
+                                      topk_logprobs_TK=content.outputs[0].topk_logprobs_TK)
+    content.outputs[2] = TargetOutput(aux_TAH=content.outputs[2].aux_TAH, topk_ids_TK=content.outputs[2].topk_ids_TK,
+                                      topk_logprobs_TK=bad_lp)
+    kept = drop_non_finite(content)
+    assert [s.sample_id for s in kept.samples] == ["id1"]
+    assert kept.skipped == {"malformed_json": 1, NON_FINITE_TARGET: 2}
+    init_store(tmp_path, SETTINGS)
+    record = write_and_commit(tmp_path, content, SETTINGS)
+    assert record.num_samples == 1 and record.num_tokens == 3 and record.skipped[NON_FINITE_TARGET] == 2
+
+
+def test_shard_writer_commits_in_order_and_reraises_errors(tmp_path):
+    init_store(tmp_path, SETTINGS)
+    seen = []
+    writer = ShardWriter(tmp_path, SETTINGS, on_commit=lambda r: seen.append(r.index))
+    for i in range(4):
+        writer.submit(_content(index=i))
+    records = writer.close()
+    assert [r.index for r in records] == seen == [0, 1, 2, 3]
+    manifest = json.loads((tmp_path / S.MANIFEST_FILE).read_text())
+    assert manifest["num_shards"] == 4
+
+    broken = tmp_path / "not-a-store"
+    broken.write_text("a file where the store's directory should be")
+    writer = ShardWriter(broken, SETTINGS)
+    writer.submit(_content(index=0))
+    with pytest.raises((OSError, UserError)):
+        writer.close()
+    assert not Path(str(broken) + "/shards").exists()

@@ -1,0 +1,236 @@
+"""`peagle extract` and `peagle store` end to end, as real subprocesses on the tiny Llama target:
+the store layout of DESIGN §2, n workers == 1 worker byte for byte, resume after kill -9 at every
+named failpoint and at a random moment, refused re-runs, one-line errors, disk full, appending."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from peagle.schemas import extract_config as X
+from peagle.schemas import store as S
+from peagle.testing.chat_data import write_chat_jsonl
+
+COMMON = ("--samples-per-shard", "5", "--topk", "8", "--backend", "hf", "--device", "cpu", "--batch-size", "3")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("data")
+    return {"a": write_chat_jsonl(d / "a.jsonl", 22, seed=0, bad_lines={6: "{oops", 13: '{"messages": "x"}'}),
+            "b": write_chat_jsonl(d / "b.jsonl", 6, seed=1)}
+
+
+def peagle_bin() -> list[str]:
+    exe = Path(sys.executable).with_name("peagle")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "peagle"]
+
+
+def run_peagle(*args, env: dict[str, str] | None = None, **kw) -> subprocess.CompletedProcess:
+    """The real CLI in a subprocess, one torch thread (as the conftest fixture; usable at module scope)."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([*peagle_bin(), *map(str, args)], capture_output=True, text=True, env=full_env,
+                          timeout=600, **kw)
+
+
+def _args(data: dict[str, Path], target: Path, out: Path, *extra: str, files=("a",)) -> list[str]:
+    return ["extract", *[a for f in files for a in ("--data", str(data[f]))], "--target", str(target),
+            "--out", str(out), *COMMON, *extra]
+
+
+def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"rc {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc
+
+
+def _one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    assert proc.returncode == 2, f"rc {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("peagle: error: "), proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    """Every file a reader may rely on (the lock file and store-level temp names excluded)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != ".lock"}
+
+
+@pytest.fixture(scope="module")
+def baseline(data, tiny_llama, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("stores") / "base"
+    proc = _ok(run_peagle(*_args(data, tiny_llama, out)))
+    assert "peagle extract plan" in proc.stdout and "22 records -> 5 shards" in proc.stdout
+    return out
+
+
+def test_help_explains_every_config_field():
+    import typer.main
+
+    from peagle.cli import _register, app
+
+    _register()
+    command = typer.main.get_command(app).commands["extract"]
+    flags = {p.name for p in command.params} - {"config", "more_data"}
+    assert flags == {f for f in X.field_docs(X.ExtractConfig)}
+    proc = _ok(run_peagle("extract", "--help"))
+    for name in flags:
+        assert f"--{name.replace('_', '-')}" in proc.stdout
+
+
+def test_store_layout_matches_design(baseline):
+    files = set(_snapshot(baseline))
+    indices = [f"{i:05d}" for i in range(5)]
+    expected = {S.MANIFEST_FILE, S.STORE_SETTINGS_FILE} | {f"shards/{i}.parquet" for i in indices} \
+        | {f"shards/{i}.safetensors" for i in indices} | {f"commits/{i}.json" for i in indices}
+    assert {f for f in files if not f.startswith("inputs/")} == expected
+    assert len([f for f in files if f.startswith("inputs/")]) == 1
+    manifest = json.loads((baseline / S.MANIFEST_FILE).read_text())
+    assert set(manifest) == {"schema_version", "target", "tokenizer_fingerprint", "chat_template_hash",
+                             "aux_layer_ids", "topk", "max_seq_len", "logprob_dtype", "loss_on", "mask_token_id",
+                             "num_shards", "num_samples", "num_tokens", "num_records", "num_truncated",
+                             "skipped", "shards"}
+    assert manifest["aux_layer_ids"] == [2, 4, 5] and manifest["topk"] == 8 and manifest["num_records"] == 22
+    assert manifest["skipped"] == {"malformed_json": 1, "messages_not_a_list": 1}
+    assert set(manifest["shards"][0]) == {
+        "index", "parquet", "safetensors", "num_samples", "num_tokens", "parquet_bytes", "safetensors_bytes",
+        "parquet_sha256", "safetensors_sha256", "input_file", "first_record", "end_record", "num_records",
+        "skipped", "num_truncated", "backend"}
+    info = _ok(run_peagle("store", "info", baseline)).stdout
+    assert f"tokens       {manifest['num_tokens']:,}" in info and "malformed_json 1" in info
+    assert "on disk vs 816 raw tensor bytes" in info
+    assert "verify ok: 5 committed shards" in _ok(run_peagle("store", "verify", baseline)).stdout
+
+
+def test_verify_exits_non_zero_on_a_damaged_shard(baseline, tmp_path):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(baseline, damaged)
+    path = damaged / S.tensors_name(2)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    proc = run_peagle("store", "verify", damaged)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert f"{S.tensors_name(2)} sha256 does not match its commit record" in proc.stderr
+    assert "verify FAILED: 1 problem(s) in 5 committed shards" in proc.stderr
+
+
+def test_two_concurrent_workers_write_the_same_bytes_as_one(baseline, data, tiny_llama, tmp_path):
+    out = tmp_path / "two"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([*peagle_bin(), *_args(data, tiny_llama, out, "--shard-index", str(i),
+                                                     "--num-shards", "2")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in (0, 1)]
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=300)
+        assert p.returncode == 0, stderr
+    assert _snapshot(out) == _snapshot(baseline)
+
+
+def test_rerun_skips_committed_shards(baseline, data, tiny_llama):
+    mtimes = {p: p.stat().st_mtime_ns for p in (baseline / S.SHARDS_DIR).iterdir()}
+    proc = _ok(run_peagle(*_args(data, tiny_llama, baseline)))
+    assert "5 already committed, 0 to do" in proc.stdout and "nothing to do" in proc.stdout
+    assert {p: p.stat().st_mtime_ns for p in (baseline / S.SHARDS_DIR).iterdir()} == mtimes
+
+
+@pytest.mark.slow
+def test_kill_at_every_failpoint_then_resume_gives_identical_store(baseline, data, tiny_llama, tmp_path):
+    """One store, killed again and again at the next named phase; each re-run resumes what is left."""
+    out = tmp_path / "killed"
+    for failpoint in ("extract.forward:3", "extract.write:2", "extract.before_commit", "extract.after_commit"):
+        proc = run_peagle(*_args(data, tiny_llama, out), env={"PEAGLE_FAILPOINT": failpoint})
+        assert proc.returncode == -signal.SIGKILL, (failpoint, proc.returncode, proc.stderr)
+    _ok(run_peagle(*_args(data, tiny_llama, out)))
+    assert _snapshot(out) == _snapshot(baseline)
+    assert "verify ok" in _ok(run_peagle("store", "verify", out)).stdout
+
+
+def test_kill_at_a_random_moment_then_resume(baseline, data, tiny_llama, tmp_path):
+    out = tmp_path / "random"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([*peagle_bin(), *_args(data, tiny_llama, out)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=env)
+    deadline = time.monotonic() + 120
+    while not list((out / S.COMMITS_DIR).glob("*.json")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    time.sleep(0.05)  # somewhere inside the next shard
+    proc.kill()
+    proc.wait()
+    _ok(run_peagle(*_args(data, tiny_llama, out)))
+    assert _snapshot(out) == _snapshot(baseline)
+
+
+def test_rerun_with_other_settings_is_one_line_naming_both(baseline, data, tiny_llama):
+    proc = run_peagle(*_args(data, tiny_llama, baseline, "--aux-layers", "1,4,5"))
+    _one_line_error(proc, "aux_layer_ids=[2, 4, 5]", "aux_layer_ids=[1, 4, 5]")
+
+
+def test_missing_model_dir_and_unreadable_data_are_one_line(data, tiny_llama, tmp_path):
+    _one_line_error(run_peagle(*_args(data, tmp_path / "no-model", tmp_path / "s")), "no-model does not exist")
+    (tmp_path / "dir.jsonl").mkdir()
+    proc = run_peagle("extract", "--data", tmp_path / "dir.jsonl", "--target", tiny_llama, "--out", tmp_path / "s")
+    _one_line_error(proc, "dir.jsonl is not a regular file")
+    _one_line_error(run_peagle(*_args(data, tiny_llama, tmp_path / "s", "--aux-layers", "4,2")), "strictly ascending")
+    assert not (tmp_path / "s").exists()
+
+
+def test_strict_is_one_line_naming_file_and_line(data, tiny_llama, tmp_path):
+    _one_line_error(run_peagle(*_args(data, tiny_llama, tmp_path / "s", "--strict")),
+                    f"{data['a']} line 7: malformed_json")
+
+
+def test_config_file_keys_are_the_flags(data, tiny_llama, tmp_path):
+    cfg = tmp_path / "extract.yaml"
+    cfg.write_text(f"data: [{data['b']}]\ntarget: {tiny_llama}\nout: {tmp_path / 's'}\naux-layers: 1,3,6\n"
+                   "topk: 4\ndry_run: true\n")
+    proc = _ok(run_peagle("extract", "--config", cfg, "--max-seq-len", "100"))
+    assert "aux layers 1,3,6, top-k 4 (float16), max len 100" in proc.stdout
+    assert not (tmp_path / "s").exists()
+    cfg.write_text("topk_typo: 3\n")
+    _one_line_error(run_peagle("extract", "--config", cfg), "unknown key 'topk_typo'")
+
+
+def test_appending_a_data_file_adds_new_shards(baseline, data, tiny_llama, tmp_path):
+    out = tmp_path / "appended"
+    shutil.copytree(baseline, out)
+    before = _snapshot(out)
+    proc = _ok(run_peagle(*_args(data, tiny_llama, out, files=("a", "b"))))
+    assert "5 already committed, 2 to do" in proc.stdout
+    after = _snapshot(out)
+    assert {k: v for k, v in after.items() if k in before and k != S.MANIFEST_FILE} == \
+        {k: v for k, v in before.items() if k != S.MANIFEST_FILE}
+    manifest = json.loads(after[S.MANIFEST_FILE])
+    assert [(s["index"], s["input_file"]) for s in manifest["shards"]][-2:] == [(5, "b.jsonl"), (6, "b.jsonl")]
+
+
+def _limit_file_size(limit: int):
+    def apply() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() then fails with EFBIG, as on a full disk
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+def test_disk_full_is_one_line_and_leaves_no_partial_shard(baseline, data, tiny_llama, tmp_path):
+    out = tmp_path / "full"
+    sizes = sorted(r["safetensors_bytes"] for r in json.loads((baseline / S.MANIFEST_FILE).read_text())["shards"])
+    proc = run_peagle(*_args(data, tiny_llama, out), preexec_fn=_limit_file_size(sizes[len(sizes) // 2] - 1))
+    _one_line_error(proc, "no space left writing", "re-run the same command")
+    committed = {p.stem for p in (out / S.COMMITS_DIR).glob("*.json")}
+    assert 0 < len(committed) < 5
+    for p in (out / S.SHARDS_DIR).iterdir():
+        assert p.stem in committed and ".tmp-" not in p.name, p.name
+    _ok(run_peagle(*_args(data, tiny_llama, out)))
+    assert _snapshot(out) == _snapshot(baseline)
