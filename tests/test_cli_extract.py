@@ -99,7 +99,7 @@ def test_store_layout_matches_design(baseline):
     assert len([f for f in files if f.startswith("inputs/")]) == 1
     manifest = json.loads((baseline / S.MANIFEST_FILE).read_text())
     assert set(manifest) == {"schema_version", "target", "tokenizer_fingerprint", "chat_template_hash",
-                             "aux_layer_ids", "topk", "max_seq_len", "logprob_dtype", "loss_on", "mask_token_id",
+                             "aux_layer_ids", "topk", "max_seq_len", "logprob_dtype", "loss_on", "mask_token_id", "regenerate",
                              "num_shards", "num_samples", "num_tokens", "num_records", "num_truncated",
                              "skipped", "shards"}
     assert manifest["aux_layer_ids"] == [2, 4, 5] and manifest["topk"] == 8 and manifest["num_records"] == 22

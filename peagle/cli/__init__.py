@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault("COLUMNS", "120")
     _register()
     try:
-        app(args=argv, standalone_mode=False)
+        rc = app(args=argv, standalone_mode=False)
     except UserError as err:
         print(f"peagle: error: {err}", file=sys.stderr)
         sys.exit(2)
@@ -63,3 +63,4 @@ def main(argv: list[str] | None = None) -> None:
             err.show()
             sys.exit(err.exit_code)
         raise
+    sys.exit(rc if isinstance(rc, int) else 0)

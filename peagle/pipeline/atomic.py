@@ -32,8 +32,19 @@ def temp_path_for(path: str | os.PathLike) -> Path:
     """A fresh temp file beside ``path`` (created empty, so names never collide across writers)."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=path.parent)
-    os.close(fd)
+    try:
+        # mkstemp makes 0600 files; published files get the usual umask-based mode so that a store
+        # written by one user can be read by a training job running as another.
+        os.fchmod(fd, 0o666 & ~_umask())
+    finally:
+        os.close(fd)
     return Path(tmp)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def publish(tmp: str | os.PathLike, path: str | os.PathLike) -> None:

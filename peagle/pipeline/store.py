@@ -70,7 +70,10 @@ def read_settings(root: str | os.PathLike) -> S.StoreSettings:
 def check_same_settings(existing: S.StoreSettings, wanted: S.StoreSettings, root: Path) -> None:
     """One line naming the first field that differs, with both values."""
     old, new = _flatten(existing.to_dict()), _flatten(wanted.to_dict())
-    for key in sorted(set(old) | set(new)):
+    # The target's identity first: with another target everything differs, and its path is the
+    # value a user recognises.
+    first = [f"target.{f}" for f in ("path", "content_hash", "architecture", "dtype")]
+    for key in first + sorted((set(old) | set(new)) - set(first)):
         if old.get(key) != new.get(key):
             raise UserError(f"store {root} was made with {key}={old.get(key)!r}, this run asks for "
                             f"{key}={new.get(key)!r}; use another --out or the store's settings")

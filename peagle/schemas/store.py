@@ -78,6 +78,9 @@ class StoreSettings:
     logprob_dtype: str  # "float16" | "float32"
     loss_on: str  # which assistant turns are supervised: "all" | "last" | "per_turn"
     mask_token_id: int | None = None  # reserved token the draft uses; never present in the data
+    # --regenerate and its sampling settings ({} when assistant turns are the data's own): a store
+    # must not mix shards whose assistant turns came from different sources.
+    regenerate: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

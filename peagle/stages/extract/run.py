@@ -72,17 +72,6 @@ class ExtractSummary:
 # Planning
 
 
-def check_settings(existing: S.StoreSettings, wanted: S.StoreSettings, root: Path) -> None:
-    """Refuse to continue a store made with other settings, naming both values. A different target
-    is named by its path or content first (its config, tokenizer and template differ as a result)."""
-    for key in ("path", "content_hash", "dtype"):
-        old, new = getattr(existing.target, key), getattr(wanted.target, key)
-        if old != new:
-            raise UserError(f"store {root} was made with target.{key}={old!r}, this run asks for "
-                            f"target.{key}={new!r}; use another --out or the store's settings")
-    check_same_settings(existing, wanted, root)
-
-
 def check_fits(plan: "ExtractPlan", root: Path) -> None:
     """Refuse to start when the estimated store does not fit on the disk (DESIGN §2)."""
     if plan.estimated_bytes > plan.free_bytes:
@@ -108,7 +97,7 @@ def make_plan(config: ExtractConfig, target: Target, settings: S.StoreSettings) 
     files = input_files(config.data)
     exists = (root / S.STORE_SETTINGS_FILE).exists()
     if exists:
-        check_settings(read_settings(root), settings, root)
+        check_same_settings(read_settings(root), settings, root)
     registrations = P.read_registrations(root) if exists else []
     new = P.assign_registrations(registrations, files, config.samples_per_shard)
     notes = [f"note: {r.name} is in the store already with other content: this content gets new shards "
