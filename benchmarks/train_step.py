@@ -1,0 +1,243 @@
+"""Training-step throughput and peak memory of the P-EAGLE trainer, shaped like the reference harness.
+
+    python benchmarks/train_step.py --tiny --device cpu --out train_step_cpu.json     # CPU check
+    python benchmarks/train_step.py --out train_step_h100.json                        # one GPU, 8B shapes
+    python benchmarks/train_step.py --layers 4 --seqlens 8192 65536 --partitions 1 8 --activation-checkpointing
+
+What is timed is ``Trainer.train_step`` itself (the code `peagle train` runs): host-to-device copy
+of a pinned batch, one forward+backward per (micro-batch, segment) unit with the global-count loss,
+gradient clipping (1.0) and a fused AdamW step, fp32 master weights under bf16 autocast on CUDA.
+The batch is built beforehand by the loader's own code (``make_item`` + ``collate``: COD sampling,
+targets at supervised elements, segment plans, block-mask indices), because in training DataLoader
+workers build it off the critical path; its CPU cost is reported as ``collate_ms``.
+
+Shapes follow ../shared/anchors/speculators_gpu/bench.py: an 8B-shaped draft (hidden 4096, 32 heads,
+8 kv heads, head dim 128, intermediate 14336, target vocab 128256, draft vocab 32000, 3 aux layers,
+Llama-3.1 RoPE), K = 8, r = 0.7, r_min = 0.2, one document per row, every position but the first
+supervised, random inputs; ``--tiny`` uses the reference's tiny shapes (hidden 64, vocab 1000/300).
+Each configuration: ``--warmup`` steps (the first includes compilation: ``first_step_s``), then the
+median of ``--iters`` steps, with a device sync before every clock read. Peak memory is
+``torch.cuda.max_memory_allocated`` over the timed steps (on CPU: the process's peak RSS so far,
+which only grows). Lengths grow until one runs out of memory, then the next configuration starts.
+
+FLOP/s: ``matmul_tflops`` counts the matmuls this step executes (fc and layer-0 q/k/v on the R real
+rows plus one shared mask row, o_proj/MLP/later layers on all N elements, lm_head on the E
+supervised elements; x3 for forward + both backward matmuls, x2 for the frozen lm_head); attention
+is excluded as in the reference. ``reference_equivalent_tflops`` divides the reference harness's
+own count for the same COD length (its ``linear_flops``) by our step time, so the two are
+comparable number for number. JSON: one object per configuration, appended to ``--out`` (jsonl)
+and printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from peagle.model.draft import PEagleDraft
+from peagle.schemas.draft_config import DraftConfig
+from peagle.schemas.train_config import TrainConfig
+from peagle.stages.train.batch import CodSettings, collate, make_item
+from peagle.stages.train.loop import Trainer
+
+LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def dims(tiny: bool) -> dict:
+    if tiny:
+        return dict(hidden=64, heads=4, kv=2, head_dim=16, inter=128, vocab=1000, draft_vocab=300)
+    return dict(hidden=4096, heads=32, kv=8, head_dim=128, inter=14336, vocab=128256, draft_vocab=32000)
+
+
+def build_draft(d: dict, num_layers: int, activation_checkpointing: bool) -> PEagleDraft:
+    config = DraftConfig(hidden_size=d["hidden"], num_heads=d["heads"], num_kv_heads=d["kv"], head_dim=d["head_dim"],
+                         intermediate_size=d["inter"], rms_norm_eps=1e-5, rope_parameters=dict(LLAMA31_ROPE),
+                         num_layers=num_layers, target_hidden_size=d["hidden"], num_aux=3,
+                         target_vocab_size=d["vocab"], draft_vocab_size=d["draft_vocab"], mask_token_id=d["vocab"] - 1,
+                         max_position_embeddings=131072, aux_layer_ids=[2, 16, 29])
+    torch.manual_seed(0)
+    draft = PEagleDraft(config, activation_checkpointing=activation_checkpointing)
+    draft.set_vocab_map(torch.randperm(d["vocab"] - 1, generator=torch.Generator().manual_seed(0))[:d["draft_vocab"]]
+                        .sort().values)
+    return draft
+
+
+def make_batch(d: dict, seq_len: int, num_segments: int, attention: str, draft: PEagleDraft, seed: int = 0):
+    """One row of ``seq_len`` training positions, supervised everywhere but position 0 (and the last,
+    which has no next token), through the loader's make_item + collate."""
+    g = torch.Generator().manual_seed(seed)
+    n = seq_len + 1
+    loss_mask = torch.ones(n, dtype=torch.bool)
+    loss_mask[:3] = False  # m[p] = loss_mask[p + 2]: m[0] = 0
+    top = torch.randn(n, 32, generator=g).log_softmax(-1).sort(dim=-1, descending=True)
+    item = make_item("bench", torch.randint(0, d["vocab"] - 1, (n,), generator=g), loss_mask,
+                     torch.randn(n, 3, d["hidden"], generator=g).to(torch.bfloat16),
+                     torch.randint(0, d["vocab"] - 1, (n, 32), generator=g).to(torch.int32), top.values.half(),
+                     cod=CodSettings(num_depths=8, down_sample_ratio=0.7, down_sample_ratio_min=0.2), seed=seed,
+                     epoch=0)
+    t2d = draft.t2d.cpu()
+    target_to_draft = torch.where(t2d, torch.cumsum(t2d.long(), 0) - 1, -1)
+    start = time.perf_counter()
+    batch = collate([item], target_to_draft_V=target_to_draft, mask_token_id=d["vocab"] - 1,
+                    num_segments=num_segments, block_size=128 if attention == "flex" else None)
+    return batch, (time.perf_counter() - start) * 1e3
+
+
+def executed_matmul_flops(d: dict, num_layers: int, num_real: int, num_elements: int, num_supervised: int) -> float:
+    h, qd, kvd = d["hidden"], d["heads"] * d["head_dim"], d["kv"] * d["head_dim"]
+    fwd = (num_real + 1) * 2 * 3 * h * h  # fc on real rows + the shared mask row
+    fwd += (num_real + 1) * 2 * 2 * h * (qd + 2 * kvd)  # layer-0 q/k/v (2H wide), real rows + one mask row
+    fwd += num_elements * 2 * qd * h + num_elements * 2 * 3 * h * d["inter"]  # layer-0 o_proj + MLP
+    fwd += (num_layers - 1) * num_elements * 2 * (h * (qd + 2 * kvd) + qd * h + 3 * h * d["inter"])
+    return 3 * fwd + 2 * num_supervised * 2 * h * d["draft_vocab"]
+
+
+def reference_linear_flops(d: dict, num_layers: int, cod_len: int, seq_len: int) -> float:
+    """The reference harness's ``linear_flops`` (anchors/speculators_gpu/bench.py), same formula."""
+    h, a, v = d["hidden"], 3 * d["hidden"], d["draft_vocab"]
+    qd, kvd = d["heads"] * d["head_dim"], d["kv"] * d["head_dim"]
+    fwd = cod_len * 2 * a * h
+    for i in range(num_layers):
+        din = 2 * h if i == 0 else h
+        fwd += cod_len * 2 * din * (qd + 2 * kvd) + cod_len * 2 * qd * h + cod_len * 2 * 3 * h * d["inter"]
+    return 3 * fwd + 2 * cod_len * 2 * h * v + seq_len * 2 * h * v
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def compile_counters() -> dict:
+    try:
+        from torch._dynamo.utils import counters
+
+        return {"unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
+                "recompiles": int(sum(counters["recompiles"].values())) if "recompiles" in counters else 0}
+    except Exception:  # noqa: BLE001 - counters are diagnostics only
+        return {}
+
+
+def is_oom(err: BaseException) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def run_one(args, d, trainer: Trainer, num_layers: int, seq_len: int, num_segments: int, attention: str) -> dict:
+    device = trainer.device
+    rec = dict(kind="train_step", layers=num_layers, seq_len=seq_len, partitions=num_segments, attention=attention,
+               activation_checkpointing=args.activation_checkpointing, device=str(device), tiny=args.tiny)
+    trainer.attention = attention
+    batch, collate_ms = make_batch(d, seq_len, num_segments, attention, trainer.draft)
+    if device.type == "cuda":
+        batch = batch.pin_memory()
+    rec.update(cod_len=batch.num_elements, num_supervised=batch.num_supervised, collate_ms=round(collate_ms, 1),
+               cod_per_depth=torch.bincount(batch.depth_N).tolist())
+    warm = []
+    for _ in range(args.warmup):
+        sync(device)
+        start = time.perf_counter()
+        trainer.train_step([batch])
+        sync(device)
+        warm.append(time.perf_counter() - start)
+    before = compile_counters()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(args.iters):
+        sync(device)
+        start = time.perf_counter()
+        trainer.train_step([batch])
+        sync(device)
+        times.append(time.perf_counter() - start)
+    after = compile_counters()
+    median = statistics.median(times)
+    executed = executed_matmul_flops(d, num_layers, batch.num_tokens, batch.num_elements, batch.num_supervised)
+    reference = reference_linear_flops(d, num_layers, batch.num_elements, seq_len)
+    loss = trainer.window_metrics(1.0)["loss"]
+    rec.update(
+        status="ok", first_step_s=round(warm[0], 2) if warm else None, warmup_ms=[round(t * 1e3, 1) for t in warm],
+        step_ms=[round(t * 1e3, 2) for t in times], median_ms=round(median * 1e3, 2),
+        tokens_per_s=round(seq_len / median, 1), cod_tokens_per_s=round(batch.num_elements / median, 1),
+        matmul_tflop_per_step=round(executed / 1e12, 4), matmul_tflops=round(executed / median / 1e12, 3),
+        reference_equivalent_tflops=round(reference / median / 1e12, 3),
+        new_graphs_in_timed_steps=after.get("unique_graphs", 0) - before.get("unique_graphs", 0),
+        loss=round(loss, 4))
+    if device.type == "cuda":
+        rec["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    else:
+        rec["peak_rss_gib_process"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
+    return rec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="the reference harness's tiny shapes (CPU check)")
+    ap.add_argument("--layers", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--seqlens", type=int, nargs="+", default=None,
+                    help="row lengths L (default: 2048..65536 on GPU, 256 512 1024 with --tiny)")
+    ap.add_argument("--partitions", type=int, nargs="+", default=[1, 2, 4, 8], help="sequence partitions S")
+    ap.add_argument("--attention", nargs="+", default=None, help="flex and/or sdpa (default: both on CUDA, sdpa on CPU)")
+    ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    ap.add_argument("--out", default=None, help="jsonl file to append one object per configuration to")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    seqlens = args.seqlens or ([256, 512, 1024] if args.tiny else [2048, 4096, 8192, 16384, 32768, 65536])
+    attentions = args.attention or (["flex", "sdpa"] if device.type == "cuda" else ["sdpa"])
+    d = dims(args.tiny)
+    env = dict(kind="env", python=platform.python_version(), torch=torch.__version__, device=str(device),
+               gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+               cpu_threads=torch.get_num_threads(), argv=sys.argv[1:])
+    emit(args.out, env)
+    for num_layers in args.layers:
+        for attention in attentions:
+            for num_segments in args.partitions:
+                for seq_len in seqlens:
+                    config = TrainConfig(store=("bench",), target="bench", out="bench", num_depths=8,
+                                         sequence_partitions=num_segments, attention=attention, max_steps=10**6,
+                                         lr=1e-4, warmup_steps=0, grad_clip=1.0, weight_decay=0.01,
+                                         activation_checkpointing=args.activation_checkpointing)
+                    draft = build_draft(d, num_layers, args.activation_checkpointing)
+                    try:
+                        trainer = Trainer.for_model(config, draft.to(device))
+                        rec = run_one(args, d, trainer, num_layers, seq_len, num_segments, attention)
+                    except Exception as err:  # noqa: BLE001 - record and go on (OOM ends this length sweep)
+                        rec = dict(kind="train_step", layers=num_layers, seq_len=seq_len, partitions=num_segments,
+                                   attention=attention, status="oom" if is_oom(err) else "error",
+                                   error=f"{type(err).__name__}: {str(err)[:500]}")
+                    emit(args.out, rec)
+                    trainer = draft = None
+                    gc.collect()
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                    if rec["status"] != "ok":
+                        break
+
+
+def emit(path: str | None, rec: dict) -> None:
+    line = json.dumps(rec)
+    print(line, flush=True)
+    if path:
+        with open(Path(path), "a") as f:
+            f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""The configuration of one `peagle train` run: every CLI flag is a field, its docstring the help.
+
+Validation happens here, before any model, store or process group is touched (STYLE smell 1).
+Checks that need the target or the store (hidden size, aux layers, vocab) happen where those are
+opened. A checkpoint stores ``to_dict()``; resuming compares it field by field
+(:func:`config_mismatch`) and refuses a change, except for the fields in ``SAFE_TO_CHANGE``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from peagle.schemas.errors import UserError
+from peagle.schemas.extract_config import field_docs
+
+ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
+
+SAFE_TO_CHANGE = frozenset({
+    "out", "max_steps", "epochs", "eval_every", "save_every", "keep_checkpoints", "log_every", "num_workers",
+    "verify", "eval_store",
+})
+"""Fields a resumed run may change: they steer how long the run goes, what it reports and where it
+lives (a run directory may be moved), not what a step computes. (Changing the run length re-times
+the cosine decay from the resume step on.)"""
+
+__all__ = ["TrainConfig", "StoreSpec", "parse_store_spec", "config_mismatch", "field_docs", "SAFE_TO_CHANGE"]
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """One training store and its mixing weight (``PATH`` or ``PATH:WEIGHT``)."""
+
+    path: str
+    weight: float = 1.0
+
+
+def parse_store_spec(text: str) -> StoreSpec:
+    """``/data/a`` -> (``/data/a``, 1.0); ``/data/a:0.7`` -> (``/data/a``, 0.7).
+
+    Only a suffix that parses as a number is a weight, so paths that contain ``:`` still work.
+    """
+    path, sep, tail = str(text).rpartition(":")
+    if sep and path:
+        try:
+            weight = float(tail)
+        except ValueError:
+            return StoreSpec(str(text), 1.0)
+        if not (math.isfinite(weight) and weight > 0):
+            raise UserError(f"--store {text}: the weight after ':' must be a positive number, got {tail!r}")
+        return StoreSpec(path, weight)
+    return StoreSpec(str(text), 1.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Settings of `peagle train` (DESIGN §3-5, §7): data, draft shape, optimisation, run mechanics."""
+
+    store: tuple[str, ...]
+    """Shard store(s) written by `peagle extract`, as PATH or PATH:WEIGHT. Repeat the flag to mix
+    stores: each batch draws samples from store i with probability weight_i / sum(weights)."""
+
+    target: str
+    """Directory of the target model the stores were extracted from (config, weights, tokenizer):
+    the draft takes its shape, embeddings and lm_head rows from it."""
+
+    out: str
+    """Run directory: metrics.jsonl, checkpoints/ and run.json go here. Re-running the same command
+    resumes from the latest checkpoint in it."""
+
+    num_depths: int = 8
+    """K: how many tokens the draft proposes in parallel (depths 0..K-1 are trained)."""
+
+    down_sample_ratio: float = 0.7
+    """r: COD sampling keeps a fraction max(r^d, r_min) of the supervised positions at depth d."""
+
+    down_sample_ratio_min: float = 0.2
+    """r_min: the floor of the per-depth COD keep fraction."""
+
+    sequence_partitions: int = 1
+    """S: split each sample's COD sequence into S segments, one forward+backward each (exact: same
+    loss and gradients as S=1, with about 1/S of the activation memory). For long contexts."""
+
+    attention: str = "auto"
+    """Attention backend: `flex` (flex_attention with a block mask; needs CUDA for training), `sdpa`
+    (dense boolean mask), or `auto` (flex on CUDA, sdpa on CPU)."""
+
+    num_layers: int = 4
+    """Draft decoder layers (layer 0 reads [embeddings, fc(aux)]; the rest are plain Llama layers)."""
+
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (exclusive with --epochs). Default: one epoch."""
+
+    epochs: float | None = None
+    """Stop after this many passes over the training data (exclusive with --max-steps)."""
+
+    lr: float = 1e-4
+    """Peak learning rate of AdamW (after warmup; cosine decay to 10% of it by the last step)."""
+
+    seed: int = 0
+    """Run seed: draft init, data order and every COD draw derive from it."""
+
+    eval_store: str | None = None
+    """Store to evaluate on every --eval-every steps. Without it, a --heldout-fraction of the
+    training samples (chosen by sample_id hash) is held out for evaluation."""
+
+    draft_vocab_size: int | None = None
+    """Draft vocabulary size: the most frequent supervised target tokens, as built by `peagle vocab
+    STORE --draft-vocab-size N` on the first --store. Default: 32000, or the target's vocab when that
+    is smaller (equal to the target's vocab: no mapping, and no vocab needs building)."""
+
+    token_budget: int = 16384
+    """Original tokens per micro-batch on each rank (samples are packed up to this)."""
+
+    grad_accum: int = 1
+    """Micro-batches per optimizer step on each rank. Global batch = world size x grad_accum x
+    token_budget tokens."""
+
+    warmup_steps: int = 100
+    """Linear learning-rate warmup from 0 over this many optimizer steps."""
+
+    weight_decay: float = 0.01
+    """AdamW decoupled weight decay."""
+
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 turns clipping off)."""
+
+    max_anchors: int | None = None
+    """Cap on depth >= 1 chains sampled per sample (bounds the COD length of long samples)."""
+
+    eval_every: int = 500
+    """Evaluate every this many optimizer steps, and at the end (0: never)."""
+
+    save_every: int = 1000
+    """Write a checkpoint every this many optimizer steps, and at the end (0: only at the end)."""
+
+    keep_checkpoints: int = 3
+    """How many of the newest checkpoints to keep (older ones are deleted once a new one commits)."""
+
+    log_every: int = 10
+    """Write a metrics.jsonl line (and refresh the progress bar) every this many optimizer steps."""
+
+    num_workers: int = 2
+    """DataLoader worker processes per rank doing COD sampling, packing and mask metadata (0: in
+    the training process)."""
+
+    train_lm_head: bool = False
+    """Also train lm_head (by default it keeps the target's rows, frozen, as in the reference)."""
+
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward: less memory, about 1/3 more compute."""
+
+    fsdp: bool = False
+    """Under torchrun, shard parameters, gradients and optimizer state with FSDP2 instead of
+    replicating them with DDP (for drafts that do not fit one device with their optimizer state)."""
+
+    init_from: str | None = None
+    """Warm-start the draft from an exported P-EAGLE or EAGLE-3 draft directory (`peagle export`
+    output, or a speculators checkpoint) instead of the target's embeddings and lm_head."""
+
+    heldout_fraction: float = 0.01
+    """Share of training samples held out for evaluation when no --eval-store is given (0: none)."""
+
+    verify: bool = False
+    """Check the sha256 of every shard when opening the stores (default: sizes only)."""
+
+    def __post_init__(self) -> None:
+        store = (self.store,) if isinstance(self.store, str) else tuple(self.store or ())
+        object.__setattr__(self, "store", store)
+        if not store:
+            raise UserError("no training store: pass --store PATH (or PATH:WEIGHT; repeat to mix stores)")
+        self.stores()  # validates weights
+        if self.attention not in ATTENTION_BACKENDS:
+            raise UserError(f"--attention must be one of {'|'.join(ATTENTION_BACKENDS)}, got {self.attention!r}")
+        if self.max_steps is not None and self.epochs is not None:
+            raise UserError(f"--max-steps {self.max_steps} and --epochs {self.epochs} are exclusive; pass one")
+        for name in ("num_depths", "sequence_partitions", "num_layers", "token_budget", "grad_accum",
+                     "log_every", "keep_checkpoints"):
+            _at_least(name, getattr(self, name), 1)
+        for name in ("warmup_steps", "eval_every", "save_every", "num_workers", "seed"):
+            _at_least(name, getattr(self, name), 0)
+        for name in ("max_steps", "max_anchors", "draft_vocab_size"):
+            if getattr(self, name) is not None:
+                _at_least(name, getattr(self, name), 1)
+        if self.epochs is not None and not (math.isfinite(self.epochs) and self.epochs > 0):
+            raise UserError(f"--epochs must be > 0, got {self.epochs}")
+        if not 0 < self.down_sample_ratio <= 1:
+            raise UserError(f"--down-sample-ratio must be in (0, 1], got {self.down_sample_ratio}")
+        if not 0 <= self.down_sample_ratio_min <= 1:
+            raise UserError(f"--down-sample-ratio-min must be in [0, 1], got {self.down_sample_ratio_min}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise UserError(f"--lr must be > 0, got {self.lr}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise UserError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        if not (math.isfinite(self.grad_clip) and self.grad_clip >= 0):
+            raise UserError(f"--grad-clip must be >= 0 (0 = off), got {self.grad_clip}")
+        if not 0 <= self.heldout_fraction < 1:
+            raise UserError(f"--heldout-fraction must be in [0, 1), got {self.heldout_fraction}")
+
+    # ----------------------------------------------------------------------------------------------
+
+    def stores(self) -> list[StoreSpec]:
+        """The training stores with their weights, in the order given."""
+        return [parse_store_spec(s) for s in self.store]
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.out)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able; ``store`` as a list. Inverse of :meth:`from_dict`."""
+        d = dataclasses.asdict(self)
+        d["store"] = list(self.store)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise UserError(f"train config: unknown key {unknown[0]!r}")
+        d = dict(data)
+        if "store" in d:
+            d["store"] = tuple(d["store"])
+        return cls(**d)
+
+
+def config_mismatch(saved: dict[str, Any], current: TrainConfig) -> str | None:
+    """The first field (other than ``SAFE_TO_CHANGE``) that differs, as one line; None if none does.
+
+    Paths compare after resolving, so ``./store`` and ``/abs/store`` are the same store.
+    """
+    now = current.to_dict()
+    for f in fields(TrainConfig):
+        name = f.name
+        if name in SAFE_TO_CHANGE:
+            continue
+        old = saved.get(name, f.default)
+        new = now[name]
+        if _normalise(name, old) != _normalise(name, new):
+            return (f"--{name.replace('_', '-')} was {_show(old)} in the checkpointed run and is {_show(new)} "
+                    f"now; resume with the same value or use a new --out")
+    return None
+
+
+_PATH_FIELDS = ("target", "out", "init_from")
+
+
+def _normalise(name: str, value: Any) -> Any:
+    if value is None:
+        return None
+    if name == "store":
+        specs = [parse_store_spec(s) for s in value]
+        return [(str(Path(s.path).resolve()), s.weight) for s in specs]
+    if name in _PATH_FIELDS:
+        return str(Path(value).resolve())
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return value
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value))
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def _at_least(name: str, value: int, low: int) -> None:
+    if value < low:
+        raise UserError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")

@@ -1,0 +1,353 @@
+"""Training checkpoints: Stateful parts under constant keys, committed by one directory rename.
+
+Layout (torchtitan's, made crash-safe)::
+
+    RUN_DIR/checkpoints/
+      step-00000040/                  a checkpoint exists exactly when this name exists
+        model.pt                      the UNWRAPPED draft's state dict (no DDP/FSDP/compile prefixes)
+        optimizer.pt  lr_scheduler.pt  train_state.pt  config.pt
+        dataloader.pt  rng.pt         per-rank parts: {"world_size": W, "rank_0": ..., "rank_1": ...}
+        metadata.json                 written last: step, parts, bytes and sha256 of every file
+      .step-00000080.tmp-<pid>-<rand>/  being written (ignored; removed once its writer is dead)
+
+A save writes every part into the temp directory, fsyncs it, writes ``metadata.json``, then renames
+the directory into place and fsyncs the parent: a reader sees a whole checkpoint or none. Loading
+checks every file's size and sha256 against ``metadata.json``; a damaged newest checkpoint (a disk
+that lost data, a truncated copy) is skipped with a warning and the one before it used.
+
+Per-rank parts (data position, RNG) are gathered to rank 0, which writes everything; a resume on
+another world size is refused (the data stream of each rank would change). Every rank calls
+:func:`save_checkpoint` (gathering is a collective).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from peagle.pipeline.atomic import fsync_dir, raise_if_disk_full
+from peagle.pipeline.failpoints import failpoint
+from peagle.schemas.errors import UserError
+
+CHECKPOINTS_DIR = "checkpoints"
+METADATA_FILE = "metadata.json"
+FORMAT_VERSION = 1
+
+# The Stateful parts, under constant keys (STYLE: torchtitan's checkpoint).
+MODEL = "model"
+OPTIMIZER = "optimizer"
+LR_SCHEDULER = "lr_scheduler"
+DATALOADER = "dataloader"
+TRAIN_STATE = "train_state"
+RNG = "rng"
+CONFIG = "config"
+
+SHARED_PARTS = (MODEL, OPTIMIZER, LR_SCHEDULER, TRAIN_STATE, CONFIG)
+"""Equal on every rank (or already gathered to full tensors): rank 0's copy is written."""
+PER_RANK_PARTS = (DATALOADER, RNG)
+"""Different on every rank: gathered and stored as ``rank_i`` entries."""
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+# --------------------------------------------------------------------------------------------------
+# RNG
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG a step can draw from: torch (CPU and this rank's CUDA device), numpy, python."""
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"name": np_name, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
+                  "has_gauss": int(np_has_gauss), "gauss": float(np_gauss)},
+        "python": _python_state_to_plain(random.getstate()),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _python_state_to_plain(state: tuple) -> list:
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+# --------------------------------------------------------------------------------------------------
+# Save
+
+
+def save_checkpoint(run_dir: str | os.PathLike, step: int, state: dict[str, Any], *, keep: int) -> Path | None:
+    """Commit ``state`` (every part of ``SHARED_PARTS + PER_RANK_PARTS``) as ``step-N``; keep the newest ``keep``.
+
+    Collective under torch.distributed: per-rank parts are gathered to rank 0, which writes; the
+    other ranks wait at a barrier until the checkpoint is committed. Returns the path on rank 0.
+    """
+    missing = [k for k in (*SHARED_PARTS, *PER_RANK_PARTS) if k not in state]
+    assert not missing, f"checkpoint state lacks {missing}"
+    rank, world = _rank_world()
+    gathered = {key: _gather_to_rank0(state[key], rank, world) for key in PER_RANK_PARTS}
+    path = None
+    if rank == 0:
+        parts = {key: state[key] for key in SHARED_PARTS}
+        for key, per_rank in gathered.items():
+            parts[key] = {"world_size": world, **{f"rank_{i}": s for i, s in enumerate(per_rank)}}
+        path = _write_committed(Path(run_dir) / CHECKPOINTS_DIR, step, parts)
+        prune_checkpoints(run_dir, keep)
+    if world > 1:
+        dist.barrier()
+    return path
+
+
+def _write_committed(root: Path, step: int, parts: dict[str, Any]) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / step_dir_name(step)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=root))
+    try:
+        files = {}
+        for key, obj in parts.items():
+            name = f"{key}.pt"
+            with open(tmp / name, "wb") as f:
+                writer = _HashingWriter(f)
+                torch.save(obj, writer)
+                failpoint("train.checkpoint_write")
+                f.flush()
+                os.fsync(f.fileno())
+            files[name] = {"bytes": writer.num_bytes, "sha256": writer.sha256.hexdigest()}
+        meta = {"format_version": FORMAT_VERSION, "step": step, "parts": sorted(parts), "files": files}
+        with open(tmp / METADATA_FILE, "w") as f:
+            json.dump(meta, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(tmp)
+        failpoint("train.before_checkpoint_rename")
+        if final.exists():  # a re-run that reached the same step again: replace it whole
+            _remove_dir(final)
+        os.replace(tmp, final)
+        fsync_dir(root)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise_if_disk_full(err, tmp)
+        raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+class _HashingWriter:
+    """A write-only file wrapper that hashes what passes through (no second read of a big file)."""
+
+    def __init__(self, f: io.BufferedWriter):
+        self.f, self.sha256, self.num_bytes = f, hashlib.sha256(), 0
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        self.num_bytes += len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def prune_checkpoints(run_dir: str | os.PathLike, keep: int) -> None:
+    """Delete all but the newest ``keep`` checkpoints, and temp dirs whose writer is dead."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    for path in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        _remove_dir(path)
+    for tmp in root.glob(".step-*.tmp-*"):
+        with contextlib.suppress(ValueError, IndexError):
+            pid = int(tmp.name.split(".tmp-")[1].split("-")[0])
+            if pid != os.getpid() and not _pid_alive(pid):
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove_dir(path: Path) -> None:
+    """Rename away first, so a crash mid-delete never leaves a half-deleted ``step-N`` behind."""
+    doomed = path.with_name(f".deleted-{path.name}-{os.getpid()}")
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# --------------------------------------------------------------------------------------------------
+# Find and load
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Committed checkpoint directories, oldest first (validity is not checked here)."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why ``path`` is not a usable checkpoint (missing metadata, missing file, size or sha256), or None."""
+    meta_path = path / METADATA_FILE
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        return f"{METADATA_FILE} unreadable ({type(err).__name__})"
+    if meta.get("format_version") != FORMAT_VERSION:
+        return f"format_version {meta.get('format_version')} (this peagle reads {FORMAT_VERSION})"
+    for name, info in meta.get("files", {}).items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != info["bytes"]:
+            return f"{name} has {file.stat().st_size} bytes, metadata says {info['bytes']}"
+        if _sha256(file) != info["sha256"]:
+            return f"{name} sha256 does not match its metadata"
+    expected = {f"{k}.pt" for k in (*SHARED_PARTS, *PER_RANK_PARTS)}
+    if not expected <= set(meta.get("files", {})):
+        return f"parts {sorted(expected - set(meta.get('files', {})))} are missing"
+    return None
+
+
+def latest_valid_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The newest checkpoint whose files match their checksums; damaged newer ones are warned about."""
+    for path in reversed(list_checkpoints(run_dir)):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        print(f"peagle: warning: checkpoint {path} is damaged ({problem}); trying the one before it",
+              file=sys.stderr)
+    return None
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(json.loads((path / METADATA_FILE).read_text())["step"])
+
+
+def load_checkpoint(path: str | os.PathLike, *, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Every part of a checkpoint, per-rank parts reduced to this rank's entry.
+
+    Raises:
+        UserError: when the checkpoint was written by another world size.
+    """
+    path = Path(path)
+    rank, world = _rank_world()
+    state = {}
+    for key in (*SHARED_PARTS, *PER_RANK_PARTS):
+        state[key] = torch.load(path / f"{key}.pt", map_location=map_location, weights_only=True)
+    for key in PER_RANK_PARTS:
+        saved_world = state[key]["world_size"]
+        if saved_world != world:
+            raise UserError(f"checkpoint {path} was written by {saved_world} processes, this run has {world}; "
+                            "resume with the same number of processes (or use a new --out)")
+        state[key] = state[key][f"rank_{rank}"]
+    return state
+
+
+def read_checkpoint_part(path: str | os.PathLike, key: str) -> Any:
+    """One part of a checkpoint (e.g. CONFIG, to compare before loading the rest)."""
+    return torch.load(Path(path) / f"{key}.pt", map_location="cpu", weights_only=True)
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _gather_to_rank0(obj: Any, rank: int, world: int) -> list[Any] | None:
+    if world == 1:
+        return [obj]
+    out = [None] * world if rank == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def _sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------
+# Warm start (--init-from)
+
+
+def load_warm_start(draft: torch.nn.Module, export_dir: str | os.PathLike) -> str:
+    """Copy the weights of an exported P-EAGLE / EAGLE-3 draft (``model.safetensors``) into ``draft``.
+
+    The export key names equal the draft's state-dict keys (DESIGN §6). Tensors with the same name
+    and shape are copied; the draft vocab must be the same one (``d2t``). Keys the export lacks (an
+    EAGLE-3 draft has no ``mask_hidden``; fewer layers) keep their initial values and are named in
+    the returned summary line.
+
+    Raises:
+        UserError: missing files, a shape that differs, or another draft vocab.
+    """
+    from safetensors.torch import load_file
+
+    path = Path(export_dir) / "model.safetensors"
+    if not path.is_file():
+        raise UserError(f"--init-from {export_dir}: no model.safetensors there (expected a `peagle export` "
+                        "or speculators draft directory)")
+    tensors = load_file(str(path))
+    own = draft.state_dict()
+    if "d2t" in tensors and "d2t" in own and not torch.equal(tensors["d2t"].long(), own["d2t"].long().cpu()):
+        raise UserError(f"--init-from {export_dir} was trained with another draft vocab (d2t differs); "
+                        "use the same --draft-vocab-size and store vocab")
+    loaded, kept = [], []
+    with torch.no_grad():
+        for name, value in own.items():
+            if name in ("d2t", "t2d"):
+                continue
+            if name not in tensors:
+                kept.append(name)
+                continue
+            if tuple(tensors[name].shape) != tuple(value.shape):
+                raise UserError(f"--init-from {export_dir}: {name} has shape {tuple(tensors[name].shape)}, this "
+                                f"draft's is {tuple(value.shape)}")
+            value.copy_(tensors[name].to(value.dtype))
+            loaded.append(name)
+    summary = f"warm start from {export_dir}: {len(loaded)} tensors loaded"
+    if kept:
+        summary += f"; {len(kept)} kept at init ({', '.join(kept[:4])}{', ...' if len(kept) > 4 else ''})"
+    return summary

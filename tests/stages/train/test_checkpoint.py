@@ -1,0 +1,169 @@
+"""Checkpoints: committed by rename, checked by sha256, pruned, refused on a changed config or world."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from peagle.schemas.errors import UserError
+from peagle.schemas.train_config import TrainConfig, config_mismatch
+from peagle.stages.train import checkpoint as ckpt
+
+
+def make_state(value: float = 1.0, world: int = 1) -> dict:
+    return {
+        ckpt.MODEL: {"w": torch.full((3, 4), value), "b": torch.arange(4.0)},
+        ckpt.OPTIMIZER: {"state": {"w": {"exp_avg": torch.ones(3, 4) * value}}, "param_groups": [{"lr": 0.1}]},
+        ckpt.LR_SCHEDULER: {"last_epoch": 7},
+        ckpt.TRAIN_STATE: {"step": 7, "tokens_seen": 123},
+        ckpt.CONFIG: {"train_config": {"lr": 0.1}, "draft_config": {}},
+        ckpt.DATALOADER: {"version": 1, "epoch": 0, "batch_in_epoch": 7},
+        ckpt.RNG: ckpt.rng_state(),
+    }
+
+
+def test_save_commits_a_whole_directory_and_loads_back(tmp_path):
+    path = ckpt.save_checkpoint(tmp_path, 7, make_state(), keep=3)
+    assert path == tmp_path / "checkpoints" / "step-00000007"
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000007"]  # no temp left
+    meta = json.loads((path / ckpt.METADATA_FILE).read_text())
+    assert meta["step"] == 7 and set(meta["files"]) == {f"{k}.pt" for k in ckpt.SHARED_PARTS + ckpt.PER_RANK_PARTS}
+    assert ckpt.checkpoint_problem(path) is None
+    state = ckpt.load_checkpoint(path)
+    assert torch.equal(state[ckpt.MODEL]["w"], torch.ones(3, 4))
+    assert state[ckpt.DATALOADER] == {"version": 1, "epoch": 0, "batch_in_epoch": 7}  # this rank's entry
+    assert ckpt.checkpoint_step(path) == 7
+
+
+def test_keeps_the_newest_k(tmp_path):
+    for step in (2, 4, 6, 8):
+        ckpt.save_checkpoint(tmp_path, step, make_state(step), keep=2)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-00000006", "step-00000008"]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000006", "step-00000008"]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "no_metadata", "missing_file"])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys, damage):
+    ckpt.save_checkpoint(tmp_path, 2, make_state(2), keep=3)
+    newest = ckpt.save_checkpoint(tmp_path, 4, make_state(4), keep=3)
+    model = newest / "model.pt"
+    if damage == "flip":
+        data = bytearray(model.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        model.write_bytes(bytes(data))
+    elif damage == "truncate":
+        model.write_bytes(model.read_bytes()[:-10])
+    elif damage == "no_metadata":
+        (newest / ckpt.METADATA_FILE).unlink()
+    else:
+        (newest / "rng.pt").unlink()
+    assert ckpt.checkpoint_problem(newest) is not None
+    assert ckpt.latest_valid_checkpoint(tmp_path).name == "step-00000002"
+    warning = capsys.readouterr().err
+    assert "step-00000004" in warning and "damaged" in warning and len(warning.strip().splitlines()) == 1
+
+
+def test_temp_directories_are_invisible_and_cleaned_once_their_writer_is_dead(tmp_path):
+    root = tmp_path / "checkpoints"
+    (root / ".step-00000009.tmp-999999999-abc").mkdir(parents=True)  # a writer that no longer exists
+    (root / ".step-00000009.tmp-999999999-abc" / "model.pt").write_bytes(b"half")
+    assert ckpt.list_checkpoints(tmp_path) == [] and ckpt.latest_valid_checkpoint(tmp_path) is None
+    ckpt.save_checkpoint(tmp_path, 1, make_state(), keep=3)
+    assert sorted(os.listdir(root)) == ["step-00000001"]
+
+
+def test_killed_before_the_rename_leaves_only_the_previous_checkpoint(tmp_path):
+    """SIGKILL between the last fsync and the rename (failpoint): the new step does not exist."""
+    ckpt.save_checkpoint(tmp_path, 2, make_state(2), keep=3)
+    script = ("import sys; from test_checkpoint import make_state; from peagle.stages.train import checkpoint as c; "
+              f"c.save_checkpoint({str(tmp_path)!r}, 4, make_state(4), keep=3)")
+    env = {**os.environ, "PEAGLE_FAILPOINT": "train.before_checkpoint_rename",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    leftovers = [p.name for p in (tmp_path / "checkpoints").iterdir()]
+    assert len(leftovers) == 2 and any(name.startswith(".step-00000004.tmp-") for name in leftovers)
+    assert ckpt.latest_valid_checkpoint(tmp_path).name == "step-00000002"
+    ckpt.save_checkpoint(tmp_path, 4, make_state(4), keep=3)  # the re-run commits it and sweeps the temp
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000002", "step-00000004"]
+
+
+def test_a_failed_write_leaves_no_checkpoint(tmp_path):
+    state = make_state()
+    state[ckpt.TRAIN_STATE] = {"unpicklable": lambda: None}
+    with pytest.raises(Exception):
+        ckpt.save_checkpoint(tmp_path, 3, state, keep=3)
+    assert os.listdir(tmp_path / "checkpoints") == []
+
+
+def test_rng_state_round_trip():
+    state = ckpt.rng_state()
+    first = (torch.rand(3), np.random.rand(3), random.random())
+    torch.manual_seed(123), np.random.seed(5), random.seed(9)
+    ckpt.set_rng_state(state)
+    again = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(first[0], again[0]) and np.array_equal(first[1], again[1]) and first[2] == again[2]
+
+
+def test_loading_on_another_world_size_is_refused(tmp_path):
+    path = ckpt.save_checkpoint(tmp_path, 1, make_state(), keep=3)
+    # Rewrite the per-rank part as a 2-rank run would have, keeping checksums right.
+    torch.save({"world_size": 2, "rank_0": {}, "rank_1": {}}, path / "dataloader.pt")
+    with pytest.raises(UserError, match="written by 2 processes, this run has 1"):
+        ckpt.load_checkpoint(path)
+
+
+# ------------------------------------------------------------------------------------------------
+# Config changes on resume
+
+
+def config(**kw) -> TrainConfig:
+    return TrainConfig(**{"store": ("s",), "target": "t", "out": "o", **kw})
+
+
+def test_a_changed_config_names_the_field_and_both_values():
+    saved = config(lr=1e-4).to_dict()
+    line = config_mismatch(saved, config(lr=3e-4))
+    assert line is not None and "--lr" in line and "0.0001" in line and "0.0003" in line and "\n" not in line
+    assert "--num-layers was 4" in config_mismatch(saved, config(num_layers=2))
+
+
+def test_safe_fields_may_change_and_paths_compare_resolved(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    saved = config(max_steps=10, store=("s",)).to_dict()
+    assert config_mismatch(saved, config(max_steps=50, eval_every=3, store=(str(tmp_path / "s"),))) is None
+    assert config_mismatch(saved, config(max_steps=10, store=("s:0.5",))) is not None
+
+
+# ------------------------------------------------------------------------------------------------
+# --init-from
+
+
+def test_warm_start_copies_matching_tensors_and_names_the_rest(tmp_path):
+    sys.path.insert(0, str(Path(__file__).parent))  # sibling test helpers, whatever pytest's import mode
+    from test_partition_equivalence import tiny_draft
+
+    source, fresh = tiny_draft(seed=1), tiny_draft(seed=2)
+    tensors = {k: v.contiguous() for k, v in source.state_dict().items() if k != "mask_hidden"}  # an EAGLE-3 draft
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    summary = ckpt.load_warm_start(fresh, tmp_path)
+    assert "kept at init (mask_hidden)" in summary
+    assert torch.equal(fresh.fc.weight, source.fc.weight)
+    assert not torch.equal(fresh.mask_hidden, source.mask_hidden)
+
+    tensors["fc.weight"] = tensors["fc.weight"][:, :5].contiguous()
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(UserError, match="fc.weight has shape"):
+        ckpt.load_warm_start(fresh, tmp_path)
+    with pytest.raises(UserError, match="no model.safetensors"):
+        ckpt.load_warm_start(fresh, tmp_path / "nowhere")

@@ -1,0 +1,148 @@
+"""torchrun --nproc-per-node 2 on CPU (gloo) trains exactly like one process with the same global batch,
+with DDP and with FSDP2 (whose checkpoint also resumes exactly).
+
+This file is also the torchrun script: ``python -m torch.distributed.run --nproc-per-node 2 test_ddp.py
+OUT`` runs ``_worker`` on each rank (rank r takes micro-batch r of every step); the test runs it and
+one process that takes both micro-batches of every step (grad_accum 2), and compares the per-step
+losses and the final weights. A real ``peagle train`` under torchrun is checked too: it runs, its
+checkpoint records two ranks, and a resume with another world size is refused in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from peagle.schemas.train_config import TrainConfig
+from peagle.stages.train import checkpoint as ckpt
+from peagle.stages.train.loop import Trainer
+
+HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))  # sibling test helpers, also when run as a torchrun script
+from test_partition_equivalence import batch_of, random_items, tiny_draft  # noqa: E402
+
+NUM_STEPS = 3
+
+
+def _failure(proc: subprocess.CompletedProcess) -> str:
+    """The ranks' own error lines first (torchrun's summary at the end says little)."""
+    lines = (proc.stdout + proc.stderr).splitlines()
+    return "\n".join([line for line in lines if "rank" in line and "]:" in line][-40:] + lines[-15:])
+
+
+def _micro_batches(step: int, rank: int):
+    """Micro-batch ``rank`` of ``step``: a few packed random samples (deterministic)."""
+    lengths = [[31, 14], [40], [9, 22, 17], [36]][(step + rank) % 4]
+    return batch_of(random_items(1000 * step + rank, lengths), 2)
+
+
+def _trainer(world_size: int, *, fsdp: bool = False) -> Trainer:
+    config = TrainConfig(store=("unused",), target="unused", out="unused", num_depths=5, sequence_partitions=2,
+                         attention="sdpa", max_steps=NUM_STEPS + 1, grad_accum=2 // world_size, lr=3e-3,
+                         warmup_steps=1, fsdp=fsdp)
+    return Trainer.for_model(config, tiny_draft(num_layers=2))
+
+
+def _steps(trainer, world_size: int, rank: int, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        micro = [_micro_batches(step, r) for r in range(2)] if world_size == 1 else [_micro_batches(step, rank)]
+        trainer.train_step(micro)
+        losses.append(trainer.window_metrics(1.0)["loss"])
+    return losses
+
+
+def _weights(trainer) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(trainer.draft, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _run(world_size: int, rank: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    trainer = _trainer(world_size)
+    losses = _steps(trainer, world_size, rank, range(NUM_STEPS))
+    return losses, {k: v.detach().clone() for k, v in _weights(trainer).items()}
+
+
+def _worker(out: str) -> None:
+    """DDP steps; FSDP2 steps; an FSDP2 checkpoint written, loaded into a fresh trainer, trained on."""
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    ddp_losses, ddp_weights = _run(2, rank)
+    fsdp = _trainer(2, fsdp=True)
+    fsdp_losses = _steps(fsdp, 2, rank, range(NUM_STEPS))
+    fsdp_weights = _weights(fsdp)
+    path = ckpt.save_checkpoint(Path(out).parent / "fsdp_run", NUM_STEPS, fsdp.state_dict(), keep=1)
+    fresh = _trainer(2, fsdp=True)
+    fresh.load_state_dict(ckpt.load_checkpoint(ckpt.latest_valid_checkpoint(Path(out).parent / "fsdp_run")))
+    resumed_weights = _weights(fresh)
+    next_losses = [_steps(t, 2, rank, range(NUM_STEPS, NUM_STEPS + 1))[0] for t in (fsdp, fresh)]
+    if rank == 0:
+        assert path is not None
+        torch.save({"losses": ddp_losses, "weights": ddp_weights, "fsdp_losses": fsdp_losses,
+                    "fsdp_weights": fsdp_weights, "resumed_weights": resumed_weights, "next_losses": next_losses},
+                   out)
+    fresh.close()
+
+
+def test_torchrun_two_processes_equal_one_process_with_the_same_global_batch(tmp_path):
+    out = tmp_path / "ddp.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--standalone", str(HERE), str(out)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, _failure(proc)
+    ddp = torch.load(out)
+    losses, weights = _run(1, 0)
+    assert ddp["losses"] == pytest.approx(losses, rel=1e-5)
+    assert len(set(losses)) == NUM_STEPS  # the steps did train
+    for name, value in weights.items():
+        torch.testing.assert_close(ddp["weights"][name], value, rtol=1e-4, atol=1e-6, msg=name)
+    # FSDP2 (--fsdp) trains the same, and its checkpoint (full tensors, unwrapped keys) resumes exactly.
+    assert ddp["fsdp_losses"] == pytest.approx(losses, rel=1e-5)
+    assert ddp["fsdp_weights"].keys() == weights.keys()
+    for name, value in weights.items():
+        torch.testing.assert_close(ddp["fsdp_weights"][name], value, rtol=1e-4, atol=1e-6, msg=name)
+        assert torch.equal(ddp["resumed_weights"][name], ddp["fsdp_weights"][name]), name
+    assert ddp["next_losses"][0] == ddp["next_losses"][1]
+
+
+@pytest.mark.slow
+def test_peagle_train_under_torchrun(tmp_path, tiny_store):
+    """The real CLI on two gloo ranks: metrics, a checkpoint of both ranks' data state, one-line refusal."""
+    from peagle.stages.train.vocab import build_draft_vocab
+
+    build_draft_vocab(tiny_store.root, 128)
+    run = tmp_path / "run"
+
+    def args(max_steps: int) -> list[str]:
+        return ["train", "--store", str(tiny_store.root), "--target", str(tiny_store.target_dir), "--out", str(run),
+                "--max-steps", str(max_steps), "--num-layers", "1", "--token-budget", "128",
+                "--draft-vocab-size", "128", "--num-workers", "0", "--log-every", "1", "--num-depths", "3",
+                "--heldout-fraction", "0"]
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--standalone", "-m", "peagle", *args(2)], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, _failure(proc)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]  # rank 0 alone writes
+    data = torch.load(run / "checkpoints" / "step-00000002" / "dataloader.pt")
+    assert data["world_size"] == 2 and {"rank_0", "rank_1"} <= set(data)
+
+    proc = subprocess.run([sys.executable, "-m", "peagle", *args(3)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1].startswith("peagle: error:"), proc.stderr[-2000:]
+    assert "2 processes" in proc.stderr and "Traceback" not in proc.stderr
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])

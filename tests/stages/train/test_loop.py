@@ -1,0 +1,137 @@
+"""The trainer in-process on a real tiny store: steps, metrics, eval, checkpoints, exact resume."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from peagle.model.draft import PEagleDraft
+from peagle.schemas.errors import UserError
+from peagle.schemas.train_config import TrainConfig
+from peagle.stages.train import checkpoint as ckpt
+from peagle.stages.train.loop import Trainer, resolve_attention, run_training
+from peagle.stages.train.step import lr_factor
+sys.path.insert(0, str(Path(__file__).parent))  # sibling test helpers, whatever pytest's import mode
+from test_partition_equivalence import assert_same, loss_and_grads, random_items  # noqa: E402
+
+
+def test_lr_warms_up_then_decays_to_a_tenth():
+    factors = [lr_factor(s, 4, 20) for s in range(20)]
+    assert factors[:4] == pytest.approx([0.2, 0.4, 0.6, 0.8]) and factors[4] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(factors[4:], factors[5:])) and lr_factor(20, 4, 20) == pytest.approx(0.1)
+
+
+def test_attention_auto_is_sdpa_on_cpu_and_flex_is_refused_there():
+    assert resolve_attention("auto", torch.device("cpu")) == "sdpa"
+    with pytest.raises(UserError, match="--attention flex needs a CUDA device"):
+        resolve_attention("flex", torch.device("cpu"))
+
+
+def test_micro_batches_are_not_averaged_one_count_normalises_the_step():
+    """Two micro-batches give the loss and gradients of one batch packing the same samples."""
+    a, b = random_items(7, [40, 13]), random_items(8, [29])
+    assert_same(loss_and_grads([a + b], 1), loss_and_grads([a, b], 1))
+
+
+def test_activation_checkpointing_changes_memory_not_results():
+    micro = [random_items(9, [45, 20])]
+    assert_same(loss_and_grads(micro, 2), loss_and_grads(micro, 2, activation_checkpointing=True))
+
+
+# ------------------------------------------------------------------------------------------------
+# Whole runs on the tiny store (identity draft vocab: no vocab files needed)
+
+
+def run_config(tiny, out, **kw) -> TrainConfig:
+    base = dict(store=(str(tiny.root),), target=str(tiny.target_dir), out=str(out), num_layers=1, num_depths=4,
+                token_budget=256, draft_vocab_size=tiny.vocab_size, max_steps=4, lr=2e-3, warmup_steps=1,
+                log_every=1, save_every=2, eval_every=2, heldout_fraction=0.25, num_workers=0)
+    return TrainConfig(**{**base, **kw})
+
+
+def metrics(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, tiny_store):
+    out = tmp_path_factory.mktemp("runs") / "straight"
+    run_training(run_config(tiny_store, out))
+    return out
+
+
+def test_a_run_writes_metrics_evals_and_checkpoints(finished_run):
+    records = metrics(finished_run)
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    for r in train:
+        assert math.isfinite(r["loss"]) and r["loss"] > 0 and 0 <= r["data_wait_share"] <= 1
+        assert len(r["depth_loss"]) == len(r["depth_agreement"]) == len(r["depth_count"]) == 4
+        assert r["depth_count"][0] > 0 and r["tokens_per_s"] > 0 and r["acceptance_length_estimate"] >= 1
+    assert train[-1]["loss"] < train[0]["loss"]  # it learns
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [2, 4]
+    assert [p.name for p in ckpt.list_checkpoints(finished_run)] == ["step-00000002", "step-00000004"]
+    run_info = json.loads((finished_run / "run.json").read_text())
+    assert run_info["train_config"]["max_steps"] == 4 and run_info["draft_config"]["num_layers"] == 1
+
+
+def test_the_checkpoint_holds_the_unwrapped_draft(finished_run):
+    from peagle.schemas.draft_config import DraftConfig
+
+    path = ckpt.latest_valid_checkpoint(finished_run)
+    state = ckpt.load_checkpoint(path)
+    fresh = PEagleDraft(DraftConfig.from_dict(state[ckpt.CONFIG]["draft_config"]))
+    assert set(state[ckpt.MODEL]) == set(fresh.state_dict())
+    assert state[ckpt.TRAIN_STATE]["step"] == 4 and state[ckpt.TRAIN_STATE]["tokens_seen"] > 0
+
+
+def test_resume_from_an_earlier_checkpoint_reproduces_the_run(finished_run, tmp_path, tiny_store):
+    out = tmp_path / "resumed"
+    shutil.copytree(finished_run, out)
+    shutil.rmtree(out / "checkpoints" / "step-00000004")  # as if killed after the step-2 checkpoint
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": 3, "loss": 123.0}\n{"kind": "tra')  # a half-written tail
+    run_training(run_config(tiny_store, out))
+    assert metrics(out) == [r | ({} if r["kind"] == "eval" else {k: r2[k] for k in TIMING})
+                            for r, r2 in zip(metrics(finished_run), metrics(out))]
+    a = torch.load(finished_run / "checkpoints" / "step-00000004" / "model.pt")
+    b = torch.load(out / "checkpoints" / "step-00000004" / "model.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+TIMING = ("tokens_per_s", "data_wait_share", "step_time_s")
+
+
+def test_resume_refuses_a_changed_setting_and_allows_more_steps(finished_run, tmp_path, tiny_store, capsys):
+    out = tmp_path / "changed"
+    shutil.copytree(finished_run, out)
+    with pytest.raises(UserError, match=r"--lr was 0.002 in the checkpointed run and is 0.001 now"):
+        run_training(run_config(tiny_store, out, lr=1e-3))
+    run_training(run_config(tiny_store, out, max_steps=5))
+    assert [r["step"] for r in metrics(out) if r["kind"] == "train"] == [1, 2, 3, 4, 5]
+    run_training(run_config(tiny_store, out, max_steps=5))  # finished: nothing to do
+    assert "nothing to do" in capsys.readouterr().err
+
+
+def test_epochs_become_a_step_count(tiny_store, tmp_path):
+    trainer = Trainer(run_config(tiny_store, tmp_path / "e", max_steps=None, epochs=1.0, grad_accum=2))
+    trainer.build()
+    try:
+        assert trainer.total_steps == trainer.loader.num_batches // 2
+    finally:
+        trainer.close()
+
+
+def test_store_and_vocab_errors_are_one_line(tiny_store, tmp_path):
+    with pytest.raises(UserError, match="has no draft vocab of size 200; build it with `peagle vocab"):
+        Trainer(run_config(tiny_store, tmp_path / "v", draft_vocab_size=200)).build()
+    with pytest.raises(UserError, match="is not a peagle store"):
+        Trainer(run_config(tiny_store, tmp_path / "v", store=(str(tmp_path),))).build()
+    with pytest.raises(UserError, match="is not a model directory"):
+        Trainer(run_config(tiny_store, tmp_path / "v", target=str(tmp_path))).build()
