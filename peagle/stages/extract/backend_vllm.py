@@ -11,10 +11,15 @@ the target's own final RMSNorm and lm_head, loaded from its safetensors: this is
 vLLM's layer ids are HF ``hidden_states`` ids for i < N; at i = N vLLM has the pre-norm state while
 HF's ``hidden_states[N]`` is normed, which is why the head applies the norm itself.
 
-Pitfalls this module handles: the engine must run in its own process (in-process,
-``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the last request's dump is never written); on a CPU build
-the KV-cache size is set explicitly, else vLLM asks for 92% of RAM and refuses to start when that
-much is not free; prefix caching is off so every token's state comes from its own request's forward.
+Pitfalls this module handles:
+* A killed driver leaves vLLM's engine processes running (holding the model, the KV cache, the GPU):
+  ``EngineReaper`` stops them.
+* The engine must run in its own process: in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) the last
+  request's dump is never written.
+* On a CPU build the KV-cache size is set explicitly, else vLLM asks for 92% of RAM and refuses to
+  start when that much is not free.
+* Prefix caching is off, so every token's state comes from its own request's forward.
+* vLLM writes LD_PRELOAD, LOCAL_WORLD_SIZE, ... into ``os.environ`` for its children; we undo it.
 
 Shape legend: T tokens of one sample, N target layers, L dumped layers, A aux layers,
 H hidden size, V target vocab, K top-k.
@@ -26,7 +31,6 @@ import contextlib
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,7 +44,6 @@ from peagle.stages.extract.backend import TargetOutput
 # The staging dir holds the dumps of one engine call at a time; a call is split so that its dumps
 # take at most this share of the staging filesystem's free space.
 _STAGING_SHARE = 0.5
-_SHM_MIN_FREE_BYTES = 1 << 30
 # Logit rows are computed in chunks of at most this many bytes of fp32 [rows, V].
 _HEAD_CHUNK_BYTES = 256 << 20
 _CPU_KV_CACHE_BYTES = 1 << 30
@@ -53,6 +56,20 @@ _EMBED_KEYS = (
     "model.language_model.embed_tokens.weight",
     "language_model.model.embed_tokens.weight",
 )
+
+
+@contextlib.contextmanager
+def _environ_kept() -> Iterator[None]:
+    """Undo what vLLM writes into ``os.environ`` (LD_PRELOAD, LD_LIBRARY_PATH, LOCAL_WORLD_SIZE,
+    VLLM_WORKER_MULTIPROC_METHOD, ...): meant for its own processes, it must not leak into the
+    subprocesses and libraries this process uses afterwards (e.g. the rest of a test session)."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        if dict(os.environ) != saved:
+            os.environ.clear()
+            os.environ.update(saved)
 
 
 class TargetHead:
@@ -119,8 +136,9 @@ class VllmBackend:
         tensor_parallel_size, gpu_memory_utilization, enforce_eager, seed: passed to ``vllm.LLM``
             (``enforce_eager`` defaults to True on CPU, where graph compilation only costs time).
         engine_kwargs: any further ``vllm.LLM`` keyword arguments (they win over ours).
-        staging_dir: where the connector writes dumps; default a fresh dir on ``/dev/shm`` when it
-            has ≥ 1 GiB free, else in the system temp dir. Removed by ``close``.
+        staging_dir: where the connector writes dumps; default a fresh ``StagingDir`` (on
+            ``/dev/shm`` when it has ≥ 1 GiB free), removed by ``close`` or, after a crash, by the
+            next run.
         head_device: where the top-k head runs; default ``cuda`` when available, else ``cpu``.
 
     Raises:
@@ -129,6 +147,7 @@ class VllmBackend:
 
     name = "vllm"
 
+    @_environ_kept()
     def __init__(
         self,
         target_dir: str | Path,
@@ -171,8 +190,10 @@ class VllmBackend:
         self.max_seq_len = max_seq_len
         # vLLM hands back the dumped layers in ascending order: the aux layers, then N.
         self._dump_ids = [*self.aux_layer_ids, self.num_layers]
-        self._owns_staging = staging_dir is None
-        self.staging_dir = Path(staging_dir) if staging_dir is not None else _make_staging_dir()
+        from peagle.stages.extract.vllm_connector import StagingDir
+
+        self._owned_staging = StagingDir() if staging_dir is None else None
+        self.staging_dir = self._owned_staging.path if self._owned_staging else Path(staging_dir)
         self.staging_dir.mkdir(parents=True, exist_ok=True)
         self._head_device = torch.device(head_device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self._head: TargetHead | None = None
@@ -194,7 +215,9 @@ class VllmBackend:
         self._engine_kwargs = dict(engine_kwargs or {})
         self._llm: Any = None
         self._llm_kind: str | None = None
+        self._reaper: Any = None
 
+    @_environ_kept()
     def run(self, token_ids: list[list[int]]) -> list[TargetOutput]:
         """One ``TargetOutput`` per sample, in order (aux in the engine dtype, top-k on the CPU)."""
         for ids in token_ids:
@@ -208,6 +231,7 @@ class VllmBackend:
             outputs.extend(self._run_group(group))
         return outputs
 
+    @_environ_kept()
     def generate(
         self,
         prompts_token_ids: list[list[int]],
@@ -235,8 +259,7 @@ class VllmBackend:
             for i in range(len(prompts_token_ids))
         ]
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompts_token_ids]
-        with _environ_kept():
-            results = llm.generate(prompts, params, use_tqdm=False)
+        results = llm.generate(prompts, params, use_tqdm=False)
         completions = []
         for result in results:
             out = result.outputs[0]
@@ -248,8 +271,8 @@ class VllmBackend:
     def close(self) -> None:
         """Stop the engine processes and remove the staging dir (if we made it)."""
         self._shutdown_engine()
-        if self._owns_staging:
-            shutil.rmtree(self.staging_dir, ignore_errors=True)
+        if self._owned_staging is not None:
+            self._owned_staging.close()
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -274,8 +297,10 @@ class VllmBackend:
                 "kv_connector_extra_config": {"shared_storage_path": str(self.staging_dir)},
             }
         kwargs.update(self._engine_kwargs)
-        with _environ_kept():
-            self._llm = self._vllm.LLM(**kwargs)
+        from peagle.stages.extract.vllm_reaper import EngineReaper
+
+        self._reaper = EngineReaper()  # before the engine starts: a kill mid-start must not orphan it
+        self._llm = self._vllm.LLM(**kwargs)
         self._llm_kind = kind
         if self._head is None and kind == "extract":
             dtype = self._llm.llm_engine.model_config.dtype
@@ -288,6 +313,9 @@ class VllmBackend:
             self._llm.llm_engine.engine_core.shutdown(timeout=_SHUTDOWN_TIMEOUT_S)
             self._llm = None
             self._llm_kind = None
+        if self._reaper is not None:
+            self._reaper.close()
+            self._reaper = None
 
     def _groups_that_fit(self, token_ids: list[list[int]]) -> list[list[list[int]]]:
         """Split a call so that one group's dumps use at most half the staging space left."""
@@ -313,8 +341,7 @@ class VllmBackend:
         assert self._head is not None and self._llm_kind == "extract"
         params = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in token_ids]
-        with _environ_kept():
-            results = self._llm.generate(prompts, params, use_tqdm=False)
+        results = self._llm.generate(prompts, params, use_tqdm=False)
         dumps_TLH = []
         for ids, result in zip(token_ids, results, strict=True):
             tensors = read_hidden_states(result.kv_transfer_params["hidden_states_path"])
@@ -328,26 +355,6 @@ class VllmBackend:
             aux_TAH = dump_TLH[:, :-1].contiguous()  # drop layer N: only the head needed it
             outputs.append(TargetOutput(aux_TAH=aux_TAH, topk_ids_TK=ids_part, topk_logprobs_TK=lp_part))
         return outputs
-
-
-@contextlib.contextmanager
-def _environ_kept() -> Iterator[None]:
-    """Undo what vLLM writes into ``os.environ`` (LD_PRELOAD, LD_LIBRARY_PATH, LOCAL_WORLD_SIZE,
-    VLLM_WORKER_MULTIPROC_METHOD, ...): meant for its own processes, it must not leak into the
-    subprocesses and libraries this process uses afterwards (e.g. the rest of a test session)."""
-    saved = dict(os.environ)
-    try:
-        yield
-    finally:
-        if dict(os.environ) != saved:
-            os.environ.clear()
-            os.environ.update(saved)
-
-
-def _make_staging_dir() -> Path:
-    shm = Path("/dev/shm")
-    use_shm = shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free >= _SHM_MIN_FREE_BYTES
-    return Path(tempfile.mkdtemp(prefix="peagle-vllm-", dir=shm if use_shm else None))
 
 
 def _text_config(target_dir: Path) -> dict[str, Any]:

@@ -8,6 +8,9 @@ each finished request's rows into one safetensors file (``hidden_states`` ``[T, 
 CPU-only build. This subclass keeps its file protocol (async write from a thread pool, a ``.lock``
 companion file held exclusively until the write is done) and only replaces the copy on CPU.
 
+The staging dir the dumps go to lives here too: it is RAM (``/dev/shm``) when there is room, so a
+dir left by a killed run is found and removed by the next one (``StagingDir``).
+
 vLLM imports this module by name in its engine process (``kv_connector_module_path``), so it must
 stay importable on its own and must not import the rest of peagle's extract stage.
 
@@ -18,7 +21,10 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +36,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
 
 CONNECTOR_NAME = "PeagleHiddenStatesConnector"
 MODULE_PATH = __name__
+
+STAGING_PREFIX = "peagle-vllm-"
+_OWNER_LOCK = "owner.lock"
+_SHM_MIN_FREE_BYTES = 1 << 30
 
 
 class _AlreadyDone:
@@ -97,3 +107,48 @@ def read_hidden_states(path: str, timeout_s: float = 600.0) -> dict[str, Any]:
     os.remove(lock_path)
     os.remove(path)
     return tensors
+
+
+class StagingDir:
+    """A fresh dump dir, on ``/dev/shm`` when it has >= 1 GiB free, else in the system temp dir.
+
+    The owning process holds an exclusive ``flock`` on ``owner.lock`` inside it for its lifetime.
+    The kernel drops that lock when the process dies (``kill -9`` included), so a new ``StagingDir``
+    removes every ``peagle-vllm-*`` dir whose lock it can take: those of dead runs, whatever pid
+    namespace they ran in. The dir gets its scanned name only once locked, so a live dir is never
+    taken for a dead one.
+    """
+
+    def __init__(self) -> None:
+        shm = Path("/dev/shm")
+        use_shm = shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free >= _SHM_MIN_FREE_BYTES
+        base = shm if use_shm else Path(tempfile.gettempdir())
+        _remove_dead_staging_dirs(base)
+        making = Path(tempfile.mkdtemp(prefix="making-" + STAGING_PREFIX, dir=base))
+        self._lock_fd: int | None = os.open(making / _OWNER_LOCK, os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        self.path = base / making.name.removeprefix("making-")
+        os.rename(making, self.path)
+
+    def close(self) -> None:
+        """Delete the dir and everything in it."""
+        if self._lock_fd is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def _remove_dead_staging_dirs(base: Path) -> None:
+    for path in base.glob(STAGING_PREFIX + "*"):
+        try:
+            fd = os.open(path / _OWNER_LOCK, os.O_RDWR)
+        except OSError:
+            continue  # not a staging dir of ours (or already gone)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # its owner is alive
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+        finally:
+            os.close(fd)

@@ -15,11 +15,15 @@ import torch
 
 pytestmark = pytest.mark.vllm
 
+_environ = dict(os.environ)
 try:
     import vllm  # noqa: F401
 except Exception as err:  # a broken install (CUDA torchvision next to CPU torch) is not an ImportError
     pytest.skip(f"vllm does not import ({type(err).__name__}: {err}); run scripts/install_vllm.sh",
                 allow_module_level=True)
+finally:  # importing vllm sets TORCHINDUCTOR_* and more: keep them out of the rest of the session
+    os.environ.clear()
+    os.environ.update(_environ)
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
@@ -88,7 +92,7 @@ def test_matches_transformers(target):
         torch.testing.assert_close(out.aux_TAH.float(), aux_ref_TAH, atol=ATOL, rtol=ATOL)
         assert_topk_matches(out.topk_ids_TK, out.topk_logprobs_TK, logprobs_ref_TV)
         assert bool((out.topk_logprobs_TK[:, :-1] >= out.topk_logprobs_TK[:, 1:]).all()), "descending"
-    assert list(backend.staging_dir.iterdir()) == [], "every dump is deleted once read"
+    assert [p.name for p in backend.staging_dir.iterdir()] == ["owner.lock"], "every dump is deleted once read"
 
 
 def test_does_not_depend_on_batch_composition(target):
@@ -153,3 +157,66 @@ def test_refuses_what_it_cannot_do(tiny_llama, monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     with pytest.raises(UserError, match="VLLM_ENABLE_V1_MULTIPROCESSING"):
         VllmBackend(tiny_llama, aux_layer_ids=[2, 4, 5], topk=TOPK)
+
+
+def test_staging_dirs_of_dead_runs_are_removed():
+    """A killed run's dumps (in RAM, on /dev/shm) do not outlive it past the next run's start."""
+    from peagle.stages.extract.vllm_connector import STAGING_PREFIX, StagingDir
+
+    live = StagingDir()
+    dead = live.path.parent / f"{STAGING_PREFIX}test-dead-{os.getpid()}"
+    dead.mkdir()
+    (dead / "owner.lock").touch()  # as a killed owner leaves it: nobody holds the lock
+    (dead / "0-abc.safetensors").write_bytes(b"x" * 100)
+    fresh = StagingDir()
+    try:
+        assert not dead.exists()
+        assert live.path.is_dir() and fresh.path.is_dir() and fresh.path != live.path
+    finally:
+        live.close()
+        fresh.close()
+    assert not live.path.exists() and not fresh.path.exists()
+
+
+KILLED_DRIVER = """
+import sys
+from peagle.stages.extract.backend_vllm import VllmBackend
+if __name__ == "__main__":
+    backend = VllmBackend(sys.argv[1], aux_layer_ids=[2, 4, 5], topk=4, dtype="float32", max_seq_len=64)
+    backend.run([[5, 6, 7]])
+    print("STAGING", backend.staging_dir, flush=True)
+    sys.stdin.read()  # until the test kills us
+"""
+
+
+@pytest.mark.slow
+def test_kill_9_leaves_no_engine_and_no_dumps_behind(tiny_llama, tmp_path):
+    """DESIGN §7: after ``kill -9`` of the driver its engine processes stop (they would hold the
+    model and, on a GPU, the memory the re-run needs) and the next run removes its staging dir."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    from peagle.stages.extract.vllm_connector import StagingDir
+
+    script = tmp_path / "driver.py"
+    script.write_text(KILLED_DRIVER)
+    driver = subprocess.Popen([sys.executable, str(script), str(tiny_llama)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        lines = iter(driver.stdout.readline, "")  # vLLM logs to stdout too
+        staging = next((line.split()[1] for line in lines if line.startswith("STAGING ")), None)
+        assert staging, "the driver started its engine"
+        engines = [p for p in psutil.Process(driver.pid).children(recursive=True)
+                   if " ".join(p.cmdline()).startswith("VLLM::")]
+        assert len(engines) >= 2  # engine core + worker
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+    _, alive = psutil.wait_procs(engines, timeout=30)
+    assert not alive, f"engine processes outlived their killed driver: {alive}"
+    assert os.path.isdir(staging)
+    StagingDir().close()
+    assert not os.path.exists(staging)
