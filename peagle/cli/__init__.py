@@ -37,6 +37,15 @@ def _register() -> None:
                 raise
 
 
+def one_line(err: UserError) -> str:
+    """The message of a UserError, also when a DataLoader worker raised it: torch re-raises those
+    with the worker's traceback folded into the message, whose last line is the original one."""
+    lines = [ln for ln in str(err).strip().splitlines() if ln.strip()]
+    last = lines[-1] if lines else type(err).__name__
+    prefix = f"{UserError.__module__}.{UserError.__name__}: "
+    return last[len(prefix):] if last.startswith(prefix) else last
+
+
 def main(argv: list[str] | None = None) -> None:
     # rich lays --help out for 80 columns when stdout is not a terminal, which cuts long flag names
     # (`--down-sample-ra…`); give it room unless the user set a width.
@@ -46,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         rc = app(args=argv, standalone_mode=False)
     except UserError as err:
-        print(f"peagle: error: {err}", file=sys.stderr)
+        print(f"peagle: error: {one_line(err)}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("peagle: interrupted", file=sys.stderr)

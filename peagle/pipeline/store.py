@@ -200,13 +200,28 @@ class Store:
 
     def read_rows(self, index: int, columns: list[str] | None = None):
         """The shard's Parquet table (pyarrow), optionally only some columns."""
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        return pq.read_table(self.root / self.shard(index).parquet, columns=columns)
+        path = self.root / self.shard(index).parquet
+        try:
+            return pq.read_table(path, columns=columns)
+        except (OSError, pa.ArrowException) as err:
+            raise damaged(path, err) from err
 
     def open_tensors(self, index: int) -> dict[str, torch.Tensor]:
         """The shard's tensors, memory-mapped (copy-on-write private mapping; no read of the file)."""
-        return mmap_safetensors(self.root / self.shard(index).safetensors)
+        path = self.root / self.shard(index).safetensors
+        try:
+            return mmap_safetensors(path)
+        except (OSError, ValueError, KeyError, RuntimeError, struct.error) as err:
+            raise damaged(path, err) from err
+
+
+def damaged(path: Path, err: Exception) -> UserError:
+    """The one-line error for a shard file that exists with the right size but does not parse."""
+    detail = str(err).strip().splitlines()[0][:120] if str(err).strip() else type(err).__name__
+    return UserError(f"{path} is damaged ({detail}); run `peagle store verify {path.parent.parent}`")
 
 
 def open_store(root: str | os.PathLike, *, verify: bool = False) -> Store:

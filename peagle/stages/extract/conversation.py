@@ -158,7 +158,8 @@ def _openai_message(message: Any, position: int) -> dict[str, Any]:
     reasoning = out.get("reasoning_content")
     if reasoning is not None and not isinstance(reasoning, str):
         raise SkipRecord(NON_STRING_CONTENT, f"message {position}: 'reasoning_content' is not a string")
-    if role == "assistant" and not (out["content"] or reasoning or tool_calls):
+    # Whitespace-only turns would train the draft to propose a lone newline after every prompt.
+    if role == "assistant" and not (out["content"].strip() or (reasoning or "").strip() or tool_calls):
         raise SkipRecord(EMPTY_ASSISTANT_TURN, f"message {position} is an empty assistant turn")
     return out
 
@@ -175,7 +176,7 @@ def _sharegpt_message(message: Any, position: int) -> dict[str, Any]:
     if message.get("value") is None:
         raise SkipRecord(MISSING_CONTENT, f"turn {position} has no 'value'")
     content = _content_text(message["value"], position)
-    if role == "assistant" and not content:
+    if role == "assistant" and not content.strip():
         raise SkipRecord(EMPTY_ASSISTANT_TURN, f"turn {position} is an empty assistant turn")
     extras = {k: v for k, v in message.items() if k not in ("from", "value") and v is not None}
     return {**extras, "role": role, "content": content}

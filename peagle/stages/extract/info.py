@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from peagle.pipeline.store import check_shards, list_commits, read_settings
+from peagle.pipeline.atomic import canonical_json
+from peagle.pipeline.store import check_shards, list_commits, manifest_dict, read_settings
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 
@@ -82,10 +84,36 @@ def format_info(info: StoreInfo) -> str:
     return "\n".join(lines)
 
 
+def manifest_problem(root: Path, settings: S.StoreSettings, records: list[S.ShardRecord]) -> str | None:
+    """Whether manifest.json is what the commit records derive, or an older derivation of them.
+
+    A writer killed between a commit record and the manifest rebuild leaves the manifest one
+    derivation behind: that is a legal crash state (readers use the commit records; the next run
+    rebuilds it). Anything else -- a hand edit, a truncation, a shard listed with no commit record --
+    is damage.
+    """
+    path = root / S.MANIFEST_FILE
+    if not path.exists():  # killed before the first rebuild: as legal as a stale one
+        return None
+    try:
+        listed = {shard["index"] for shard in json.loads(path.read_bytes())["shards"]}
+    except (ValueError, KeyError, TypeError):
+        listed = None
+    if listed is not None and listed <= {r.index for r in records}:
+        older = [r for r in records if r.index in listed]
+        if path.read_bytes() == canonical_json(manifest_dict(settings, older)):
+            return None
+    return (f"{S.MANIFEST_FILE} differs from the commit records it is derived from (re-run the extract "
+            "command to rebuild it; readers use the commit records)")
+
+
 def verify_store(root: str | Path) -> tuple[int, list[str]]:
     """(number of committed shards, problems): every committed file's size and sha256 against its
     commit record. An empty problem list means the store is intact."""
     root = _open_root(root)
-    read_settings(root)
+    settings = read_settings(root)
     records = list_commits(root)
-    return len(records), check_shards(root, records, verify=True)
+    problems = check_shards(root, records, verify=True)
+    if manifest_problem(root, settings, records):
+        problems.append(manifest_problem(root, settings, records))
+    return len(records), problems

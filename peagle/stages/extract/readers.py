@@ -128,7 +128,26 @@ def decode_jsonl_line(line: bytes, *, first: bool = False) -> tuple[dict[str, An
         return body, MALFORMED_JSON
     if not isinstance(value, dict):
         return body, NOT_AN_OBJECT
+    if nesting_depth(value) > MAX_NESTING:
+        return body, MALFORMED_JSON
     return value, None
+
+
+MAX_NESTING = 64  # no chat record nests deeper; deeper ones would overflow the recursion of json.dumps
+
+
+def nesting_depth(value: Any) -> int:
+    """Depth of nested lists/dicts, iteratively (a recursive walk is what such records break)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth > MAX_NESTING:
+                return depth
+            children = node.values() if isinstance(node, dict) else node
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def _iter_jsonl(path: Path, start: int, stop: int | None) -> Iterator[SourceRecord]:

@@ -22,7 +22,8 @@ from peagle.pipeline import plan as P
 from peagle.pipeline.atomic import remove_stale_temps
 from peagle.pipeline.failpoints import failpoint
 from peagle.pipeline.prefetch import prefetch
-from peagle.pipeline.store import check_same_settings, init_store, list_commits, read_settings, sha256_file
+from peagle.pipeline.store import (check_same_settings, init_store, list_commits, read_settings, rebuild_manifest,
+                                   sha256_file)
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 from peagle.schemas.extract_config import ExtractConfig
@@ -308,6 +309,8 @@ def run_extract(config: ExtractConfig, *, echo: Callable[[str], None] = print,
     done = {r.index for r in list_commits(root)}
     pending = [s for s in mine if s.index not in done]
     if not pending:
+        # A run killed between its last commit record and the manifest left the manifest stale.
+        rebuild_manifest(root)
         echo("nothing to do: every shard of this worker is committed")
         return summary
 

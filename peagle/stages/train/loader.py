@@ -31,12 +31,13 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from peagle.model.mask import DEFAULT_BLOCK_SIZE
+from peagle.pipeline.split import is_heldout
 from peagle.pipeline.store import Store, manifest_hash, open_store
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 from peagle.schemas.train_config import StoreSpec
 from peagle.stages.train.batch import CodSettings, TrainBatch, collate, make_item
-from peagle.stages.train.epoch_plan import EpochPlan, PlanSettings, SampleIndex, is_heldout, plan_epoch, worker_batches
+from peagle.stages.train.epoch_plan import EpochPlan, PlanSettings, SampleIndex, plan_epoch, worker_batches
 from peagle.stages.train.vocab import DraftVocab
 
 log = logging.getLogger(__name__)
@@ -311,8 +312,11 @@ class TrainLoader:
                               num_batches=plan.num_batches, start=start, epoch=epoch,
                               target_to_draft_V=self.target_to_draft_V, mask_token_id=self.mask_token_id)
         workers = self.config.num_workers
+        # A dedicated generator: without one, every new iterator draws its workers' base seed from the
+        # global torch RNG, so a resumed run (one more iterator) would end one draw ahead (DESIGN §7).
         loader = DataLoader(dataset, batch_size=None, num_workers=workers, pin_memory=self.config.pin_memory,
-                            prefetch_factor=self.config.prefetch_factor if workers else None)
+                            prefetch_factor=self.config.prefetch_factor if workers else None,
+                            generator=torch.Generator().manual_seed(self.config.seed + epoch))
         # With pin_memory the pin thread reads the aux rows into pinned memory; otherwise read them here.
         return iter(loader) if self.config.pin_memory else (batch.materialize() for batch in loader)
 
