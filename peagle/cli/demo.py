@@ -185,7 +185,14 @@ def print_summary(summary: dict) -> None:
         per_depth = section.get("per_depth_acceptance") or []
         al = section.get("acceptance_length")
         lines.append(f"{mode:<12} acceptance length {_fmt(al)}   per-depth acceptance "
-                     + " ".join(f"{a:.2f}" for a in per_depth))
+                     + " ".join("-" if a is None else f"{a:.2f}" for a in per_depth))
+        calm = section.get("non_repetitive") or {}
+        if calm:
+            lines.append(f"{'':<12} on {calm.get('num_prompts')} prompts with non-repetitive continuations: "
+                         f"acceptance length {_fmt(calm.get('acceptance_length'))}")
+        if section.get("speedup") is not None:
+            lines.append(f"{'':<12} wall-clock speedup over plain decoding {_fmt(section.get('speedup'))}x "
+                         "(tiny target on CPU: the draft costs as much as the target)")
     times = ", ".join(f"{k} {v:.0f}s" for k, v in summary["timings_s"].items())
     lines += [f"time         {summary['wall_s']:.0f} s total ({times})",
               f"report       {summary['report_dir']}/report.json and its PNG plots", "=" * 72]

@@ -296,6 +296,12 @@ class VllmBackend:
                 "kv_role": "kv_producer",
                 "kv_connector_extra_config": {"shared_storage_path": str(self.staging_dir)},
             }
+        elif not torch.cuda.is_available():
+            # vLLM 0.32 on CPU crashes ("CPU Generator does not use offset") when a seeded request's
+            # prefill is split over two steps: it rewinds the request's generator, which CPU generators
+            # cannot do. A step budget that holds every running sequence whole never splits a prefill.
+            kwargs["max_num_seqs"] = 32
+            kwargs["max_num_batched_tokens"] = 32 * int(kwargs.get("max_model_len") or 2048)
         kwargs.update(self._engine_kwargs)
         from peagle.stages.extract.vllm_reaper import EngineReaper
 

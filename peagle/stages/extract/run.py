@@ -261,18 +261,31 @@ def prepare_shard(records: list, target: Target, settings: S.StoreSettings,
     return samples, skipped, num_truncated
 
 
+REGENERATE_WINDOW = 16  # shards regenerated together: bounds memory, and vLLM swaps engines once per window
+
+
 def prepared_shards(pending: list[P.PlannedShard], backend: TargetBackend, target: Target,
                     settings: S.StoreSettings, config: ExtractConfig) -> Iterator[PreparedShard]:
-    """Each pending shard's samples (regenerated first with ``--regenerate``), in order."""
+    """Each pending shard's samples (regenerated first with ``--regenerate``), in order.
+
+    With ``--regenerate`` a window of shards is regenerated before any of them is extracted: the
+    vLLM backend needs a separate engine for generation, and starting two engines per shard would
+    cost more than the work. Each shard's text depends only on its own seeds, so windows do not
+    change the result.
+    """
     sampling = SamplingSettings(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                                 top_p=config.top_p, seed=config.seed)
-    for shard in pending:
-        records = list(iter_file_records(shard.input_path, shard.first_record, shard.end_record))
+    window = REGENERATE_WINDOW if config.regenerate else 1
+    for start in range(0, len(pending), window):
+        chunk = pending[start:start + window]
+        records_of = [list(iter_file_records(s.input_path, s.first_record, s.end_record)) for s in chunk]
         if config.regenerate:
-            records = regenerate_records(records, backend, target.tokenizer, sampling=sampling,
-                                         shard_index=shard.index, batch_size=config.batch_size,
-                                         max_seq_len=settings.max_seq_len)
-        yield (shard, *prepare_shard(records, target, settings, config))
+            records_of = [regenerate_records(records, backend, target.tokenizer, sampling=sampling,
+                                             shard_index=shard.index, batch_size=config.batch_size,
+                                             max_seq_len=settings.max_seq_len)
+                          for shard, records in zip(chunk, records_of)]
+        for shard, records in zip(chunk, records_of):
+            yield (shard, *prepare_shard(records, target, settings, config))
 
 
 def run_extract(config: ExtractConfig, *, echo: Callable[[str], None] = print,

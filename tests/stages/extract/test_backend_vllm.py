@@ -143,6 +143,11 @@ def test_generate_is_the_targets_own_greedy_and_seeded_sampling(target):
     sampled = backend.generate(prompts, max_new_tokens=8, temperature=1.0, seed=5)
     assert backend.generate(prompts[1:], max_new_tokens=8, temperature=1.0, seed=6) == sampled[1:]
     assert len(set(sampled[1])) > 2, "random sampling of a near-uniform target does not repeat itself"
+    # More prompt tokens than one default engine step holds (4096): vLLM 0.32 on CPU would split a
+    # seeded prefill over two steps and crash rewinding the CPU generator (the demo's regenerate did).
+    many = sample_ids(48, (180,) * 30)
+    out = backend.generate(many, max_new_tokens=4, temperature=0.7, seed=1)
+    assert len(out) == len(many) and all(out)
 
 
 def test_refuses_what_it_cannot_do(tiny_llama, monkeypatch):
