@@ -7,12 +7,10 @@ before work starts). Checks that need the target (the aux layer ids against its 
 
 from __future__ import annotations
 
-import ast
-import functools
-import inspect
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from peagle.schemas.errors import UserError
+from peagle.schemas.fields import field_docs  # noqa: F401  (the CLI reads the help text through this module)
 
 BACKENDS = ("auto", "vllm", "hf")
 LOSS_ON = ("all", "last", "per_turn")
@@ -184,20 +182,3 @@ def resolve_aux_layer_ids(config: ExtractConfig, num_layers: int) -> tuple[int, 
                         "distinct; pass --aux-layers")
     check_aux_layer_ids(ids, num_layers)
     return ids
-
-
-@functools.cache
-def field_docs(cls: type) -> dict[str, str]:
-    """Each dataclass field's docstring (the string literal right under it), whitespace-folded: the
-    CLI's help text comes from here, so the config and ``--help`` cannot drift apart."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    missing = {f.name for f in fields(cls)} - set(docs)
-    assert not missing, f"fields without a docstring: {sorted(missing)}"
-    return docs

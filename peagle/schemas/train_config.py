@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from peagle.schemas.errors import UserError
-from peagle.schemas.extract_config import field_docs
+from peagle.schemas.fields import field_docs  # re-exported (__all__): the CLI reads the help text here
 
 ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
 

@@ -18,7 +18,6 @@ Shape letters: T positions, A aux layers, H hidden, K depths, C anchors in a chu
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -27,6 +26,7 @@ from torch import Tensor
 
 from peagle.model.draft import PEagleDraft
 from peagle.model.mask import dense_peagle_mask
+from peagle.pipeline.split import is_heldout
 from peagle.pipeline.store import Store
 from peagle.schemas import store as S
 from peagle.stages.eval.acceptance import AcceptanceHistogram
@@ -62,14 +62,6 @@ class OfflineResult:
             "num_tokens": self.num_tokens,
             "top1_agreement_at_depth": [c / n if n else float("nan") for c in self.agreement_at_depth],
         }
-
-
-def is_heldout(sample_id: str, fraction: float) -> bool:
-    """The training loader's held-out rule (sha256 of the sample id; stages/train/loader.py): the
-    same samples the run held out. Kept in sync by tests/stages/eval/test_offline.py."""
-    if fraction <= 0:
-        return False
-    return int.from_bytes(hashlib.sha256(sample_id.encode()).digest()[:8], "little") < fraction * 2.0 ** 64
 
 
 def iter_samples(store: Store, *, heldout_fraction: float | None = None,

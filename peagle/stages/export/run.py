@@ -1,17 +1,17 @@
 """`peagle export`: a training checkpoint -> a speculators 'peagle' directory vLLM serves (DESIGN §6).
 
-Reads the checkpoint files directly (the checkpoint directory is the contract between train and
-export; stages never import each other): ``model.pt`` is the unwrapped draft's state dict,
-``config.pt`` holds the run's TrainConfig and DraftConfig, ``metadata.json`` the sizes and sha256 of
-every file, checked before anything is read. Writes ``config.json`` + ``model.safetensors`` into a
-temp directory beside ``--out``, fsyncs, and renames it into place: a reader (vLLM) sees a whole
-export or none. Re-exporting onto an existing export replaces it whole.
+Reads the checkpoint through its format (peagle/schemas/checkpoint.py, read by
+peagle/pipeline/checkpoint_files.py; stages never import each other): the model part is the
+unwrapped draft's state dict, the config part holds the run's TrainConfig and DraftConfig; the sizes
+and sha256 of both are checked against ``metadata.json`` before anything is read. Writes
+``config.json`` + ``model.safetensors`` into a temp directory beside ``--out``, fsyncs, and renames
+it into place: a reader (vLLM) sees a whole export or none. Re-exporting onto an existing export
+replaces it whole.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -26,14 +26,16 @@ import torch
 
 import peagle
 from peagle.pipeline.atomic import canonical_json, fsync_dir, raise_if_disk_full
+from peagle.pipeline.checkpoint_files import (checkpoint_problem, checkpoint_step, latest_valid_checkpoint,
+                                              list_checkpoints, read_checkpoint_part)
+from peagle.schemas.checkpoint import (CHECKPOINTS_DIR, CONFIG, DRAFT_CONFIG_KEY, METADATA_FILE, MODEL,
+                                       TRAIN_CONFIG_KEY, part_file)
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.errors import UserError
 from peagle.stages.export import speculators_format as fmt
 
-CHECKPOINTS_DIR = "checkpoints"
-METADATA_FILE = "metadata.json"
-MODEL_PART = "model.pt"
-CONFIG_PART = "config.pt"
+EXPORTED_PARTS = (MODEL, CONFIG)
+"""The checkpoint parts export reads, and so checks (not the optimizer state: a third of the bytes)."""
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -83,60 +85,35 @@ def resolve_checkpoint(source: str | os.PathLike) -> Path:
     if not source.exists():
         raise UserError(f"{source} does not exist")
     if (source / METADATA_FILE).is_file():
-        problem = checkpoint_problem(source)
+        problem = checkpoint_problem(source, EXPORTED_PARTS)
         if problem:
             raise UserError(f"checkpoint {source} is damaged: {problem}")
         return source
-    root = source / CHECKPOINTS_DIR
-    steps = sorted((int(p.name.split("-", 1)[1]), p) for p in root.glob("step-*")
-                   if p.is_dir() and p.name.split("-", 1)[1].isdigit()) if root.is_dir() else []
-    if not steps:
-        raise UserError(f"{source} is neither a checkpoint nor a run directory with checkpoints/step-N")
-    for _, path in reversed(steps):
-        problem = checkpoint_problem(path)
-        if problem is None:
-            return path
-        print(f"peagle: warning: checkpoint {path} is damaged ({problem}); trying the one before it", file=sys.stderr)
-    raise UserError(f"no valid checkpoint in {root}")
-
-
-def checkpoint_problem(path: Path) -> str | None:
-    """Why the model and config parts of ``path`` cannot be trusted (missing, size, sha256), or None."""
-    try:
-        files = json.loads((path / METADATA_FILE).read_text())["files"]
-    except (OSError, json.JSONDecodeError, KeyError) as err:
-        return f"{METADATA_FILE} unreadable ({type(err).__name__})"
-    for name in (MODEL_PART, CONFIG_PART):
-        info, file = files.get(name), path / name
-        if info is None or not file.is_file():
-            return f"{name} is missing"
-        if file.stat().st_size != info["bytes"]:
-            return f"{name} has {file.stat().st_size} bytes, metadata says {info['bytes']}"
-        if _sha256(file) != info["sha256"]:
-            return f"{name} sha256 does not match its metadata"
-    return None
+    if not list_checkpoints(source):
+        raise UserError(f"{source} is neither a checkpoint nor a run directory with {CHECKPOINTS_DIR}/step-N")
+    path = latest_valid_checkpoint(source, EXPORTED_PARTS)
+    if path is None:
+        raise UserError(f"no valid checkpoint in {source / CHECKPOINTS_DIR}")
+    return path
 
 
 def read_checkpoint(source: str | os.PathLike) -> DraftCheckpoint:
     """Load the draft state dict and configs of a run's newest valid checkpoint (or of one checkpoint)."""
     path = resolve_checkpoint(source)
-    step = int(json.loads((path / METADATA_FILE).read_text()).get("step", -1))
-    state_dict = torch.load(path / MODEL_PART, map_location="cpu", weights_only=True)
-    saved = torch.load(path / CONFIG_PART, map_location="cpu", weights_only=True)
-    draft_dict, train_dict, extra = split_config_part(saved, path)
-    return DraftCheckpoint(path=path, step=step, state_dict=state_dict, draft_config=DraftConfig.from_dict(draft_dict),
-                           train_config=train_dict, extra=extra)
+    state_dict = read_checkpoint_part(path, MODEL)
+    draft_dict, train_dict, extra = split_config_part(read_checkpoint_part(path, CONFIG), path)
+    return DraftCheckpoint(path=path, step=checkpoint_step(path), state_dict=state_dict,
+                           draft_config=DraftConfig.from_dict(draft_dict), train_config=train_dict, extra=extra)
 
 
 def split_config_part(saved: Any, path: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """(draft config dict, train config dict, the rest) from a checkpoint's config part."""
     if not isinstance(saved, dict):
-        raise UserError(f"{path / CONFIG_PART} is not a mapping; was it written by another peagle version?")
+        raise UserError(f"{path / part_file(CONFIG)} is not a mapping; was it written by another peagle version?")
     rest = dict(saved)
-    draft = next((rest.pop(k) for k in ("draft_config", "draft") if k in rest), None)
-    train = next((rest.pop(k) for k in ("train_config", "train", "run_config", "run") if k in rest), {})
-    if draft is None:
-        raise UserError(f"{path / CONFIG_PART} records no draft config (keys: {sorted(saved)})")
+    if DRAFT_CONFIG_KEY not in rest:
+        raise UserError(f"{path / part_file(CONFIG)} records no draft config (keys: {sorted(saved)})")
+    draft, train = rest.pop(DRAFT_CONFIG_KEY), rest.pop(TRAIN_CONFIG_KEY, None)
     return dict(draft), dict(train or {}), rest
 
 
@@ -246,11 +223,3 @@ def git_revision() -> str | None:
         if done.returncode == 0:
             return done.stdout.strip()
     return None
-
-
-def _sha256(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from peagle.pipeline.target_identity import target_content_hash
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 from peagle.schemas.extract_config import ExtractConfig, resolve_aux_layer_ids
@@ -50,17 +51,6 @@ def load_target(path: str) -> Target:
         raise UserError(f"cannot load target {root}: {str(err).strip().splitlines()[0] if str(err).strip() else err!r}") from err
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     return Target(path=root, config=text_config, tokenizer=tokenizer)
-
-
-def target_content_hash(root: Path) -> str:
-    """sha256 over config.json and the weight files' names and sizes (not their contents: hashing
-    16 GB of weights per run would cost more than it protects against)."""
-    suffixes = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
-    h = hashlib.sha256((root / "config.json").read_bytes())
-    for p in sorted(root.iterdir()):
-        if p.is_file() and p.name.endswith(suffixes):
-            h.update(f"\n{p.name}\t{p.stat().st_size}".encode())
-    return h.hexdigest()
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:

@@ -1,19 +1,14 @@
 """Training checkpoints: Stateful parts under constant keys, committed by one directory rename.
 
-Layout (torchtitan's, made crash-safe)::
+The layout and names are the checkpoint contract (peagle/schemas/checkpoint.py); finding and
+checking checkpoints is shared with export (peagle/pipeline/checkpoint_files.py). This module writes
+them (torchtitan's layout, made crash-safe) and loads them back into a run.
 
-    RUN_DIR/checkpoints/
-      step-00000040/                  a checkpoint exists exactly when this name exists
-        model.pt                      the UNWRAPPED draft's state dict (no DDP/FSDP/compile prefixes)
-        optimizer.pt  lr_scheduler.pt  train_state.pt  config.pt
-        dataloader.pt  rng.pt         per-rank parts: {"world_size": W, "rank_0": ..., "rank_1": ...}
-        metadata.json                 written last: step, parts, bytes and sha256 of every file
-      .step-00000080.tmp-<pid>-<rand>/  being written (ignored; removed once its writer is dead)
-
-A save writes every part into the temp directory, fsyncs it, writes ``metadata.json``, then renames
-the directory into place and fsyncs the parent: a reader sees a whole checkpoint or none. Loading
-checks every file's size and sha256 against ``metadata.json``; a damaged newest checkpoint (a disk
-that lost data, a truncated copy) is skipped with a warning and the one before it used.
+A save writes every part into a temp directory ``.step-N.tmp-<pid>-<rand>``, fsyncs it, writes
+``metadata.json``, then renames the directory into place and fsyncs the parent: a reader sees a
+whole checkpoint or none. Loading checks every file's size and sha256 against ``metadata.json``; a
+damaged newest checkpoint (a disk that lost data, a truncated copy) is skipped with a warning and
+the one before it used.
 
 Per-rank parts (data position, RNG) are gathered to rank 0, which writes everything; a resume on
 another world size is refused (the data stream of each rank would change). Every rank calls
@@ -28,9 +23,7 @@ import io
 import json
 import os
 import random
-import re
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -40,32 +33,18 @@ import torch
 import torch.distributed as dist
 
 from peagle.pipeline.atomic import fsync_dir, raise_if_disk_full
+from peagle.pipeline.checkpoint_files import checkpoint_problem, list_checkpoints, read_checkpoint_part
 from peagle.pipeline.failpoints import failpoint
+from peagle.schemas.checkpoint import (ALL_PARTS, CHECKPOINTS_DIR, CONFIG, DATALOADER, FORMAT_VERSION, LR_SCHEDULER,
+                                       METADATA_FILE, MODEL, OPTIMIZER, PER_RANK_PARTS, RNG, SHARED_PARTS,
+                                       TRAIN_STATE, part_file, step_dir_name)
 from peagle.schemas.errors import UserError
 
-CHECKPOINTS_DIR = "checkpoints"
-METADATA_FILE = "metadata.json"
-FORMAT_VERSION = 1
-
-# The Stateful parts, under constant keys (STYLE: torchtitan's checkpoint).
-MODEL = "model"
-OPTIMIZER = "optimizer"
-LR_SCHEDULER = "lr_scheduler"
-DATALOADER = "dataloader"
-TRAIN_STATE = "train_state"
-RNG = "rng"
-CONFIG = "config"
-
-SHARED_PARTS = (MODEL, OPTIMIZER, LR_SCHEDULER, TRAIN_STATE, CONFIG)
-"""Equal on every rank (or already gathered to full tensors): rank 0's copy is written."""
-PER_RANK_PARTS = (DATALOADER, RNG)
-"""Different on every rank: gathered and stored as ``rank_i`` entries."""
-
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:08d}"
+__all__ = [  # the part names are re-exported: the trainer builds its state dict under them
+    "CONFIG", "DATALOADER", "LR_SCHEDULER", "MODEL", "OPTIMIZER", "PER_RANK_PARTS", "RNG", "SHARED_PARTS",
+    "TRAIN_STATE", "load_checkpoint", "load_warm_start", "prune_checkpoints", "rng_state", "save_checkpoint",
+    "seed_rngs", "set_rng_state",
+]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -84,6 +63,13 @@ def rng_state() -> dict[str, Any]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
+
+
+def seed_rngs(seed: int) -> None:
+    """Seed every RNG :func:`rng_state` saves (torch, numpy, python): a run is reproducible from its seed."""
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)  # numpy takes 32-bit seeds only
+    random.seed(seed)
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -111,7 +97,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, state: dict[str, Any]
     Collective under torch.distributed: per-rank parts are gathered to rank 0, which writes; the
     other ranks wait at a barrier until the checkpoint is committed. Returns the path on rank 0.
     """
-    missing = [k for k in (*SHARED_PARTS, *PER_RANK_PARTS) if k not in state]
+    missing = [k for k in ALL_PARTS if k not in state]
     assert not missing, f"checkpoint state lacks {missing}"
     rank, world = _rank_world()
     gathered = {key: _gather_to_rank0(state[key], rank, world) for key in PER_RANK_PARTS}
@@ -134,10 +120,17 @@ def _write_committed(root: Path, step: int, parts: dict[str, Any]) -> Path:
     try:
         files = {}
         for key, obj in parts.items():
-            name = f"{key}.pt"
+            name = part_file(key)
             with open(tmp / name, "wb") as f:
                 writer = _HashingWriter(f)
-                torch.save(obj, writer)
+                try:
+                    torch.save(obj, writer)
+                except Exception:
+                    # torch's zip writer turns a failed write into RuntimeError("unexpected pos"):
+                    # re-raise the OSError underneath, so a full disk is told as one.
+                    if writer.error is not None:
+                        raise writer.error from None
+                    raise
                 failpoint("train.checkpoint_write")
                 f.flush()
                 os.fsync(f.fileno())
@@ -153,6 +146,8 @@ def _write_committed(root: Path, step: int, parts: dict[str, Any]) -> Path:
             _remove_dir(final)
         os.replace(tmp, final)
         fsync_dir(root)
+        failpoint("train.after_checkpoint_rename")
+        _known_valid.add(_signature(final))  # hashed while written
     except OSError as err:
         shutil.rmtree(tmp, ignore_errors=True)
         raise_if_disk_full(err, tmp)
@@ -164,30 +159,76 @@ def _write_committed(root: Path, step: int, parts: dict[str, Any]) -> Path:
 
 
 class _HashingWriter:
-    """A write-only file wrapper that hashes what passes through (no second read of a big file)."""
+    """A write-only file wrapper that hashes what passes through (no second read of a big file).
+
+    It keeps the first ``OSError`` of a write: torch.save reports it only as a RuntimeError.
+    """
 
     def __init__(self, f: io.BufferedWriter):
         self.f, self.sha256, self.num_bytes = f, hashlib.sha256(), 0
+        self.error: OSError | None = None
 
     def write(self, data: bytes) -> int:
         self.sha256.update(data)
         self.num_bytes += len(data)
-        return self.f.write(data)
+        try:
+            return self.f.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
 
     def flush(self) -> None:
-        self.f.flush()
+        try:
+            self.f.flush()
+        except OSError as err:
+            self.error = self.error or err
+            raise
 
 
 def prune_checkpoints(run_dir: str | os.PathLike, keep: int) -> None:
-    """Delete all but the newest ``keep`` checkpoints, and temp dirs whose writer is dead."""
+    """Delete every checkpoint older than the newest ``keep`` VALID ones, and temp dirs whose writer is dead.
+
+    Damaged checkpoints do not count towards ``keep``: a run restarted below damaged checkpoints of
+    higher steps would otherwise delete each good checkpoint right after writing it. A damaged one
+    goes once ``keep`` valid ones of higher steps exist.
+    """
     root = Path(run_dir) / CHECKPOINTS_DIR
-    for path in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-        _remove_dir(path)
+    num_valid = 0
+    for path in reversed(list_checkpoints(run_dir)):
+        if num_valid >= keep:
+            _remove_dir(path)
+        elif _is_valid(path):
+            num_valid += 1
     for tmp in root.glob(".step-*.tmp-*"):
         with contextlib.suppress(ValueError, IndexError):
             pid = int(tmp.name.split(".tmp-")[1].split("-")[0])
             if pid != os.getpid() and not _pid_alive(pid):
                 shutil.rmtree(tmp, ignore_errors=True)
+
+
+_known_valid: set[tuple] = set()
+"""File signatures (:func:`_signature`) of checkpoints this process wrote or hashed whole: pruning
+after every save does not read gigabytes of unchanged files again."""
+
+
+def _signature(path: Path) -> tuple:
+    """(path, then name, inode, size, mtime of every file): any rewrite of a file changes it."""
+    files = []
+    for file in sorted(path.iterdir()):
+        st = file.stat()
+        files.append((file.name, st.st_ino, st.st_size, st.st_mtime_ns))
+    return (str(path), *files)
+
+
+def _is_valid(path: Path) -> bool:
+    with contextlib.suppress(OSError):
+        if _signature(path) in _known_valid:
+            return True
+    if checkpoint_problem(path) is not None:
+        return False
+    with contextlib.suppress(OSError):
+        _known_valid.add(_signature(path))
+    return True
 
 
 def _remove_dir(path: Path) -> None:
@@ -208,54 +249,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 # --------------------------------------------------------------------------------------------------
-# Find and load
-
-
-def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
-    """Committed checkpoint directories, oldest first (validity is not checked here)."""
-    root = Path(run_dir) / CHECKPOINTS_DIR
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found)]
-
-
-def checkpoint_problem(path: Path) -> str | None:
-    """Why ``path`` is not a usable checkpoint (missing metadata, missing file, size or sha256), or None."""
-    meta_path = path / METADATA_FILE
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        return f"{METADATA_FILE} unreadable ({type(err).__name__})"
-    if meta.get("format_version") != FORMAT_VERSION:
-        return f"format_version {meta.get('format_version')} (this peagle reads {FORMAT_VERSION})"
-    for name, info in meta.get("files", {}).items():
-        file = path / name
-        if not file.is_file():
-            return f"{name} is missing"
-        if file.stat().st_size != info["bytes"]:
-            return f"{name} has {file.stat().st_size} bytes, metadata says {info['bytes']}"
-        if _sha256(file) != info["sha256"]:
-            return f"{name} sha256 does not match its metadata"
-    expected = {f"{k}.pt" for k in (*SHARED_PARTS, *PER_RANK_PARTS)}
-    if not expected <= set(meta.get("files", {})):
-        return f"parts {sorted(expected - set(meta.get('files', {})))} are missing"
-    return None
-
-
-def latest_valid_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The newest checkpoint whose files match their checksums; damaged newer ones are warned about."""
-    for path in reversed(list_checkpoints(run_dir)):
-        problem = checkpoint_problem(path)
-        if problem is None:
-            return path
-        print(f"peagle: warning: checkpoint {path} is damaged ({problem}); trying the one before it",
-              file=sys.stderr)
-    return None
-
-
-def checkpoint_step(path: Path) -> int:
-    return int(json.loads((path / METADATA_FILE).read_text())["step"])
+# Load
 
 
 def load_checkpoint(path: str | os.PathLike, *, map_location: str | torch.device = "cpu") -> dict[str, Any]:
@@ -267,8 +261,8 @@ def load_checkpoint(path: str | os.PathLike, *, map_location: str | torch.device
     path = Path(path)
     rank, world = _rank_world()
     state = {}
-    for key in (*SHARED_PARTS, *PER_RANK_PARTS):
-        state[key] = torch.load(path / f"{key}.pt", map_location=map_location, weights_only=True)
+    for key in ALL_PARTS:
+        state[key] = read_checkpoint_part(path, key, map_location=map_location)
     for key in PER_RANK_PARTS:
         saved_world = state[key]["world_size"]
         if saved_world != world:
@@ -276,11 +270,6 @@ def load_checkpoint(path: str | os.PathLike, *, map_location: str | torch.device
                             "resume with the same number of processes (or use a new --out)")
         state[key] = state[key][f"rank_{rank}"]
     return state
-
-
-def read_checkpoint_part(path: str | os.PathLike, key: str) -> Any:
-    """One part of a checkpoint (e.g. CONFIG, to compare before loading the rest)."""
-    return torch.load(Path(path) / f"{key}.pt", map_location="cpu", weights_only=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -298,14 +287,6 @@ def _gather_to_rank0(obj: Any, rank: int, world: int) -> list[Any] | None:
     out = [None] * world if rank == 0 else None
     dist.gather_object(obj, out, dst=0)
     return out
-
-
-def _sha256(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -24,7 +24,6 @@ the numpy version either.
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 from dataclasses import dataclass
 from typing import Any
@@ -32,13 +31,6 @@ from typing import Any
 import numpy as np
 
 _SALT_UNITS, _SALT_SAMPLES, _SALT_REPEAT = 1, 2, 3
-
-
-def is_heldout(sample_id: str, fraction: float) -> bool:
-    """True for a stable ``fraction`` of sample ids (sha256 of the id), the same on every run and rank."""
-    if fraction <= 0:
-        return False
-    return int.from_bytes(hashlib.sha256(sample_id.encode()).digest()[:8], "little") < fraction * 2.0 ** 64
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,11 @@ from torch import Tensor, nn
 
 from peagle.model.draft import PEagleDraft, build_draft_from_target
 from peagle.pipeline.atomic import atomic_write_bytes, atomic_write_json
+from peagle.pipeline.checkpoint_files import latest_valid_checkpoint, read_checkpoint_part
 from peagle.pipeline.failpoints import failpoint
 from peagle.pipeline.store import read_settings
+from peagle.pipeline.target_identity import target_content_hash
+from peagle.schemas.checkpoint import DRAFT_CONFIG_KEY, TRAIN_CONFIG_KEY
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.errors import UserError
 from peagle.schemas.train_config import TrainConfig, config_mismatch, parse_store_spec
@@ -89,12 +92,13 @@ class Trainer:
     def build(self) -> None:
         """Process group, stores, vocab, draft, wrapper, optimizer, schedule; then resume if possible."""
         c = self.config
+        ckpt.seed_rngs(c.seed)  # before anything draws; a resume then restores the checkpoint's states
         self._setup_world()
         resume_from = self._find_resume_point()
         target_cfg = _load_target_config(c.target)
         first_store = c.stores()[0].path
         settings = read_settings(first_store)
-        _check_store_matches_target(settings, target_cfg, first_store)
+        _check_store_matches_target(settings, target_cfg, first_store, c.target)
         vocab_size = int(target_cfg.vocab_size)
         draft_vocab_size = c.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, vocab_size)
         if draft_vocab_size > vocab_size:
@@ -203,9 +207,9 @@ class Trainer:
         """Rank 0 picks the newest valid checkpoint (warning about damaged ones) and checks its config."""
         found: list[Any] = [None]
         if self.rank == 0:
-            path = ckpt.latest_valid_checkpoint(self.run_dir)
+            path = latest_valid_checkpoint(self.run_dir)
             if path is not None:
-                saved = ckpt.read_checkpoint_part(path, ckpt.CONFIG)["train_config"]
+                saved = read_checkpoint_part(path, ckpt.CONFIG)[TRAIN_CONFIG_KEY]
                 found = [(str(path), config_mismatch(saved, self.config))]
         if self.world_size > 1:
             dist.broadcast_object_list(found, src=0)
@@ -406,7 +410,7 @@ class Trainer:
 
     def _config_part(self) -> dict[str, Any]:
         """What export and resume read: the run config, the draft config, store provenance."""
-        return {"train_config": self.config.to_dict(), "draft_config": self.draft_config.to_dict(),
+        return {TRAIN_CONFIG_KEY: self.config.to_dict(), DRAFT_CONFIG_KEY: self.draft_config.to_dict(),
                 "world_size": self.world_size, **self.extra}
 
     def _say(self, line: str) -> None:
@@ -426,8 +430,12 @@ def _load_target_config(target: str) -> Any:
     return text
 
 
-def _check_store_matches_target(settings: Any, target_cfg: Any, store: str) -> None:
-    """One line naming the first of architecture, hidden size, layers, vocab that differs (DESIGN §2)."""
+def _check_store_matches_target(settings: Any, target_cfg: Any, store: str, target: str) -> None:
+    """One line naming the first of architecture, hidden size, layers, vocab that differs, then the
+    weights themselves (content hash: a same-shaped target with other weights) (DESIGN §2).
+
+    The loader checks that every store has the first one's target; this checks the first against --target.
+    """
     t = settings.target
     architecture = (getattr(target_cfg, "architectures", None) or [t.architecture])[0]
     for name, held, want in (("architecture", t.architecture, architecture),
@@ -437,6 +445,11 @@ def _check_store_matches_target(settings: Any, target_cfg: Any, store: str) -> N
         if str(held) != str(want):
             raise UserError(f"store {store} was extracted from a target with {name} {held}, --target has "
                             f"{name} {want}")
+    content_hash = target_content_hash(target)
+    if content_hash != t.content_hash:
+        raise UserError(f"store {store} was extracted from target {t.path} (content hash {t.content_hash[:12]}), "
+                        f"--target {target} has other weights (content hash {content_hash[:12]}); train with the "
+                        "target the store was extracted from")
 
 
 def run_training(config: TrainConfig) -> None:

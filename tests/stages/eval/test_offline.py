@@ -8,8 +8,9 @@ import torch
 
 from peagle.model.draft import PEagleDraft
 from peagle.model.proposer import propose
+from peagle.pipeline.split import is_heldout
 from peagle.schemas.draft_config import DraftConfig
-from peagle.stages.eval.offline import (EvalSample, chain_anchors, chain_correct, evaluate_offline, is_heldout,
+from peagle.stages.eval.offline import (EvalSample, chain_anchors, chain_correct, evaluate_offline,
                                         iter_samples)
 
 VOCAB, DRAFT_VOCAB, MASK, K = 100, 60, 99, 3
@@ -102,14 +103,6 @@ def test_a_chain_matching_the_target_is_fully_accepted():
     assert result.histogram.counts == [0, 0, 0, 1]
     assert result.histogram.acceptance_lengths() == pytest.approx([2.0, 3.0, 4.0])
     assert result.to_dict()["top1_agreement_at_depth"] == [1.0, 1.0, 1.0]
-
-
-def test_heldout_rule_matches_the_training_loader():
-    from peagle.stages.train.loader import is_heldout as loader_is_heldout
-
-    ids = [f"sample-{i}" for i in range(2000)]
-    for fraction in (0.0, 0.01, 0.3):
-        assert [is_heldout(s, fraction) for s in ids] == [loader_is_heldout(s, fraction) for s in ids]
 
 
 @pytest.fixture(scope="module")

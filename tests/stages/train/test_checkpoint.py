@@ -15,6 +15,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from peagle.pipeline import checkpoint_files as cf
+from peagle.schemas.checkpoint import METADATA_FILE
 from peagle.schemas.errors import UserError
 from peagle.schemas.train_config import TrainConfig, config_mismatch
 from peagle.stages.train import checkpoint as ckpt
@@ -36,20 +38,41 @@ def test_save_commits_a_whole_directory_and_loads_back(tmp_path):
     path = ckpt.save_checkpoint(tmp_path, 7, make_state(), keep=3)
     assert path == tmp_path / "checkpoints" / "step-00000007"
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000007"]  # no temp left
-    meta = json.loads((path / ckpt.METADATA_FILE).read_text())
+    meta = json.loads((path / METADATA_FILE).read_text())
     assert meta["step"] == 7 and set(meta["files"]) == {f"{k}.pt" for k in ckpt.SHARED_PARTS + ckpt.PER_RANK_PARTS}
-    assert ckpt.checkpoint_problem(path) is None
+    assert cf.checkpoint_problem(path) is None
     state = ckpt.load_checkpoint(path)
     assert torch.equal(state[ckpt.MODEL]["w"], torch.ones(3, 4))
     assert state[ckpt.DATALOADER] == {"version": 1, "epoch": 0, "batch_in_epoch": 7}  # this rank's entry
-    assert ckpt.checkpoint_step(path) == 7
+    assert cf.checkpoint_step(path) == 7
 
 
 def test_keeps_the_newest_k(tmp_path):
     for step in (2, 4, 6, 8):
         ckpt.save_checkpoint(tmp_path, step, make_state(step), keep=2)
-    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-00000006", "step-00000008"]
+    assert [p.name for p in cf.list_checkpoints(tmp_path)] == ["step-00000006", "step-00000008"]
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000006", "step-00000008"]
+
+
+def test_damaged_checkpoints_do_not_count_towards_keep(tmp_path):
+    """A run restarted from step 0 below damaged checkpoints of higher steps keeps its new good ones;
+    the damaged ones go once ``keep`` valid checkpoints of higher steps exist."""
+    for step in (40, 80):
+        path = ckpt.save_checkpoint(tmp_path, step, make_state(step), keep=2)
+        (path / "model.pt").write_bytes((path / "model.pt").read_bytes()[:-10])
+    assert cf.latest_valid_checkpoint(tmp_path) is None
+    for step in (10, 20, 30):
+        ckpt.save_checkpoint(tmp_path, step, make_state(step), keep=2)
+    names = [p.name for p in cf.list_checkpoints(tmp_path)]
+    assert names == ["step-00000020", "step-00000030", "step-00000040", "step-00000080"]
+    for step in (40, 50, 60):  # step 40 is written again (replacing the damaged one), then 50, 60
+        ckpt.save_checkpoint(tmp_path, step, make_state(step), keep=2)
+    assert [p.name for p in cf.list_checkpoints(tmp_path)] == ["step-00000050", "step-00000060",
+                                                                  "step-00000080"]
+    for step in (90, 100):
+        ckpt.save_checkpoint(tmp_path, step, make_state(step), keep=2)
+    assert [p.name for p in cf.list_checkpoints(tmp_path)] == ["step-00000090", "step-00000100"]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000090", "step-00000100"]
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "no_metadata", "missing_file"])
@@ -64,11 +87,11 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, ca
     elif damage == "truncate":
         model.write_bytes(model.read_bytes()[:-10])
     elif damage == "no_metadata":
-        (newest / ckpt.METADATA_FILE).unlink()
+        (newest / METADATA_FILE).unlink()
     else:
         (newest / "rng.pt").unlink()
-    assert ckpt.checkpoint_problem(newest) is not None
-    assert ckpt.latest_valid_checkpoint(tmp_path).name == "step-00000002"
+    assert cf.checkpoint_problem(newest) is not None
+    assert cf.latest_valid_checkpoint(tmp_path).name == "step-00000002"
     warning = capsys.readouterr().err
     assert "step-00000004" in warning and "damaged" in warning and len(warning.strip().splitlines()) == 1
 
@@ -77,25 +100,40 @@ def test_temp_directories_are_invisible_and_cleaned_once_their_writer_is_dead(tm
     root = tmp_path / "checkpoints"
     (root / ".step-00000009.tmp-999999999-abc").mkdir(parents=True)  # a writer that no longer exists
     (root / ".step-00000009.tmp-999999999-abc" / "model.pt").write_bytes(b"half")
-    assert ckpt.list_checkpoints(tmp_path) == [] and ckpt.latest_valid_checkpoint(tmp_path) is None
+    assert cf.list_checkpoints(tmp_path) == [] and cf.latest_valid_checkpoint(tmp_path) is None
     ckpt.save_checkpoint(tmp_path, 1, make_state(), keep=3)
     assert sorted(os.listdir(root)) == ["step-00000001"]
+
+
+def save_and_get_killed(run_dir: Path, step: int, *, keep: int, failpoint: str) -> None:
+    """``save_checkpoint`` in a child process that SIGKILLs itself at ``failpoint``."""
+    script = ("from test_checkpoint import make_state; from peagle.stages.train import checkpoint as c; "
+              f"c.save_checkpoint({str(run_dir)!r}, {step}, make_state({step}), keep={keep})")
+    env = {**os.environ, "PEAGLE_FAILPOINT": failpoint,
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
 
 
 def test_killed_before_the_rename_leaves_only_the_previous_checkpoint(tmp_path):
     """SIGKILL between the last fsync and the rename (failpoint): the new step does not exist."""
     ckpt.save_checkpoint(tmp_path, 2, make_state(2), keep=3)
-    script = ("import sys; from test_checkpoint import make_state; from peagle.stages.train import checkpoint as c; "
-              f"c.save_checkpoint({str(tmp_path)!r}, 4, make_state(4), keep=3)")
-    env = {**os.environ, "PEAGLE_FAILPOINT": "train.before_checkpoint_rename",
-           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    save_and_get_killed(tmp_path, 4, keep=3, failpoint="train.before_checkpoint_rename")
     leftovers = [p.name for p in (tmp_path / "checkpoints").iterdir()]
     assert len(leftovers) == 2 and any(name.startswith(".step-00000004.tmp-") for name in leftovers)
-    assert ckpt.latest_valid_checkpoint(tmp_path).name == "step-00000002"
+    assert cf.latest_valid_checkpoint(tmp_path).name == "step-00000002"
     ckpt.save_checkpoint(tmp_path, 4, make_state(4), keep=3)  # the re-run commits it and sweeps the temp
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000002", "step-00000004"]
+
+
+def test_killed_after_the_rename_leaves_the_new_checkpoint_whole_and_prunes_later(tmp_path):
+    """SIGKILL right after the rename, before pruning: the new step is valid, the old one still there."""
+    ckpt.save_checkpoint(tmp_path, 2, make_state(2), keep=1)
+    save_and_get_killed(tmp_path, 4, keep=1, failpoint="train.after_checkpoint_rename")
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000002", "step-00000004"]
+    assert cf.latest_valid_checkpoint(tmp_path).name == "step-00000004"
+    ckpt.save_checkpoint(tmp_path, 6, make_state(6), keep=1)
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000006"]
 
 
 def test_a_failed_write_leaves_no_checkpoint(tmp_path):
@@ -113,6 +151,13 @@ def test_rng_state_round_trip():
     ckpt.set_rng_state(state)
     again = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(first[0], again[0]) and np.array_equal(first[1], again[1]) and first[2] == again[2]
+
+
+def test_seed_rngs_seeds_every_saved_rng():
+    ckpt.seed_rngs(11)
+    drawn = (torch.rand(2), np.random.rand(2), random.random())
+    assert torch.equal(drawn[0], torch.rand(2, generator=torch.Generator().manual_seed(11)))
+    assert np.array_equal(drawn[1], np.random.RandomState(11).rand(2)) and drawn[2] == random.Random(11).random()
 
 
 def test_loading_on_another_world_size_is_refused(tmp_path):

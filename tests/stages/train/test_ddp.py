@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from peagle.pipeline import checkpoint_files as cf
 from peagle.schemas.train_config import TrainConfig
 from peagle.stages.train import checkpoint as ckpt
 from peagle.stages.train.loop import Trainer
@@ -80,7 +81,7 @@ def _worker(out: str) -> None:
     fsdp_weights = _weights(fsdp)
     path = ckpt.save_checkpoint(Path(out).parent / "fsdp_run", NUM_STEPS, fsdp.state_dict(), keep=1)
     fresh = _trainer(2, fsdp=True)
-    fresh.load_state_dict(ckpt.load_checkpoint(ckpt.latest_valid_checkpoint(Path(out).parent / "fsdp_run")))
+    fresh.load_state_dict(ckpt.load_checkpoint(cf.latest_valid_checkpoint(Path(out).parent / "fsdp_run")))
     resumed_weights = _weights(fresh)
     next_losses = [_steps(t, 2, rank, range(NUM_STEPS, NUM_STEPS + 1))[0] for t in (fsdp, fresh)]
     if rank == 0:

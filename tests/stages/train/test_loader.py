@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 import torch
 
+from peagle.pipeline.split import is_heldout
 from peagle.schemas.errors import UserError
 from peagle.schemas.train_config import StoreSpec
 from peagle.stages.train.batch import CodSettings
-from peagle.stages.train.epoch_plan import is_heldout, plan_epoch, worker_batches
+from peagle.stages.train.epoch_plan import plan_epoch, worker_batches
 from peagle.stages.train.loader import LoaderConfig, TrainLoader, build_sample_index, open_training_stores
 
 COD = CodSettings(num_depths=4)

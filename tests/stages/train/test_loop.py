@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from peagle.model.draft import PEagleDraft
+from peagle.pipeline import checkpoint_files as cf
 from peagle.schemas.errors import UserError
 from peagle.schemas.train_config import TrainConfig
 from peagle.stages.train import checkpoint as ckpt
@@ -76,15 +77,29 @@ def test_a_run_writes_metrics_evals_and_checkpoints(finished_run):
         assert r["depth_count"][0] > 0 and r["tokens_per_s"] > 0 and r["acceptance_length_estimate"] >= 1
     assert train[-1]["loss"] < train[0]["loss"]  # it learns
     assert [r["step"] for r in records if r["kind"] == "eval"] == [2, 4]
-    assert [p.name for p in ckpt.list_checkpoints(finished_run)] == ["step-00000002", "step-00000004"]
+    assert [p.name for p in cf.list_checkpoints(finished_run)] == ["step-00000002", "step-00000004"]
     run_info = json.loads((finished_run / "run.json").read_text())
     assert run_info["train_config"]["max_steps"] == 4 and run_info["draft_config"]["num_layers"] == 1
+
+
+def test_python_and_numpy_rngs_start_from_the_seed(finished_run):
+    """Nothing in training draws from them, so the checkpoint holds the states right after seeding."""
+    import random
+
+    import numpy as np
+
+    saved = ckpt.load_checkpoint(cf.list_checkpoints(finished_run)[0])[ckpt.RNG]
+    ckpt.seed_rngs(12345)
+    ckpt.set_rng_state(saved)
+    assert random.getstate() == random.Random(0).getstate()
+    name, keys, pos, *_ = np.random.get_state()
+    assert np.array_equal(keys, np.random.RandomState(0).get_state()[1]) and pos == 624
 
 
 def test_the_checkpoint_holds_the_unwrapped_draft(finished_run):
     from peagle.schemas.draft_config import DraftConfig
 
-    path = ckpt.latest_valid_checkpoint(finished_run)
+    path = cf.latest_valid_checkpoint(finished_run)
     state = ckpt.load_checkpoint(path)
     fresh = PEagleDraft(DraftConfig.from_dict(state[ckpt.CONFIG]["draft_config"]))
     assert set(state[ckpt.MODEL]) == set(fresh.state_dict())
@@ -135,3 +150,14 @@ def test_store_and_vocab_errors_are_one_line(tiny_store, tmp_path):
         Trainer(run_config(tiny_store, tmp_path / "v", store=(str(tmp_path),))).build()
     with pytest.raises(UserError, match="is not a model directory"):
         Trainer(run_config(tiny_store, tmp_path / "v", target=str(tmp_path))).build()
+
+
+def test_a_same_shaped_target_with_other_weights_is_refused(tiny_store, tmp_path):
+    from peagle.testing.tiny_target import TinyTargetSpec, build_tiny_target
+
+    other = build_tiny_target(tmp_path / "other", TinyTargetSpec(arch="llama", seed=7))
+    with pytest.raises(UserError) as err:
+        Trainer(run_config(tiny_store, tmp_path / "w", target=str(other))).build()
+    line = str(err.value)
+    assert "\n" not in line and "has other weights" in line
+    assert f"from target {Path(tiny_store.target_dir).resolve()}" in line and f"--target {other} " in line

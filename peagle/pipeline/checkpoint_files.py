@@ -1,0 +1,78 @@
+"""Finding and trusting training checkpoints: the reading side of the format (schemas/checkpoint.py).
+
+`peagle train` (resume) and `peagle export` both read checkpoints; stages never import each other,
+so what they share lives here: listing ``step-N`` directories, checking every file's size and sha256
+against ``metadata.json``, picking the newest whole checkpoint, and loading one part.
+A checkpoint is damaged when a disk lost data or a copy was cut short; the newest one that checks
+out is used, with a one-line warning per damaged one skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peagle.pipeline.store import sha256_file
+from peagle.schemas.checkpoint import (ALL_PARTS, CHECKPOINTS_DIR, FORMAT_VERSION, METADATA_FILE, STEP_DIR,
+                                       part_file)
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Committed checkpoint directories, oldest first (validity is not checked here)."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def checkpoint_problem(path: Path, parts: tuple[str, ...] = ALL_PARTS) -> str | None:
+    """Why ``parts`` of the checkpoint ``path`` cannot be trusted (metadata, missing file, size, sha256), or None.
+
+    A reader that needs only some parts (export: model and config) checks only those: it does not
+    hash the optimizer state, and a damaged part it never reads does not stop it.
+    """
+    try:
+        meta = json.loads((path / METADATA_FILE).read_text())
+        files = meta["files"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as err:
+        return f"{METADATA_FILE} unreadable ({type(err).__name__})"
+    if meta.get("format_version") != FORMAT_VERSION:
+        return f"format_version {meta.get('format_version')} (this peagle reads {FORMAT_VERSION})"
+    missing = [key for key in parts if part_file(key) not in files]
+    if missing:
+        return f"parts {missing} are missing"
+    for name in sorted(part_file(key) for key in parts):
+        info, file = files[name], path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != info["bytes"]:
+            return f"{name} has {file.stat().st_size} bytes, metadata says {info['bytes']}"
+        if sha256_file(file) != info["sha256"]:
+            return f"{name} sha256 does not match its metadata"
+    return None
+
+
+def latest_valid_checkpoint(run_dir: str | os.PathLike, parts: tuple[str, ...] = ALL_PARTS) -> Path | None:
+    """The newest checkpoint whose ``parts`` match their checksums; damaged newer ones are warned about."""
+    for path in reversed(list_checkpoints(run_dir)):
+        problem = checkpoint_problem(path, parts)
+        if problem is None:
+            return path
+        print(f"peagle: warning: checkpoint {path} is damaged ({problem}); trying the one before it",
+              file=sys.stderr)
+    return None
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(json.loads((path / METADATA_FILE).read_text())["step"])
+
+
+def read_checkpoint_part(path: str | os.PathLike, key: str, *, map_location: str | torch.device = "cpu") -> Any:
+    """One part of a checkpoint (weights-only unpickling: plain containers and tensors)."""
+    return torch.load(Path(path) / part_file(key), map_location=map_location, weights_only=True)

@@ -1,0 +1,54 @@
+"""A training checkpoint's on-disk contract: directory names, part names, metadata fields.
+
+The checkpoint directory is what `peagle train` hands to `peagle export` (and to its own resume)::
+
+    RUN_DIR/checkpoints/
+      step-00000040/                  a checkpoint exists exactly when this name exists
+        model.pt                      the UNWRAPPED draft's state dict (no DDP/FSDP/compile prefixes)
+        optimizer.pt  lr_scheduler.pt  train_state.pt  config.pt
+        dataloader.pt  rng.pt         per-rank parts: {"world_size": W, "rank_0": ..., "rank_1": ...}
+        metadata.json                 written last: format_version, step, parts, bytes and sha256 of every file
+      .step-00000080.tmp-<pid>-<rand>/  being written (ignored by every reader)
+
+``config.pt`` is a dict: ``train_config`` (TrainConfig.to_dict()), ``draft_config``
+(DraftConfig.to_dict()), ``world_size`` and store provenance (``store_manifest_hash``, ...).
+Plain names only here; the writer is stages/train/checkpoint.py, the readers pipeline/checkpoint_files.py.
+"""
+
+from __future__ import annotations
+
+import re
+
+CHECKPOINTS_DIR = "checkpoints"
+METADATA_FILE = "metadata.json"
+FORMAT_VERSION = 1
+
+# The Stateful parts, under constant keys (STYLE: torchtitan's checkpoint).
+MODEL = "model"
+OPTIMIZER = "optimizer"
+LR_SCHEDULER = "lr_scheduler"
+DATALOADER = "dataloader"
+TRAIN_STATE = "train_state"
+RNG = "rng"
+CONFIG = "config"
+
+SHARED_PARTS = (MODEL, OPTIMIZER, LR_SCHEDULER, TRAIN_STATE, CONFIG)
+"""Equal on every rank (or already gathered to full tensors): rank 0's copy is written."""
+PER_RANK_PARTS = (DATALOADER, RNG)
+"""Different on every rank: gathered and stored as ``rank_i`` entries."""
+ALL_PARTS = SHARED_PARTS + PER_RANK_PARTS
+
+# Keys of the CONFIG part.
+TRAIN_CONFIG_KEY = "train_config"
+DRAFT_CONFIG_KEY = "draft_config"
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def part_file(key: str) -> str:
+    """The file name of part ``key`` inside a checkpoint directory."""
+    return f"{key}.pt"
