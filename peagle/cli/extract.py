@@ -47,6 +47,10 @@ def extract(
     top_p: float = typer.Option(0.95, "--top-p", help=_DOC["top_p"]),
     max_new_tokens: int = typer.Option(512, "--max-new-tokens", help=_DOC["max_new_tokens"]),
     seed: int = typer.Option(0, "--seed", help=_DOC["seed"]),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", help=_DOC["tensor_parallel_size"]),
+    gpu_memory_utilization: float = typer.Option(0.0, "--gpu-memory-utilization",
+                                                 help=_DOC["gpu_memory_utilization"]),
+    vllm_engine_args: str = typer.Option("", "--vllm-engine-args", help=_DOC["vllm_engine_args"], metavar="JSON"),
     config: Optional[str] = ConfigOption,
 ) -> None:
     """Run the target over chat data and write the shard store (aux hidden states + top-k log-probs).
@@ -64,5 +68,7 @@ def extract(
         dry_run=dry_run, loss_on=loss_on, dtype=dtype, logprob_dtype=logprob_dtype, device=device,
         batch_size=batch_size, max_batch_tokens=max_batch_tokens, threads=threads, regenerate=regenerate,
         temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
+        tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
+        vllm_engine_args=vllm_engine_args,
     )
     run_extract(cfg, echo=typer.echo)

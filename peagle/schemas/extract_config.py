@@ -105,6 +105,23 @@ class ExtractConfig:
     """Sampling seed for `--regenerate`; each shard draws from its own generator seeded by (seed,
     shard index), so re-runs and any worker split regenerate the same text."""
 
+    tensor_parallel_size: int = 1
+    """vllm backend: GPUs one extract worker spreads the target over (vLLM tensor parallelism); give the
+    worker that many GPUs (e.g. `--gpus-per-task` in SLURM)."""
+
+    gpu_memory_utilization: float = 0.0
+    """vllm backend: share of each GPU's memory vLLM may take (0: vLLM's default)."""
+
+    vllm_engine_args: str = ""
+    """vllm backend: further `vllm.LLM` keyword arguments as a JSON object, passed through unchanged
+    (they win over peagle's own), e.g. '{"max_num_seqs": 64}'."""
+
+    def vllm_engine_kwargs(self) -> dict:
+        """``--vllm-engine-args`` parsed (validated in ``__post_init__``)."""
+        import json
+
+        return json.loads(self.vllm_engine_args) if self.vllm_engine_args else {}
+
     def __post_init__(self) -> None:
         if not self.data:
             raise UserError("no input data: pass --data PATH (one or more JSONL or Parquet files)")
@@ -130,6 +147,16 @@ class ExtractConfig:
             raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.aux_layers is not None:
             check_aux_layer_ids(self.aux_layers)
+        if self.tensor_parallel_size < 1:
+            raise UserError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if not 0 <= self.gpu_memory_utilization <= 1:
+            raise UserError(f"--gpu-memory-utilization must be in [0, 1], got {self.gpu_memory_utilization}")
+        try:
+            engine_args = self.vllm_engine_kwargs()
+        except ValueError as err:
+            raise UserError(f"--vllm-engine-args is not valid JSON: {err}") from err
+        if not isinstance(engine_args, dict):
+            raise UserError(f"--vllm-engine-args must be a JSON object, got {self.vllm_engine_args!r}")
 
 
 def _flag(name: str) -> str:

@@ -192,7 +192,10 @@ def open_backend(name: str, config: ExtractConfig, settings: S.StoreSettings, ta
         from peagle.stages.extract.backend_vllm import VllmBackend  # imports vllm: only when asked for
 
         return VllmBackend(target.path, aux_layer_ids=list(settings.aux_layer_ids), topk=settings.topk,
-                           dtype=settings.target.dtype, max_seq_len=settings.max_seq_len, seed=config.seed)
+                           dtype=settings.target.dtype, max_seq_len=settings.max_seq_len, seed=config.seed,
+                           tensor_parallel_size=config.tensor_parallel_size,
+                           gpu_memory_utilization=config.gpu_memory_utilization or None,
+                           engine_kwargs=config.vllm_engine_kwargs())
     from peagle.stages.extract.backend_hf import HFBackend
 
     return HFBackend(target.path, aux_layer_ids=settings.aux_layer_ids, topk=settings.topk,
