@@ -93,6 +93,22 @@ class VllmResult:
         return out
 
 
+def run_vllm(export_dir: str | os.PathLike, prompts: list[list[int]], **kwargs: Any) -> VllmResult:
+    """Serve the export in vLLM and read its speculative-decoding metrics (see ``_run_vllm``).
+
+    The process environment is restored afterwards: the in-process engine needs
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and vLLM itself sets variables for its own processes, and
+    none of that may leak into what this process does next (an extract backend, for one, refuses
+    in-process engines).
+    """
+    saved = dict(os.environ)
+    try:
+        return _run_vllm(export_dir, prompts, **kwargs)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def _import_vllm():
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -131,7 +147,7 @@ def _generate(llm, TokensPrompt, prompts: list[list[int]], params: list) -> tupl
     return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - start
 
 
-def run_vllm(export_dir: str | os.PathLike, prompts: list[list[int]], *, num_speculative_tokens: int | None = None,
+def _run_vllm(export_dir: str | os.PathLike, prompts: list[list[int]], *, num_speculative_tokens: int | None = None,
              max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0, stop_ids: list[int] = (),
              ignore_eos: bool = False, dtype: str = "float32", max_model_len: int | None = None,
              target_only: bool = True, target: str | os.PathLike | None = None) -> VllmResult:
