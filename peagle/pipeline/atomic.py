@@ -137,7 +137,7 @@ def remove_stale_temps(directory: str | os.PathLike) -> int:
             pid = int(p.name.split(".tmp-")[1].split("-")[0])
         except (IndexError, ValueError):
             continue
-        if _pid_alive(pid):
+        if pid_alive(pid):
             continue
         with contextlib.suppress(FileNotFoundError):
             p.unlink()
@@ -145,7 +145,8 @@ def remove_stale_temps(directory: str | os.PathLike) -> int:
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid runs on this machine (temp files name their writer's pid)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

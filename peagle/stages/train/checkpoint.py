@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from peagle.pipeline.atomic import fsync_dir, raise_if_disk_full
+from peagle.pipeline.atomic import fsync_dir, pid_alive, raise_if_disk_full
 from peagle.pipeline.checkpoint_files import checkpoint_problem, list_checkpoints, read_checkpoint_part
 from peagle.pipeline.failpoints import failpoint
 from peagle.schemas.checkpoint import (ALL_PARTS, CHECKPOINTS_DIR, CONFIG, DATALOADER, FORMAT_VERSION, LR_SCHEDULER,
@@ -202,7 +202,7 @@ def prune_checkpoints(run_dir: str | os.PathLike, keep: int) -> None:
     for tmp in root.glob(".step-*.tmp-*"):
         with contextlib.suppress(ValueError, IndexError):
             pid = int(tmp.name.split(".tmp-")[1].split("-")[0])
-            if pid != os.getpid() and not _pid_alive(pid):
+            if pid != os.getpid() and not pid_alive(pid):
                 shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -236,16 +236,6 @@ def _remove_dir(path: Path) -> None:
     doomed = path.with_name(f".deleted-{path.name}-{os.getpid()}")
     os.replace(path, doomed)
     shutil.rmtree(doomed, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # --------------------------------------------------------------------------------------------------
