@@ -52,12 +52,13 @@ import torch
 import torch.multiprocessing  # noqa: F401  (registers the shared-memory reductions of tensors)
 
 from peagle.pipeline.store import commit_shard, init_store, open_store, write_shard_file
+from peagle.pipeline.store_reader import ShardReader, raw_bytes_per_token
 from peagle.schemas import store as S
 from peagle.schemas.train_config import StoreSpec
 from peagle.stages.train.batch import CodSettings, collate, make_item
 from torch.utils.data import DataLoader
 
-from peagle.stages.train.loader import LoaderConfig, ShardStream, TrainLoader, _ShardReader
+from peagle.stages.train.loader import LoaderConfig, ShardStream, TrainLoader
 from peagle.stages.train.vocab import build_draft_vocab, load_draft_vocab
 
 HIDDEN, AUX_LAYERS, TOPK, TARGET_VOCAB, DRAFT_VOCAB = 4096, (2, 16, 29), 32, 128256, 32000
@@ -161,7 +162,7 @@ def time_builds(loader: TrainLoader, root: Path, num_batches: int) -> dict:
             if cold_cache:
                 evict(root)
             t0 = time.perf_counter()
-            out = stream.build(_ShardReader(loader.stores, capacity=8), batch)
+            out = stream.build(ShardReader(loader.stores, capacity=8), batch)
             sink.append(time.perf_counter() - t0)
         elements.append(out.num_elements)
         supervised.append(out.num_supervised)
@@ -182,19 +183,13 @@ def time_builds(loader: TrainLoader, root: Path, num_batches: int) -> dict:
             sink.append(time.perf_counter() - t0)
 
         # Breakdown of the worker's build (warm cache): items (shift + COD), then collate.
-        reader = _ShardReader(loader.stores, capacity=8)
+        reader = ShardReader(loader.stores, capacity=8)
         lo, hi = plan.bounds_of_rank[0][batch], plan.bounds_of_rank[0][batch + 1]
         t0 = time.perf_counter()
         items = []
         for i in range(lo, hi):
             s, j, row = (int(v) for v in loc[:, i])
-            cols, tensors = reader.columns(s, j), reader.tensors(s, j)
-            a, e = cols["offsets"][row], cols["offsets"][row + 1]
-            off, n = int(cols["token_offset"][row]), int(e - a)
-            items.append(make_item(cols["sample_id"][row], torch.from_numpy(cols["ids"][a:e]),
-                                   torch.from_numpy(cols["mask"][a:e]), tensors[S.AUX_HIDDEN][off:off + n],
-                                   tensors[S.TOPK_IDS][off:off + n], tensors[S.TOPK_LOGPROBS][off:off + n],
-                                   cod=cfg.cod, seed=cfg.seed, epoch=epoch))
+            items.append(make_item(reader.sample(s, j, row), cod=cfg.cod, seed=cfg.seed, epoch=epoch))
         t1 = time.perf_counter()
         collate(items, target_to_draft_V=loader.target_to_draft_V, mask_token_id=loader.mask_token_id,
                 num_segments=cfg.sequence_partitions, block_size=cfg.block_size if cfg.attention == "flex" else None,
@@ -247,7 +242,7 @@ def main() -> None:
     torch.set_num_threads(1)  # a DataLoader worker runs with one thread
 
     results = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
-               "bytes_per_token": settings_for(2).bytes_per_token(), "num_depths": 8, "configs": []}
+               "bytes_per_token": raw_bytes_per_token(settings_for(2)), "num_depths": 8, "configs": []}
     for seq_len in args.lengths:
         num_samples = args.samples or max(2, 16384 // seq_len)
         root = Path(args.out) / f"store-L{seq_len}"

@@ -2,21 +2,18 @@
 
 Writers: ``init_store`` (creates or checks ``store.json``), ``commit_shard`` (two files, then the
 commit record, then the manifest), all crash-safe. Readers: ``open_store`` sees exactly the shards
-that have a commit record, checks sizes (fast) or sha256 (``verify=True``), and memory-maps tensors.
+that have a commit record and checks sizes (fast) or sha256 (``verify=True``); reading the samples
+of an opened store is :mod:`peagle.pipeline.store_reader`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from peagle.pipeline.atomic import (
     atomic_write_bytes,
@@ -209,14 +206,6 @@ class Store:
         except (OSError, pa.ArrowException) as err:
             raise damaged(path, err) from err
 
-    def open_tensors(self, index: int) -> dict[str, torch.Tensor]:
-        """The shard's tensors, memory-mapped (copy-on-write private mapping; no read of the file)."""
-        path = self.root / self.shard(index).safetensors
-        try:
-            return mmap_safetensors(path)
-        except (OSError, ValueError, KeyError, RuntimeError, struct.error) as err:
-            raise damaged(path, err) from err
-
 
 def damaged(path: Path, err: Exception) -> UserError:
     """The one-line error for a shard file that exists with the right size but does not parse."""
@@ -252,35 +241,6 @@ def check_shards(root: Path, records: list[S.ShardRecord], *, verify: bool) -> l
             elif verify and sha256_file(path) != digest:
                 problems.append(f"{rel} sha256 does not match its commit record")
     return problems
-
-
-_ST_DTYPES = {
-    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
-    "I32": torch.int32, "I64": torch.int64, "U8": torch.uint8, "BOOL": torch.bool,
-}
-
-
-def mmap_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Map a safetensors file into tensors without reading it: pages load on first touch.
-
-    ``safetensors.torch.load_file`` copies every tensor into RAM; a loader over an 8B-shaped store
-    (~24 KiB/token) cannot afford that per shard.
-    """
-    with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    base = 8 + header_len
-    out = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = meta["data_offsets"]
-        dtype = _ST_DTYPES[meta["dtype"]]
-        count = (end - start) // torch.empty((), dtype=dtype).element_size()
-        t = torch.frombuffer(mm, dtype=dtype, count=count, offset=base + start) if count else torch.empty(0, dtype=dtype)
-        out[name] = t.view(meta["shape"])
-    return out
 
 
 def write_bytes_atomic(root: Path, rel: str, data: bytes) -> None:

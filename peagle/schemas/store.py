@@ -27,9 +27,10 @@ SHARDS_DIR = "shards"
 VOCAB_DIR = "vocab"
 INPUTS_DIR = "inputs"
 
-AUX_HIDDEN = "aux_hidden"  # [T, A, H] bfloat16
-TOPK_IDS = "topk_ids"  # [T, k] int32
-TOPK_LOGPROBS = "topk_logprobs"  # [T, k] float16 or float32
+AUX_HIDDEN = "aux_hidden"  # [T, A, H]
+TOPK_IDS = "topk_ids"  # [T, k]
+TOPK_LOGPROBS = "topk_logprobs"  # [T, k]
+# (shapes and dtypes: peagle.pipeline.store_reader.tensor_layout, the one place that knows them)
 TENSOR_NAMES = (AUX_HIDDEN, TOPK_IDS, TOPK_LOGPROBS)
 
 PARQUET_COLUMNS = ("sample_id", "source", "input_ids", "loss_mask", "num_tokens", "token_offset")
@@ -93,11 +94,6 @@ class StoreSettings:
         d["target"] = TargetIdentity(**d["target"])
         d["aux_layer_ids"] = tuple(d["aux_layer_ids"])
         return cls(**d)
-
-    def bytes_per_token(self) -> int:
-        """Raw tensor bytes per token: A*H*2 (bf16 aux) + k*(4 + logprob bytes)."""
-        logprob_bytes = 2 if self.logprob_dtype == "float16" else 4
-        return len(self.aux_layer_ids) * self.target.hidden_size * 2 + self.topk * (4 + logprob_bytes)
 
 
 @dataclass(frozen=True, kw_only=True)

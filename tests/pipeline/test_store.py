@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from peagle.pipeline import store as ST
 from peagle.schemas import store as S
@@ -154,19 +154,6 @@ def test_open_store_of_a_missing_or_foreign_directory(tmp_path):
         ST.open_store(tmp_path)
 
 
-def test_mmap_safetensors_equals_load_file_without_reading(tmp_path):
-    ST.init_store(tmp_path, SETTINGS)
-    record = _write_shard(tmp_path, 0, num_tokens=7)
-    mapped = ST.open_store(tmp_path).open_tensors(0)
-    loaded = load_file(str(tmp_path / record.safetensors))
-    assert mapped.keys() == loaded.keys()
-    for name in loaded:
-        assert mapped[name].dtype == loaded[name].dtype and torch.equal(mapped[name], loaded[name])
-    empty = tmp_path / "empty.safetensors"
-    save_file({"x": torch.zeros(0, 3, dtype=torch.bfloat16)}, str(empty))
-    assert ST.mmap_safetensors(empty)["x"].shape == (0, 3)
-
-
 def test_write_shard_file_discards_its_temp_on_failure(tmp_path):
     ST.init_store(tmp_path, SETTINGS)
 
@@ -177,8 +164,3 @@ def test_write_shard_file_discards_its_temp_on_failure(tmp_path):
     with pytest.raises(RuntimeError):
         ST.write_shard_file(tmp_path, S.parquet_name(0), failing)
     assert list((tmp_path / S.SHARDS_DIR).iterdir()) == []
-
-
-def test_bytes_per_token_formula():
-    assert SETTINGS.bytes_per_token() == 3 * 16 * 2 + 4 * (4 + 2)
-    assert replace(SETTINGS, logprob_dtype="float32").bytes_per_token() == 3 * 16 * 2 + 4 * 8

@@ -1,12 +1,13 @@
 """Offline acceptance: teacher-forced full chains on held-out store samples (DESIGN §5).
 
-For one sample ``x_0 … x_{n−1}`` (DESIGN §3 coordinates: T = n − 1 positions, ``m[p] =
-loss_mask[p+2]``) every anchor p whose whole chain is supervised (``m[p] = … = m[p+K−1] = 1``; this
-is the set COD's chains are drawn from, without subsampling) gets all K drafts in one draft forward:
-the depth-0 element at p (real token ``x_{p+1}``, ``aux[p]``) and mask elements at p+1 … p+K−1,
-under the training attention rule (``peagle.model.mask``), which the proposer parity test equates
-with vLLM's parallel drafting. Draft j (j = 1..K, depth j−1) at reference position q = p + j − 1 is
-compared with the target's argmax for ``x_{q+2}`` (the top-1 of ``topk[q+1]``). A chain counts
+For one sample ``x_0 … x_{n−1}``, read in training coordinates (DESIGN §3, by the store reader
+:mod:`peagle.pipeline.store_reader`: T = n − 1 positions, ``m[p] = loss_mask[p+2]``) every anchor
+p whose whole chain is supervised (``m[p] = … = m[p+K−1] = 1``; this is the set COD's chains are
+drawn from, without subsampling) gets all K drafts in one draft forward: the depth-0 element at p
+(real token ``x_{p+1}``, ``aux[p]``) and mask elements at p+1 … p+K−1, under the training attention
+rule (``peagle.model.mask``), which the proposer parity test equates with vLLM's parallel drafting.
+Draft j (j = 1..K, depth j−1) at reference position q = p + j − 1 is compared with the target's
+argmax for ``x_{q+2}`` (the top-1 of ``topk[q+1]``, the sample's ``topk_*_Tk[q]``). A chain counts
 as accepted through depth d when its first d drafts all match, which is what greedy verification
 would accept; the histogram goes to :mod:`peagle.stages.eval.acceptance` for AL(k), k = 1..K.
 
@@ -19,29 +20,15 @@ Shape letters: T positions, A aux layers, H hidden, K depths, C anchors in a chu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Iterable
 
 import torch
 from torch import Tensor
 
 from peagle.model.draft import PEagleDraft
 from peagle.model.mask import dense_peagle_mask
-from peagle.pipeline.split import is_heldout
-from peagle.pipeline.store import Store
-from peagle.schemas import store as S
+from peagle.pipeline.store_reader import TrainingSample
 from peagle.stages.eval.acceptance import AcceptanceHistogram
-
-
-@dataclass(frozen=True)
-class EvalSample:
-    """One store sample's raw rows (n tokens)."""
-
-    sample_id: str
-    input_ids_n: Tensor
-    loss_mask_n: Tensor
-    aux_nAH: Tensor
-    topk_ids_nk: Tensor
-    topk_logprobs_nk: Tensor
 
 
 @dataclass
@@ -64,30 +51,6 @@ class OfflineResult:
         }
 
 
-def iter_samples(store: Store, *, heldout_fraction: float | None = None,
-                 max_samples: int | None = None) -> Iterator[EvalSample]:
-    """Store samples in shard order; with ``heldout_fraction`` only the held-out ones."""
-    yielded = 0
-    for record in store.shards:
-        table = store.read_rows(record.index, ["sample_id", "input_ids", "loss_mask", "token_offset", "num_tokens"])
-        tensors = store.open_tensors(record.index)
-        for row in table.to_pylist():
-            if heldout_fraction is not None and not is_heldout(row["sample_id"], heldout_fraction):
-                continue
-            if max_samples is not None and yielded >= max_samples:
-                return
-            start, n = int(row["token_offset"]), int(row["num_tokens"])
-            yield EvalSample(
-                sample_id=row["sample_id"],
-                input_ids_n=torch.as_tensor(row["input_ids"], dtype=torch.long),
-                loss_mask_n=torch.as_tensor(row["loss_mask"], dtype=torch.bool),
-                aux_nAH=tensors[S.AUX_HIDDEN][start:start + n],
-                topk_ids_nk=tensors[S.TOPK_IDS][start:start + n],
-                topk_logprobs_nk=tensors[S.TOPK_LOGPROBS][start:start + n],
-            )
-            yielded += 1
-
-
 def chain_anchors(supervised_T: Tensor, num_depths: int) -> Tensor:
     """Anchors p whose positions p .. p+K−1 are all supervised (ascending)."""
     T = supervised_T.numel()
@@ -99,25 +62,21 @@ def chain_anchors(supervised_T: Tensor, num_depths: int) -> Tensor:
 
 
 @torch.no_grad()
-def chain_correct(draft: PEagleDraft, sample: EvalSample, num_depths: int, *,
+def chain_correct(draft: PEagleDraft, sample: TrainingSample, num_depths: int, *,
                   max_elements: int = 4096) -> Tensor:
     """``[K, C]`` bool: draft j+1 of anchor c equals the target's argmax, for every full-chain anchor."""
     K = num_depths
-    n = sample.input_ids_n.numel()
-    T = n - 1
-    tokens_T = sample.input_ids_n[1:]
-    supervised_T = torch.zeros(T, dtype=torch.bool)
-    supervised_T[: T - 1] = sample.loss_mask_n[2:]
-    rows_T = sample.topk_logprobs_nk[1:].float().argmax(dim=-1)
-    target_T = sample.topk_ids_nk[1:].long().gather(1, rows_T[:, None]).flatten()
-    anchors = chain_anchors(supervised_T, K)
+    T = sample.num_positions
+    rows_T = sample.topk_logprobs_Tk.float().argmax(dim=-1)
+    target_T = sample.topk_ids_Tk.long().gather(1, rows_T[:, None]).flatten()
+    anchors = chain_anchors(sample.supervised_T, K)
     out = []
     start = 0
     while start < anchors.numel():
         end = start + 1  # grow the chunk while the forward stays under max_elements rows
         while end < anchors.numel() and int(anchors[end]) + 1 + (K - 1) * (end + 1 - start) <= max_elements:
             end += 1
-        out.append(_chunk_correct(draft, tokens_T, sample.aux_nAH[:T], target_T, anchors[start:end], K, T))
+        out.append(_chunk_correct(draft, sample.tokens_T, sample.aux_TAH, target_T, anchors[start:end], K, T))
         start = end
     return torch.cat(out, dim=1) if out else torch.empty(K, 0, dtype=torch.bool)
 
@@ -138,7 +97,7 @@ def _chunk_correct(draft: PEagleDraft, tokens_T: Tensor, aux_TAH: Tensor, target
     return proposed_KC == target_T[anchors_C[None, :] + torch.arange(K)[:, None]]
 
 
-def evaluate_offline(draft: PEagleDraft, samples: Iterator[EvalSample], num_depths: int, *,
+def evaluate_offline(draft: PEagleDraft, samples: Iterable[TrainingSample], num_depths: int, *,
                      max_elements: int = 4096, progress: bool = False) -> OfflineResult:
     """Teacher-forced acceptance over ``samples`` (module docstring)."""
     from tqdm import tqdm
@@ -151,5 +110,5 @@ def evaluate_offline(draft: PEagleDraft, samples: Iterator[EvalSample], num_dept
             result.histogram.add(int(a), int(count))
         result.agreement_at_depth = [x + int(c) for x, c in zip(result.agreement_at_depth, correct_KC.sum(dim=1))]
         result.num_samples += 1
-        result.num_tokens += int(sample.input_ids_n.numel())
+        result.num_tokens += sample.num_positions + 1
     return result

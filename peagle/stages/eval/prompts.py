@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
+from peagle.pipeline.store_reader import TrainingSample
 from peagle.schemas.errors import UserError
 
 BUILTIN_MESSAGES = (
@@ -68,13 +69,13 @@ def prompts_from_file(path: str | os.PathLike, tokenizer: Any) -> list[list[int]
     return prompts
 
 
-def prompts_from_samples(samples: Iterable[Any], max_prompts: int) -> list[list[int]]:
-    """The context before the first supervised token of each sample (``input_ids_n``/``loss_mask_n``)."""
+def prompts_from_samples(samples: Iterable[TrainingSample], max_prompts: int) -> list[list[int]]:
+    """The context before the first supervised token of each sample (samples with none are skipped)."""
     prompts = []
     for sample in samples:
-        supervised = sample.loss_mask_n.nonzero().flatten()
-        if supervised.numel() and int(supervised[0]) >= 1:
-            prompts.append(sample.input_ids_n[: int(supervised[0])].tolist())
+        context = sample.context_before_first_target()
+        if context is not None:
+            prompts.append(context)
         if len(prompts) >= max_prompts:
             break
     return prompts

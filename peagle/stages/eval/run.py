@@ -21,6 +21,7 @@ import torch
 
 import peagle
 from peagle.pipeline.store import Store, open_store
+from peagle.pipeline.store_reader import iter_training_samples
 from peagle.schemas.errors import UserError
 from peagle.stages.eval import offline, online, prompts as prompt_sources, report as reporting
 from peagle.stages.eval.draft_source import ExportedDraft, load_export
@@ -154,7 +155,7 @@ def run_eval(config: EvalConfig) -> dict[str, Any]:
     sections: dict[str, dict[str, Any]] = {}
 
     if "offline" in modes:
-        samples = offline.iter_samples(store, heldout_fraction=heldout, max_samples=config.max_samples)
+        samples = iter_training_samples(store, heldout_fraction=heldout, max_samples=config.max_samples)
         result = offline.evaluate_offline(draft, samples, K, progress=config.progress)
         if result.num_samples == 0:
             _warn(f"offline: no sample to evaluate in {store.root}"
@@ -218,7 +219,7 @@ def _prompts(config: EvalConfig, tokenizer, store: Store | None, heldout: float 
         found = prompt_sources.prompts_from_file(config.prompts, tokenizer)[: config.max_prompts]
         return found, f"file {config.prompts}"
     if store is not None:
-        samples = offline.iter_samples(store, heldout_fraction=heldout)
+        samples = iter_training_samples(store, heldout_fraction=heldout)
         found = prompt_sources.prompts_from_samples(samples, config.max_prompts)
         if found:
             return found, f"store {store.root}" + (" (held-out samples)" if heldout else "")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from peagle.pipeline.atomic import canonical_json
 from peagle.pipeline.store import check_shards, list_commits, manifest_dict, read_settings
+from peagle.pipeline.store_reader import raw_bytes_per_token
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 
@@ -33,8 +34,8 @@ class StoreInfo:
 
     @property
     def raw_bytes_per_token(self) -> int:
-        """The tensors' raw bytes per token: A*H*2 + k*(4 + logprob bytes)."""
-        return self.settings.bytes_per_token()
+        """The tensors' raw bytes per token (``store_reader.raw_bytes_per_token``)."""
+        return raw_bytes_per_token(self.settings)
 
 
 def _open_root(root: str | Path) -> Path:

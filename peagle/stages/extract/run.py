@@ -24,6 +24,7 @@ from peagle.pipeline.failpoints import failpoint
 from peagle.pipeline.prefetch import prefetch
 from peagle.pipeline.store import (check_same_settings, init_store, list_commits, read_settings, rebuild_manifest,
                                    sha256_file)
+from peagle.pipeline.store_reader import raw_bytes_per_token
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 from peagle.schemas.extract_config import ExtractConfig
@@ -55,7 +56,7 @@ class ExtractPlan:
 
     @property
     def estimated_bytes(self) -> int:
-        return self.estimated_tokens * self.settings.bytes_per_token()
+        return self.estimated_tokens * raw_bytes_per_token(self.settings)
 
 
 @dataclass(kw_only=True)
@@ -151,7 +152,7 @@ def format_plan(plan: ExtractPlan, config: ExtractConfig, store: Path) -> str:
         f"  settings   aux layers {','.join(map(str, s.aux_layer_ids))}, top-k {s.topk} ({s.logprob_dtype}), "
         f"max len {s.max_seq_len}, loss on {s.loss_on}",
         f"  tokens     ~{plan.estimated_tokens:,} ({how})",
-        f"  size       ~{_human(plan.estimated_bytes)} at {s.bytes_per_token():,} bytes/token; "
+        f"  size       ~{_human(plan.estimated_bytes)} at {raw_bytes_per_token(s):,} bytes/token; "
         f"free disk {_human(plan.free_bytes)}",
         *plan.notes,
     ]

@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 import torch
 
 from peagle.pipeline.store import commit_shard, write_shard_file
+from peagle.pipeline.store_reader import encode_header, tensor_layout
 from peagle.schemas import store as S
 from peagle.stages.extract.backend import TargetOutput
 from peagle.stages.extract.template import TokenizedSample
@@ -43,9 +44,6 @@ PARQUET_SCHEMA = pa.schema([
     ("token_offset", pa.int64()),
 ])
 assert tuple(PARQUET_SCHEMA.names) == S.PARQUET_COLUMNS
-
-_ST_DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32"}
-
 
 @dataclass(kw_only=True)
 class ShardContent:
@@ -97,57 +95,37 @@ def write_parquet(table: pa.Table, path: str | Path) -> None:
                    write_statistics=False, row_group_size=max(1, table.num_rows), data_page_version="2.0")
 
 
-def tensor_header(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> bytes:
-    """A safetensors header for tensors laid out in the given order, padded to 8 bytes."""
-    header, offset = {}, 0
-    for name, (shape, dtype) in shapes.items():
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        header[name] = {"dtype": _ST_DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    text = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
-    text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text
-
-
-def write_tensors(path: str | Path, outputs: list[TargetOutput], *, num_aux: int, hidden_size: int,
-                  topk: int, logprob_dtype: torch.dtype) -> None:
-    """``aux_hidden [T, A, H]`` bf16, ``topk_ids [T, K]`` int32, ``topk_logprobs [T, K]``, streamed
-    sample by sample (no concatenated copy of the shard)."""
+def write_tensors(path: str | Path, outputs: list[TargetOutput], settings: S.StoreSettings) -> None:
+    """The shard's tensors in the store's layout (``store_reader.tensor_layout``: ``aux_hidden [T, A, H]``,
+    ``topk_ids [T, K]``, ``topk_logprobs [T, K]``), streamed sample by sample (no concatenated copy)."""
     assert sys.byteorder == "little", "safetensors is little-endian; raw tensor bytes are written as-is"
-    num_tokens = sum(out.aux_TAH.shape[0] for out in outputs)
-    layout = {
-        S.AUX_HIDDEN: ((num_tokens, num_aux, hidden_size), torch.bfloat16),
-        S.TOPK_IDS: ((num_tokens, topk), torch.int32),
-        S.TOPK_LOGPROBS: ((num_tokens, topk), logprob_dtype),
-    }
+    layout = tensor_layout(settings, sum(out.aux_TAH.shape[0] for out in outputs))
+    logprob_dtype = layout[S.TOPK_LOGPROBS][1]
     low = torch.finfo(logprob_dtype).min  # a log-prob below fp16's range is zero probability anyway
     parts = {
-        S.AUX_HIDDEN: lambda out: out.aux_TAH.to(torch.bfloat16),
-        S.TOPK_IDS: lambda out: out.topk_ids_TK.to(torch.int32),
-        S.TOPK_LOGPROBS: lambda out: out.topk_logprobs_TK.clamp(min=low).to(logprob_dtype),
+        S.AUX_HIDDEN: lambda out: out.aux_TAH,
+        S.TOPK_IDS: lambda out: out.topk_ids_TK,
+        S.TOPK_LOGPROBS: lambda out: out.topk_logprobs_TK.clamp(min=low),
     }
     with open(path, "wb") as f:
-        f.write(tensor_header(layout))
+        f.write(encode_header(layout))
         for name, (shape, dtype) in layout.items():
             for out in outputs:
-                t = parts[name](out).contiguous()
-                assert t.shape[1:] == shape[1:] and t.dtype == dtype, (name, t.shape, t.dtype)
+                t = parts[name](out).to(dtype).contiguous()
+                assert t.shape[1:] == shape[1:], (name, t.shape, shape)
                 f.write(memoryview(t.view(torch.uint8).numpy()))
 
 
 def write_and_commit(root: Path, content: ShardContent, settings: S.StoreSettings) -> S.ShardRecord:
     """Write both files (atomically each), then the commit record: the shard exists from then on."""
     content = drop_non_finite(content)
-    logprob_dtype = torch.float16 if settings.logprob_dtype == "float16" else torch.float32
     table = parquet_table(content.samples)
     parquet_bytes, parquet_sha = write_shard_file(root, S.parquet_name(content.index),
                                                   lambda tmp: write_parquet(table, tmp))
     try:
         tensor_bytes, tensor_sha = write_shard_file(
             root, S.tensors_name(content.index),
-            lambda tmp: write_tensors(tmp, content.outputs, num_aux=len(settings.aux_layer_ids),
-                                      hidden_size=settings.target.hidden_size, topk=settings.topk,
-                                      logprob_dtype=logprob_dtype))
+            lambda tmp: write_tensors(tmp, content.outputs, settings))
     except Exception:
         # Readers would ignore it (no commit record), but a half shard should not even be on disk.
         (root / S.parquet_name(content.index)).unlink(missing_ok=True)

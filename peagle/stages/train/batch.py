@@ -4,12 +4,12 @@ Shape letters: n = a sample's tokens; T = training positions (n − 1 per sample
 samples of a batch); A = aux layers; H = hidden size; k = stored top-k; D = samples (documents) in
 the batch; N = flat COD elements; E = supervised flat elements that have a target.
 
-**Index shifting (DESIGN §3), done once, here.** For a sample ``x_0 … x_{n−1}`` the training
-positions are p ∈ [0, n−2]. The depth-0 element at p reads ``x_{p+1}`` and ``aux[p]``; any element
-whose reference position (``anchor + depth``) is p predicts ``x_{p+2}``, with target distribution
-``topk[p+1]``, and is supervised iff ``m[p] = loss_mask[p+2]`` (``m[n−2] = 0``: no ``x_n``).
-:func:`make_item` slices the raw store rows into exactly these per-position arrays, so nothing
-downstream ever adds 1 or 2 again.
+**Training coordinates (DESIGN §3).** Samples arrive from the store reader
+(:mod:`peagle.pipeline.store_reader`, where the index shift is done, once) as per-position arrays:
+for p ∈ [0, n−2] the depth-0 element at p reads ``x_{p+1}`` and ``aux[p]``; any element whose
+reference position (``anchor + depth``) is p predicts ``x_{p+2}``, with target distribution
+``topk[p+1]``, and is supervised iff ``m[p] = 1``. :func:`make_item` adds the COD draw; nothing
+here adds 1 or 2 to an index.
 
 **One flat row per batch, no padding.** A batch packs several samples, back to back, into one row
 of T positions under a token budget. The P-EAGLE forward is over the flat COD sequence, whose length
@@ -30,16 +30,15 @@ bytes (24 KiB/token for an 8B target: 200 MB at L = 8192). A DataLoader worker t
 pays for fresh memory page by page, then ships it through shared memory, where the trainer process
 faults it in again before copying it into pinned memory: three passes over 200 MB
 (benchmarks/loader_throughput.py). So workers build everything *but* the aux rows and hand over an
-:class:`AuxSource` (file, offset, length per sample); ``TrainBatch.pin_memory()`` -- run by the
-DataLoader's pin thread in the trainer process, concurrently with the step -- reads the rows with
-``preadv`` directly into a (cached) pinned buffer, one pass. ``TrainBatch.materialize()`` does the
+``AuxSource`` (the store reader's: file, offset, length per sample); ``TrainBatch.pin_memory()``
+-- run by the DataLoader's pin thread in the trainer process, concurrently with the step -- reads
+the rows with ``preadv`` directly into a (cached) pinned buffer, one pass. ``TrainBatch.materialize()`` does the
 same into ordinary memory (CPU training; ``to()`` calls it when needed).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -47,6 +46,7 @@ import torch
 from torch import Tensor
 
 from peagle.model.mask import DEFAULT_BLOCK_SIZE, CodBlockIndices, cod_block_indices
+from peagle.pipeline.store_reader import AuxSource, TrainingSample
 from peagle.stages.train.cod import cod_generator, generate_cod_sample_indices, pack_cod
 from peagle.stages.train.segments import SegmentPlan, plan_segments
 
@@ -61,38 +61,9 @@ class CodSettings:
     max_anchors: int | None = None
 
 
-@dataclass(frozen=True)
-class AuxSource:
-    """Where a batch's ``aux_TAH`` rows lie on disk: one contiguous byte range per sample, in row order."""
-
-    shape: tuple[int, ...]  # (T, A, H)
-    dtype: torch.dtype
-    reads: tuple[tuple[str, int, int], ...]  # (safetensors path, byte offset, byte count)
-
-    def read_into(self, out_TAH: Tensor) -> Tensor:
-        """Fill ``out_TAH`` (contiguous, CPU) with the rows; the GIL is released while the kernel copies."""
-        assert tuple(out_TAH.shape) == tuple(self.shape) and out_TAH.dtype == self.dtype and out_TAH.is_contiguous()
-        buffer = memoryview(out_TAH.view(-1).view(torch.uint8).numpy())
-        pos = 0
-        for path, offset, nbytes in self.reads:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                done = 0
-                while done < nbytes:
-                    got = os.preadv(fd, [buffer[pos + done:pos + nbytes]], offset + done)
-                    if got <= 0:
-                        raise OSError(f"{path}: file ended at byte {offset + done}, expected {offset + nbytes}")
-                    done += got
-            finally:
-                os.close(fd)
-            pos += nbytes
-        assert pos == buffer.nbytes, "aux reads do not cover the batch"
-        return out_TAH
-
-
 @dataclass(frozen=True, kw_only=True)
 class TrainItem:
-    """One sample in training coordinates: T = n − 1 positions p, all arrays indexed by p.
+    """One sample in training coordinates (a ``TrainingSample``'s arrays) with its COD draw.
 
     ``aux_TAH``, ``topk_*_Tk`` may be views into a memory-mapped shard: nothing is copied until
     :func:`collate` writes the batch.
@@ -112,28 +83,23 @@ class TrainItem:
         return int(self.tokens_T.numel())
 
 
-def make_item(sample_id: str, input_ids_n: Tensor, loss_mask_n: Tensor, aux_nAH: Tensor, topk_ids_nk: Tensor,
-              topk_logprobs_nk: Tensor, *, cod: CodSettings, seed: int, epoch: int) -> TrainItem:
-    """Shift one sample's raw store rows into training coordinates and draw its COD elements.
+def make_item(sample: TrainingSample, *, cod: CodSettings, seed: int, epoch: int) -> TrainItem:
+    """Draw one sample's COD elements (the sample comes from the store reader, already shifted).
 
     The COD draw uses ``cod_generator(seed, epoch, sample_id)`` only, so the item depends on
     (seed, epoch, sample_id) and the store contents, never on rank, worker or resume point.
     """
-    n = int(input_ids_n.numel())
-    assert n >= 2 and aux_nAH.shape[0] == n and topk_ids_nk.shape[0] == n, "sample rows disagree"
-    num_positions = n - 1
-    supervised_T = torch.zeros(num_positions, dtype=torch.bool)
-    supervised_T[: num_positions - 1] = torch.as_tensor(loss_mask_n)[2:].to(torch.bool)
+    assert sample.num_positions >= 1, "a sample needs two tokens"
     anchor_pos, depth = generate_cod_sample_indices(
-        num_positions, supervised_T, cod.num_depths, cod.down_sample_ratio, cod.down_sample_ratio_min,
-        True, generator=cod_generator(seed, epoch, sample_id), max_anchors=cod.max_anchors)
+        sample.num_positions, sample.supervised_T, cod.num_depths, cod.down_sample_ratio, cod.down_sample_ratio_min,
+        True, generator=cod_generator(seed, epoch, sample.sample_id), max_anchors=cod.max_anchors)
     return TrainItem(
-        sample_id=sample_id,
-        tokens_T=torch.as_tensor(input_ids_n)[1:].to(torch.long),
-        aux_TAH=aux_nAH[:num_positions],
-        supervised_T=supervised_T,
-        topk_ids_Tk=topk_ids_nk[1:],
-        topk_logprobs_Tk=topk_logprobs_nk[1:],
+        sample_id=sample.sample_id,
+        tokens_T=sample.tokens_T,
+        aux_TAH=sample.aux_TAH,
+        supervised_T=sample.supervised_T,
+        topk_ids_Tk=sample.topk_ids_Tk,
+        topk_logprobs_Tk=sample.topk_logprobs_Tk,
         anchor_pos=anchor_pos,
         depth=depth,
     )
@@ -215,7 +181,7 @@ class TrainBatch:
             return self
         src = self.aux_source
         assert src is not None, "a batch without aux_TAH must carry its aux_source"
-        out_TAH = src.read_into(torch.empty(src.shape, dtype=src.dtype, pin_memory=pin))
+        out_TAH = src.read_into(src.new_buffer(pin=pin))
         return dataclasses.replace(self, aux_TAH=out_TAH, aux_source=None)
 
     def pin_memory(self) -> "TrainBatch":
@@ -255,8 +221,9 @@ def collate(items: list[TrainItem], *, target_to_draft_V: Tensor, mask_token_id:
         mask_token_id: input token of every depth >= 1 element.
         num_segments: S; > 1 adds the segment plans.
         block_size: flex attention block size; None (sdpa) computes no block indices.
-        aux_reads: per item, (safetensors path, byte offset, byte count) of its aux rows: the batch then
-            carries an :class:`AuxSource` instead of copying ``item.aux_TAH`` (DataLoader workers).
+        aux_reads: per item, (safetensors path, byte offset, byte count) of its aux rows
+            (``ShardReader.aux_read``): the batch then carries an ``AuxSource`` instead of copying
+            ``item.aux_TAH`` (DataLoader workers).
     """
     assert items, "collate needs at least one item"
     lengths = [it.num_positions for it in items]
@@ -264,13 +231,12 @@ def collate(items: list[TrainItem], *, target_to_draft_V: Tensor, mask_token_id:
     doc_starts_D = torch.cumsum(doc_lengths_D, 0) - doc_lengths_D
     num_tokens = int(doc_lengths_D.sum())
     tokens_T = torch.cat([it.tokens_T for it in items])
-    first = items[0].aux_TAH
     aux_TAH, aux_source = None, None
     if aux_reads is None:
         aux_TAH = torch.cat([it.aux_TAH for it in items])
     else:
         assert len(aux_reads) == len(items), "one aux read per item"
-        aux_source = AuxSource((num_tokens, *first.shape[1:]), first.dtype, tuple(aux_reads))
+        aux_source = AuxSource((num_tokens, *items[0].aux_TAH.shape[1:]), items[0].aux_TAH.dtype, tuple(aux_reads))
     supervised_T = torch.cat([it.supervised_T for it in items])
 
     anchor_N, depth_N, position_ids_N = pack_cod([(it.anchor_pos, it.depth) for it in items], doc_starts_D.tolist())

@@ -11,18 +11,16 @@ stream is a function of (seed, epoch, world size, rank, store contents) for any 
 an item depends only on (seed, epoch, sample_id) (``cod_generator``). The loader's state is two
 integers (epoch, batches handed out) plus what must not change; resume = re-plan the epoch, skip.
 
-**Workers do the CPU work** (DESIGN §8): they memory-map the shard tensors (``Store.open_tensors``;
-only the rows of a batch are touched), draw COD, pack, gather top-k targets at supervised elements,
+**Workers do the CPU work** (DESIGN §8): they read samples through the store reader
+(``peagle.pipeline.store_reader.ShardReader``: training coordinates, shard tensors memory-mapped,
+only the rows of a batch touched), draw COD, pack, gather top-k targets at supervised elements,
 and compute segment plans and flex block indices. The trainer receives finished ``TrainBatch``es
 (pinned when ``pin_memory``).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import struct
-from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterator
 
@@ -33,7 +31,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from peagle.model.mask import DEFAULT_BLOCK_SIZE
 from peagle.pipeline.split import is_heldout
 from peagle.pipeline.store import Store, manifest_hash, open_store
-from peagle.schemas import store as S
+from peagle.pipeline.store_reader import ShardReader, read_num_positions
 from peagle.schemas.errors import UserError
 from peagle.schemas.train_config import StoreSpec
 from peagle.stages.train.batch import CodSettings, TrainBatch, collate, make_item
@@ -129,17 +127,16 @@ def _show(value: Any) -> str:
 
 
 def build_sample_index(stores: list[Store], config: LoaderConfig) -> SampleIndex:
-    """Read ``sample_id`` and ``num_tokens`` of every committed shard (no tensors, no token columns)."""
+    """Sample ids and training lengths of every committed shard (no tensors, no token columns)."""
     store_of, shard_of, row_of, positions, ids = [], [], [], [], []
     for s, store in enumerate(stores):
         for j, record in enumerate(store.shards):
-            table = store.read_rows(record.index, ["sample_id", "num_tokens"])
-            n = table.column("num_tokens").to_numpy().astype(np.int64)
-            store_of.append(np.full(n.size, s, np.int32))
-            shard_of.append(np.full(n.size, j, np.int32))
-            row_of.append(np.arange(n.size, dtype=np.int32))
-            positions.append(n - 1)
-            ids.extend(table.column("sample_id").to_pylist())
+            sample_ids, num_positions = read_num_positions(store, record.index)
+            store_of.append(np.full(num_positions.size, s, np.int32))
+            shard_of.append(np.full(num_positions.size, j, np.int32))
+            row_of.append(np.arange(num_positions.size, dtype=np.int32))
+            positions.append(num_positions)
+            ids.extend(sample_ids)
     cat = (lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dt))
     positions_of = cat(positions, np.int64)
     in_split = np.ones(positions_of.size, bool)
@@ -159,64 +156,6 @@ def build_sample_index(stores: list[Store], config: LoaderConfig) -> SampleIndex
 # Building batches (runs in DataLoader workers)
 
 
-def _flat_list(array) -> tuple[np.ndarray, np.ndarray]:
-    """Values and offsets (rebased to those values) of a pyarrow list array, possibly a slice."""
-    offsets = array.offsets.to_numpy().astype(np.int64)
-    values = array.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]]
-    return values, offsets - offsets[0]
-
-
-class _ShardReader:
-    """Per-worker LRU caches: a shard's token columns (small) and its memory-mapped tensors."""
-
-    def __init__(self, stores: list[Store], capacity: int):
-        self.stores, self.capacity = stores, capacity
-        self._columns: OrderedDict[tuple[int, int], dict[str, Any]] = OrderedDict()
-        self._tensors: OrderedDict[tuple[int, int], dict[str, torch.Tensor]] = OrderedDict()
-        self._layouts: OrderedDict[tuple[int, int], tuple[str, int, int]] = OrderedDict()
-
-    def _cached(self, cache: OrderedDict, key: tuple[int, int], load) -> Any:
-        if key in cache:
-            cache.move_to_end(key)
-            return cache[key]
-        value = cache[key] = load()
-        while len(cache) > self.capacity:
-            cache.popitem(last=False)
-        return value
-
-    def columns(self, store: int, shard: int) -> dict[str, Any]:
-        def load() -> dict[str, Any]:
-            index = self.stores[store].shards[shard].index
-            table = self.stores[store].read_rows(index, ["sample_id", "input_ids", "loss_mask", "token_offset"])
-            ids, offsets = _flat_list(table.column("input_ids").combine_chunks())
-            mask, mask_offsets = _flat_list(table.column("loss_mask").combine_chunks())
-            return {
-                "sample_id": table.column("sample_id").to_pylist(),
-                "offsets": offsets, "ids": ids.astype(np.int64),
-                "mask_offsets": mask_offsets, "mask": mask.astype(bool),
-                "token_offset": table.column("token_offset").to_numpy().astype(np.int64),
-            }
-
-        return self._cached(self._columns, (store, shard), load)
-
-    def tensors(self, store: int, shard: int) -> dict[str, torch.Tensor]:
-        index = self.stores[store].shards[shard].index
-        return self._cached(self._tensors, (store, shard), lambda: self.stores[store].open_tensors(index))
-
-    def aux_layout(self, store: int, shard: int) -> tuple[str, int, int]:
-        """(absolute path, byte offset of row 0, bytes per row) of the shard's ``aux_hidden``."""
-        def load() -> tuple[str, int, int]:
-            path = (self.stores[store].root / self.stores[store].shards[shard].safetensors).resolve()
-            with open(path, "rb") as f:  # safetensors: u64 header length, JSON header, data
-                (header_len,) = struct.unpack("<Q", f.read(8))
-                meta = json.loads(f.read(header_len))[S.AUX_HIDDEN]
-            start, end = meta["data_offsets"]
-            num_rows = meta["shape"][0]
-            return str(path), 8 + header_len + start, (end - start) // max(1, num_rows)
-
-        return self._cached(self._layouts, (store, shard), load)
-
-
 class ShardStream(IterableDataset):
     """One rank's batches ``start..num_batches-1`` of one epoch; worker w builds w, w+W, ... of them."""
 
@@ -230,27 +169,18 @@ class ShardStream(IterableDataset):
     def __iter__(self) -> Iterator[TrainBatch]:
         info = get_worker_info()
         worker, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
-        reader = _ShardReader(self.stores, capacity=self.config.shuffle_window * len(self.stores) + 2)
+        reader = ShardReader(self.stores, capacity=self.config.shuffle_window * len(self.stores) + 2)
         for b in worker_batches(self.num_batches, self.start, worker, num_workers):
             yield self.build(reader, b)
 
-    def build(self, reader: _ShardReader, batch: int) -> TrainBatch:
+    def build(self, reader: ShardReader, batch: int) -> TrainBatch:
         """Batch ``batch`` of the rank's plan, with its aux rows left on disk (``TrainBatch.aux_source``)."""
         items, aux_reads = [], []
         for i in range(self.bounds[batch], self.bounds[batch + 1]):
             store, shard, row = (int(v) for v in self.loc_3B[:, i])
-            cols, tensors = reader.columns(store, shard), reader.tensors(store, shard)
-            a, b = cols["offsets"][row], cols["offsets"][row + 1]
-            off, n = int(cols["token_offset"][row]), int(b - a)
-            assert cols["mask_offsets"][row + 1] - cols["mask_offsets"][row] == n, "loss_mask length differs"
-            assert off + n <= tensors[S.AUX_HIDDEN].shape[0], "token_offset past the shard's tensors"
-            m0 = cols["mask_offsets"][row]
-            path, base, row_bytes = reader.aux_layout(store, shard)
-            aux_reads.append((path, base + off * row_bytes, (n - 1) * row_bytes))
-            items.append(make_item(
-                cols["sample_id"][row], torch.from_numpy(cols["ids"][a:b]), torch.from_numpy(cols["mask"][m0:m0 + n]),
-                tensors[S.AUX_HIDDEN][off:off + n], tensors[S.TOPK_IDS][off:off + n],
-                tensors[S.TOPK_LOGPROBS][off:off + n], cod=self.config.cod, seed=self.config.seed, epoch=self.epoch))
+            aux_reads.append(reader.aux_read(store, shard, row))
+            items.append(make_item(reader.sample(store, shard, row), cod=self.config.cod, seed=self.config.seed,
+                                   epoch=self.epoch))
         return collate(items, target_to_draft_V=self.target_to_draft_V, mask_token_id=self.mask_token_id,
                        num_segments=self.config.sequence_partitions,
                        block_size=self.config.block_size if self.config.attention == "flex" else None,

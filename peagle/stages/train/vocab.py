@@ -2,11 +2,12 @@
 
 The draft's ``lm_head`` covers only ``draft_vocab_size`` target tokens. They are chosen by counting
 the tokens the draft is charged for predicting, over the whole store, in one pass over the Parquet
-columns (``input_ids``, ``loss_mask``; no tensor is read):
+columns (``input_ids``, ``loss_mask``; no tensor is read), in training coordinates from the store
+reader (DESIGN §3):
 
-* a token ``x_i`` counts iff ``loss_mask[i] = 1`` and ``i >= 2``. With the shifted convention of
-  DESIGN §3 an element at position p predicts ``x_{p+2}`` and is supervised iff ``loss_mask[p+2]``,
-  so exactly these tokens are ever charged (``x_0``, ``x_1`` are never predicted);
+* a token counts iff it is the target of a supervised position: ``targets[p] = x_{p+2}`` with
+  ``m[p] = 1``, i.e. the ``x_i`` with ``loss_mask[i] = 1`` and ``i >= 2`` (``x_0``, ``x_1`` are never
+  predicted);
 * the ``N`` ids with the highest counts are kept, ties broken by the lower id, and sorted by id
   ascending; the mask token (``StoreSettings.mask_token_id``) is never selected;
 * ``d2t[i] = target_id_i - i`` (int64 offsets) and ``t2d`` (bool over the target vocab) are the
@@ -35,6 +36,7 @@ import torch
 
 from peagle.pipeline.atomic import canonical_json
 from peagle.pipeline.store import Store, manifest_hash, open_store, write_bytes_atomic
+from peagle.pipeline.store_reader import iter_shard_columns
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 
@@ -76,43 +78,25 @@ class DraftVocab:
 
 
 def count_supervised_tokens(store: Store, *, progress: bool = False) -> np.ndarray:
-    """``[V]`` int64 counts of the charged tokens (``loss_mask[i] = 1``, ``i >= 2``) over all shards.
+    """``[V]`` int64 counts of the charged tokens (the targets of supervised positions) over all shards.
 
     Raises:
         UserError: when a shard holds a token id outside the target vocab or ragged columns.
     """
     vocab_size = store.settings.target.vocab_size
     counts_V = np.zeros(vocab_size, dtype=np.int64)
-    shards = store.shards
+    shards = iter_shard_columns(store)
     if progress:
         from tqdm import tqdm
 
-        shards = tqdm(shards, desc="counting tokens", unit="shard")
-    for record in shards:
-        table = store.read_rows(record.index, ["input_ids", "loss_mask"])
-        for ids_chunk, mask_chunk in zip(table.column("input_ids").chunks, table.column("loss_mask").chunks):
-            ids, offsets = _flat_list(ids_chunk)
-            mask, mask_offsets = _flat_list(mask_chunk)
-            if not np.array_equal(offsets, mask_offsets):
-                raise UserError(f"store {store.root}: shard {record.index} has input_ids and loss_mask of "
-                                "different lengths in some row")
-            lengths = np.diff(offsets)
-            pos_in_sample = np.arange(ids.size) - np.repeat(offsets[:-1], lengths)
-            charged = mask.astype(bool) & (pos_in_sample >= 2)
-            picked = ids[charged].astype(np.int64)
-            if picked.size and (picked.min() < 0 or picked.max() >= vocab_size):
-                raise UserError(f"store {store.root}: shard {record.index} holds token id "
-                                f"{int(picked.max())} outside the target vocab of {vocab_size}")
-            counts_V += np.bincount(picked, minlength=vocab_size)
+        shards = tqdm(shards, total=len(store.shards), desc="counting tokens", unit="shard")
+    for index, columns in shards:
+        picked = columns.targets[columns.supervised]
+        if picked.size and (picked.min() < 0 or picked.max() >= vocab_size):
+            raise UserError(f"store {store.root}: shard {index} holds token id "
+                            f"{int(picked.max())} outside the target vocab of {vocab_size}")
+        counts_V += np.bincount(picked, minlength=vocab_size)
     return counts_V
-
-
-def _flat_list(chunk) -> tuple[np.ndarray, np.ndarray]:
-    """Values and offsets (relative to the values) of one pyarrow list array chunk."""
-    offsets = chunk.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
-    values = chunk.values.to_numpy(zero_copy_only=False)
-    values = values[offsets[0]:offsets[-1]]
-    return values, offsets - offsets[0]
 
 
 def select_draft_ids(counts_V: np.ndarray, draft_vocab_size: int, mask_token_id: int | None) -> np.ndarray:

@@ -10,8 +10,8 @@ from peagle.model.draft import PEagleDraft
 from peagle.model.proposer import propose
 from peagle.pipeline.split import is_heldout
 from peagle.schemas.draft_config import DraftConfig
-from peagle.stages.eval.offline import (EvalSample, chain_anchors, chain_correct, evaluate_offline,
-                                        iter_samples)
+from peagle.pipeline.store_reader import TrainingSample, iter_training_samples, training_sample
+from peagle.stages.eval.offline import chain_anchors, chain_correct, evaluate_offline
 
 VOCAB, DRAFT_VOCAB, MASK, K = 100, 60, 99, 3
 
@@ -32,27 +32,26 @@ def small_draft(seed: int = 0) -> PEagleDraft:
     return draft.double().eval()
 
 
-def random_sample(n: int, seed: int, loss_mask: list[int] | None = None) -> EvalSample:
+def random_sample(n: int, seed: int, loss_mask: list[int] | None = None) -> TrainingSample:
     g = torch.Generator().manual_seed(seed)
-    return EvalSample(
-        sample_id=f"s{seed}",
-        input_ids_n=torch.randint(0, MASK, (n,), generator=g),
-        loss_mask_n=torch.tensor(loss_mask, dtype=torch.bool) if loss_mask is not None else torch.ones(n, dtype=torch.bool),
-        aux_nAH=torch.randn(n, 3, 32, generator=g).to(torch.bfloat16),
-        topk_ids_nk=torch.randint(0, VOCAB, (n, 4), generator=g, dtype=torch.int32),
-        topk_logprobs_nk=-torch.rand(n, 4, generator=g).sort(dim=1).values,
+    return training_sample(
+        f"s{seed}", torch.randint(0, MASK, (n,), generator=g),
+        torch.tensor(loss_mask, dtype=torch.bool) if loss_mask is not None else torch.ones(n, dtype=torch.bool),
+        torch.randn(n, 3, 32, generator=g).to(torch.bfloat16),
+        torch.randint(0, VOCAB, (n, 4), generator=g, dtype=torch.int32),
+        -torch.rand(n, 4, generator=g).sort(dim=1).values,
     )
 
 
-def proposer_predictions(draft: PEagleDraft, sample: EvalSample, p: int) -> list[int]:
+def proposer_predictions(draft: PEagleDraft, sample: TrainingSample, p: int) -> list[int]:
     """What vLLM-style parallel drafting proposes after x_0..x_{p+1} (aux of positions 0..p)."""
-    return propose(draft, sample.input_ids_n[: p + 2], sample.aux_nAH[: p + 1].double(), K).token_ids_K.tolist()
+    return propose(draft, sample.input_ids_n[: p + 2], sample.aux_TAH[: p + 1].double(), K).token_ids_K.tolist()
 
 
-def target_argmax(sample: EvalSample) -> torch.Tensor:
+def target_argmax(sample: TrainingSample) -> torch.Tensor:
     """Target argmax for x_{q+2}, indexed by q (top-1 of topk[q+1])."""
-    best = sample.topk_logprobs_nk[1:].argmax(dim=1)
-    return sample.topk_ids_nk[1:].long().gather(1, best[:, None]).flatten()
+    best = sample.topk_logprobs_Tk.argmax(dim=1)
+    return sample.topk_ids_Tk.long().gather(1, best[:, None]).flatten()
 
 
 def test_chain_anchors_need_a_fully_supervised_chain():
@@ -67,13 +66,10 @@ def test_chains_equal_the_serving_proposer_at_every_anchor():
     draft = small_draft()
     sample = random_sample(30, seed=1, loss_mask=[0] * 4 + [1] * 26)
     # Make about half the drafts correct: target at even q = the proposer's depth-0 draft of anchor q.
-    n = sample.input_ids_n.numel()
-    for q in range(0, n - 2, 2):
-        sample.topk_ids_nk[q + 1, sample.topk_logprobs_nk[q + 1].argmax()] = proposer_predictions(draft, sample, q)[0]
+    for q in range(0, sample.num_positions - 1, 2):  # topk_*_Tk[q] is the target's distribution of x_{q+2}
+        sample.topk_ids_Tk[q, sample.topk_logprobs_Tk[q].argmax()] = proposer_predictions(draft, sample, q)[0]
     correct_KC = chain_correct(draft, sample, K)
-    supervised = torch.zeros(n - 1, dtype=torch.bool)
-    supervised[: n - 2] = sample.loss_mask_n[2:]
-    anchors = chain_anchors(supervised, K).tolist()
+    anchors = chain_anchors(sample.supervised_T, K).tolist()
     target = target_argmax(sample)
     expected = torch.tensor([[proposer_predictions(draft, sample, p)[d] == int(target[p + d]) for p in anchors]
                              for d in range(K)])
@@ -98,7 +94,7 @@ def test_a_chain_matching_the_target_is_fully_accepted():
         mask[q + 2] = 1  # m[q] = loss_mask[q + 2]
     sample = random_sample(n, seed=3, loss_mask=mask)
     for d, token in enumerate(proposer_predictions(draft, sample, p)):
-        sample.topk_ids_nk[p + d + 1, sample.topk_logprobs_nk[p + d + 1].argmax()] = token
+        sample.topk_ids_Tk[p + d, sample.topk_logprobs_Tk[p + d].argmax()] = token
     result = evaluate_offline(draft, iter([sample]), K)
     assert result.histogram.counts == [0, 0, 0, 1]
     assert result.histogram.acceptance_lengths() == pytest.approx([2.0, 3.0, 4.0])
@@ -125,11 +121,11 @@ def test_store_samples_and_evaluation(tiny_store, tiny_llama):
     from peagle.pipeline.store import open_store
 
     store = open_store(tiny_store)
-    samples = list(iter_samples(store))
+    samples = list(iter_training_samples(store))
     assert len(samples) == store.num_samples and sum(s.input_ids_n.numel() for s in samples) == store.num_tokens
-    assert [s.sample_id for s in iter_samples(store, heldout_fraction=0.5)] == \
+    assert [s.sample_id for s in iter_training_samples(store, heldout_fraction=0.5)] == \
         [s.sample_id for s in samples if is_heldout(s.sample_id, 0.5)]
-    assert len(list(iter_samples(store, max_samples=3))) == 3
+    assert len(list(iter_training_samples(store, max_samples=3))) == 3
 
     config = DraftConfig.from_target_config(AutoConfig.from_pretrained(tiny_llama), num_layers=1,
                                             mask_token_id=store.settings.mask_token_id,
@@ -138,9 +134,7 @@ def test_store_samples_and_evaluation(tiny_store, tiny_llama):
     result = evaluate_offline(draft, iter(samples), 4)
     expected_chains = 0
     for s in samples:
-        supervised = torch.zeros(s.input_ids_n.numel() - 1, dtype=torch.bool)
-        supervised[:-1] = s.loss_mask_n[2:]
-        expected_chains += chain_anchors(supervised, 4).numel()
+        expected_chains += chain_anchors(s.supervised_T, 4).numel()
     assert result.histogram.num_steps == expected_chains > 0
     assert result.num_samples == len(samples)
     al = result.histogram.acceptance_lengths()

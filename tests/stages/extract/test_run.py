@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from peagle.pipeline.store import open_store
+from peagle.pipeline.store_reader import open_shard_tensors
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 from peagle.schemas.extract_config import ExtractConfig
@@ -81,7 +82,7 @@ def test_store_follows_design_and_index_conventions(data, tiny_qwen3, tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
     rows = store.read_rows(1).to_pylist()
-    tensors = store.open_tensors(1)
+    tensors = open_shard_tensors(store, 1)
     assert tensors[S.AUX_HIDDEN].shape == (sum(r["num_tokens"] for r in rows), 3, 128)
     for row in rows:
         ids, start, n = row["input_ids"], row["token_offset"], row["num_tokens"]

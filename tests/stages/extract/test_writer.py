@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -15,6 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from peagle.pipeline.store import init_store, list_commits, open_store, sha256_file
+from peagle.pipeline.store_reader import open_shard_tensors
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 from peagle.stages.extract.backend import TargetOutput
@@ -73,7 +75,7 @@ def test_parquet_rows_follow_design_exactly(tmp_path):
 def test_tensors_are_the_outputs_concatenated_in_sample_order(tmp_path):
     content = _content()
     path = tmp_path / "x.safetensors"
-    write_tensors(path, content.outputs, num_aux=A, hidden_size=H, topk=K, logprob_dtype=torch.float16)
+    write_tensors(path, content.outputs, SETTINGS)
     loaded = load_file(str(path))
     assert set(loaded) == set(S.TENSOR_NAMES)
     assert loaded[S.AUX_HIDDEN].shape == (15, A, H) and loaded[S.AUX_HIDDEN].dtype == torch.bfloat16
@@ -89,10 +91,9 @@ def test_tensors_are_the_outputs_concatenated_in_sample_order(tmp_path):
 
 
 def test_float32_logprobs_and_an_empty_shard(tmp_path):
-    write_tensors(tmp_path / "f.safetensors", _content().outputs, num_aux=A, hidden_size=H, topk=K,
-                  logprob_dtype=torch.float32)
+    write_tensors(tmp_path / "f.safetensors", _content().outputs, replace(SETTINGS, logprob_dtype="float32"))
     assert load_file(str(tmp_path / "f.safetensors"))[S.TOPK_LOGPROBS].dtype == torch.float32
-    write_tensors(tmp_path / "e.safetensors", [], num_aux=A, hidden_size=H, topk=K, logprob_dtype=torch.float16)
+    write_tensors(tmp_path / "e.safetensors", [], SETTINGS)
     assert load_file(str(tmp_path / "e.safetensors"))[S.AUX_HIDDEN].shape == (0, A, H)
     write_parquet(parquet_table([]), tmp_path / "e.parquet")
     assert pq.read_table(tmp_path / "e.parquet").num_rows == 0
@@ -115,7 +116,7 @@ def test_write_and_commit_records_sizes_hashes_and_counts(tmp_path):
     assert record.skipped == {"malformed_json": 1} and record.num_truncated == 1 and record.backend == "hf"
     assert list_commits(tmp_path) == [record]
     store = open_store(tmp_path, verify=True)
-    assert store.open_tensors(3)[S.AUX_HIDDEN].shape == (15, A, H)
+    assert open_shard_tensors(store, 3)[S.AUX_HIDDEN].shape == (15, A, H)
 
 
 def test_non_finite_samples_are_dropped_and_counted(tmp_path):

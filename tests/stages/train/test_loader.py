@@ -227,7 +227,8 @@ def test_mixed_stores_must_agree_and_verify_checks_sha256(tiny_store, tmp_path):
 
 
 def test_workers_leave_aux_rows_on_disk_until_the_trainer_reads_them(tiny_store):
-    from peagle.stages.train.loader import ShardStream, _ShardReader
+    from peagle.pipeline.store_reader import ShardReader
+    from peagle.stages.train.loader import ShardStream
 
     loader = TrainLoader(config(tiny_store))
     plan = loader.plan(0)
@@ -236,7 +237,7 @@ def test_workers_leave_aux_rows_on_disk_until_the_trainer_reads_them(tiny_store)
     stream = ShardStream(loader.stores, loader.config, loc_3B=loc, bounds=plan.bounds_of_rank[0],
                          num_batches=plan.num_batches, start=0, epoch=0,
                          target_to_draft_V=loader.target_to_draft_V, mask_token_id=loader.mask_token_id)
-    lazy = stream.build(_ShardReader(loader.stores, capacity=2), 0)
+    lazy = stream.build(ShardReader(loader.stores, capacity=2), 0)
     assert lazy.aux_TAH is None and len(lazy.aux_source.reads) == lazy.num_samples
     expected = torch.cat([tiny_store.samples[sid].aux_nAH[:-1] for sid in lazy.sample_ids])
     assert torch.equal(lazy.materialize().aux_TAH, expected)

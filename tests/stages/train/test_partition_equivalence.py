@@ -15,6 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 from peagle.model.draft import PEagleDraft
+from peagle.pipeline.store_reader import training_sample
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.train_config import TrainConfig
 from peagle.stages.train.batch import CodSettings, collate, make_item
@@ -48,11 +49,11 @@ def random_items(seed: int, lengths: list[int]) -> list:
         mask = torch.rand(n, generator=g) < 0.7
         logits = torch.randn(n, TARGET_VOCAB - 1, generator=g) * 2
         top = torch.log_softmax(logits, -1).topk(TOPK, dim=-1)
-        items.append(make_item(
-            f"s{seed}-{j}", torch.randint(0, TARGET_VOCAB - 1, (n,), generator=g), mask,
-            torch.randn(n, NUM_AUX, HIDDEN, generator=g).to(torch.bfloat16), top.indices.to(torch.int32),
-            top.values, cod=CodSettings(num_depths=K, down_sample_ratio=0.7, down_sample_ratio_min=0.2),
-            seed=seed, epoch=0))
+        sample = training_sample(f"s{seed}-{j}", torch.randint(0, TARGET_VOCAB - 1, (n,), generator=g), mask,
+                                 torch.randn(n, NUM_AUX, HIDDEN, generator=g).to(torch.bfloat16),
+                                 top.indices.to(torch.int32), top.values)
+        items.append(make_item(sample, cod=CodSettings(num_depths=K, down_sample_ratio=0.7, down_sample_ratio_min=0.2),
+                               seed=seed, epoch=0))
     return items
 
 

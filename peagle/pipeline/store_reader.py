@@ -1,0 +1,419 @@
+"""Reading a shard store's samples back, in training coordinates (DESIGN §2, §3): the one reader.
+
+Everything that reads samples out of a store goes through here: the training loader (its shard
+reader and the byte ranges of a batch's aux rows), draft-vocab counting, offline evaluation and the
+store summary. Opening a store (settings, commit records, size and sha256 checks) is
+:mod:`peagle.pipeline.store`; this module turns an opened store's files into samples.
+
+**Training coordinates (DESIGN §3), shifted once, in** :func:`shift_columns`. A sample of tokens
+``x_0 … x_{n−1}`` becomes T = n − 1 training positions p ∈ [0, n−2]. At position p:
+
+* ``tokens[p] = x_{p+1}`` -- the depth-0 input token;
+* ``aux[p]`` -- the depth-0 input state (the target's state after reading x_0 … x_p);
+* ``topk[p+1]`` -- the target distribution of the element at p, which predicts x_{p+2};
+* ``targets[p] = x_{p+2}`` (−1 at p = n−2: there is no x_n);
+* ``supervised[p] = m[p] = loss_mask[p+2]`` (``m[n−2] = 0``).
+
+Readers never add 1 or 2 again: the loader, vocab counting and offline evaluation all receive
+these arrays. (Charged tokens are exactly ``targets[supervised]``: the x_i with ``loss_mask[i] = 1``
+and i ≥ 2.)
+
+**The shard tensors' layout is known here only.** :func:`tensor_layout` says which tensors a shard
+file holds, with shape and dtype (the writer in the extract stage writes exactly that);
+:func:`raw_bytes_per_token` is its size per token (extract's plan, ``store info``);
+:func:`read_header` is the one parser of a safetensors header; :func:`map_tensors` maps a shard's
+tensors without reading them; :class:`AuxSource` reads a batch's aux rows from their byte ranges.
+A change of the aux representation (dtype, a scale tensor) lands in this file.
+
+Shape letters: n a sample's tokens, T = n − 1 training positions, A aux layers, H hidden size,
+k stored top-k.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from peagle.pipeline.split import is_heldout
+from peagle.pipeline.store import Store, damaged
+from peagle.schemas import store as S
+from peagle.schemas.errors import UserError
+
+AUX_DTYPE = torch.bfloat16
+"""dtype of ``aux_hidden`` rows on disk and in memory."""
+TOPK_IDS_DTYPE = torch.int32
+LOGPROB_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+
+_SAFETENSORS_DTYPES = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+    "I32": torch.int32, "I64": torch.int64, "U8": torch.uint8, "BOOL": torch.bool,
+}
+_SAFETENSORS_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
+
+PARQUET_READ_COLUMNS = ["sample_id", "input_ids", "loss_mask", "token_offset"]
+
+
+# --------------------------------------------------------------------------------------------------
+# The shard tensor file: layout, header, mapping
+
+
+def tensor_layout(settings: S.StoreSettings, num_tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The tensors of a shard holding ``num_tokens`` rows, in file order, with shape and dtype."""
+    return {
+        S.AUX_HIDDEN: ((num_tokens, len(settings.aux_layer_ids), settings.target.hidden_size), AUX_DTYPE),
+        S.TOPK_IDS: ((num_tokens, settings.topk), TOPK_IDS_DTYPE),
+        S.TOPK_LOGPROBS: ((num_tokens, settings.topk), LOGPROB_DTYPES[settings.logprob_dtype]),
+    }
+
+
+def raw_bytes_per_token(settings: S.StoreSettings) -> int:
+    """Tensor bytes per token, A·H·2 (bf16 aux) + k·(4 + log-prob bytes): the store's size per token
+    before Parquet, and the unit of extract's size estimate."""
+    return sum(torch.Size(shape[1:]).numel() * dtype.itemsize for shape, dtype in tensor_layout(settings, 0).values())
+
+
+def encode_header(layout: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> bytes:
+    """The safetensors header (u64 length + JSON, padded to 8 bytes) for tensors laid out in order."""
+    header, offset = {}, 0
+    for name, (shape, dtype) in layout.items():
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        header[name] = {"dtype": _SAFETENSORS_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors file: where its bytes are (absolute file offset)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+    @property
+    def row_bytes(self) -> int:
+        return self.nbytes // self.shape[0] if self.shape and self.shape[0] else 0
+
+
+def read_header(path: str | os.PathLike) -> dict[str, TensorEntry]:
+    """Parse a safetensors header: u64 little-endian length, JSON, then the data (offsets from its start)."""
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        size = os.fstat(f.fileno()).st_size
+        if header_len > size - 8:
+            raise ValueError(f"header length {header_len} exceeds the file's {size} bytes")
+        header = json.loads(f.read(header_len))
+    base = 8 + header_len
+    entries = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = meta["data_offsets"]
+        entries[name] = TensorEntry(_SAFETENSORS_DTYPES[meta["dtype"]], tuple(meta["shape"]), base + start, end - start)
+        if base + end > size:
+            raise ValueError(f"tensor {name} ends at byte {base + end}, past the file's {size} bytes")
+    return entries
+
+
+def map_tensors(path: str | os.PathLike) -> dict[str, Tensor]:
+    """Map a safetensors file into tensors without reading it: pages load on first touch.
+
+    ``safetensors.torch.load_file`` copies every tensor into RAM; a loader over an 8B-shaped store
+    (~24 KiB/token) cannot afford that per shard. The mapping is private copy-on-write.
+    """
+    entries = read_header(path)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    out = {}
+    for name, e in entries.items():
+        count = e.nbytes // e.dtype.itemsize
+        t = torch.frombuffer(mm, dtype=e.dtype, count=count, offset=e.offset) if count else torch.empty(0, dtype=e.dtype)
+        out[name] = t.view(e.shape)
+    return out
+
+
+def open_shard_tensors(store: Store, index: int) -> dict[str, Tensor]:
+    """Shard ``index``'s tensors, memory-mapped; one line naming the file if it does not parse."""
+    path = store.root / store.shard(index).safetensors
+    try:
+        return map_tensors(path)
+    except (OSError, ValueError, KeyError, RuntimeError, struct.error) as err:
+        raise damaged(path, err) from err
+
+
+# --------------------------------------------------------------------------------------------------
+# Training coordinates
+
+
+@dataclass(frozen=True)
+class ShardColumns:
+    """A shard's Parquet columns in training coordinates, flat over its samples (module docstring).
+
+    Sample i's positions are ``starts[i]:starts[i+1]`` of ``tokens``, ``targets``, ``supervised``.
+    """
+
+    sample_ids: list[str]
+    starts: np.ndarray  # int64 [num_samples + 1]
+    tokens: np.ndarray  # int64: x_{p+1}
+    targets: np.ndarray  # int64: x_{p+2}, −1 at a sample's last position
+    supervised: np.ndarray  # bool: m[p] = loss_mask[p+2]
+    first_tokens: np.ndarray  # int64 [num_samples]: x_0
+    token_offset: np.ndarray  # int64 [num_samples]: the sample's row 0 in the shard tensors
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.sample_ids)
+
+    def num_positions(self, row: int) -> int:
+        return int(self.starts[row + 1] - self.starts[row])
+
+
+def shift_columns(sample_ids: list[str], input_ids: np.ndarray, loss_mask: np.ndarray, offsets: np.ndarray,
+                  token_offset: np.ndarray) -> ShardColumns:
+    """Raw flat columns (sample i = ``input_ids[offsets[i]:offsets[i+1]]``) -> training coordinates.
+
+    This is the index shift of DESIGN §3 (module docstring), the only place it is written.
+    """
+    offsets = np.asarray(offsets, dtype=np.int64)
+    lengths = np.diff(offsets)
+    if lengths.size and int(lengths.min()) < 1:
+        raise UserError("a store sample has no token")
+    ids = np.asarray(input_ids, dtype=np.int64)
+    mask = np.asarray(loss_mask).astype(bool)
+    pos = np.arange(ids.size, dtype=np.int64) - np.repeat(offsets[:-1], lengths)  # index i inside the sample
+    is_last = pos == np.repeat(lengths - 1, lengths)
+    # Position p of a sample is its raw index i = p + 1: token x_{p+1}; x_{p+2} and loss_mask[p+2]
+    # sit at the next raw index, which belongs to the same sample unless i is the sample's last.
+    j = np.nonzero(pos >= 1)[0]
+    nxt = np.minimum(j + 1, max(ids.size - 1, 0))
+    has_next = ~is_last[j]
+    return ShardColumns(
+        sample_ids=list(sample_ids),
+        starts=offsets - np.arange(offsets.size, dtype=np.int64),  # n_i − 1 positions per sample
+        tokens=ids[j],
+        targets=np.where(has_next, ids[nxt], -1),
+        supervised=has_next & mask[nxt],
+        first_tokens=ids[offsets[:-1]],
+        token_offset=np.asarray(token_offset, dtype=np.int64),
+    )
+
+
+def read_num_positions(store: Store, index: int) -> tuple[list[str], np.ndarray]:
+    """(sample ids, training positions n − 1 per sample) of shard ``index``: two small Parquet columns,
+    all an epoch plan needs."""
+    table = store.read_rows(index, ["sample_id", "num_tokens"])
+    return table.column("sample_id").to_pylist(), table.column("num_tokens").to_numpy().astype(np.int64) - 1
+
+
+def _flat_list(array) -> tuple[np.ndarray, np.ndarray]:
+    """Values and offsets (rebased to those values) of a pyarrow list array, possibly a slice."""
+    offsets = array.offsets.to_numpy().astype(np.int64)
+    values = array.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]]
+    return values, offsets - offsets[0]
+
+
+def read_columns(store: Store, index: int) -> ShardColumns:
+    """Shard ``index``'s samples in training coordinates (Parquet only; no tensor is read).
+
+    Raises:
+        UserError: when a row's ``input_ids`` and ``loss_mask`` differ in length.
+    """
+    table = store.read_rows(index, PARQUET_READ_COLUMNS)
+    ids, offsets = _flat_list(table.column("input_ids").combine_chunks())
+    mask, mask_offsets = _flat_list(table.column("loss_mask").combine_chunks())
+    if not np.array_equal(offsets, mask_offsets):
+        raise UserError(f"store {store.root}: shard {index} has input_ids and loss_mask of different lengths "
+                        "in some row")
+    return shift_columns(table.column("sample_id").to_pylist(), ids, mask, offsets,
+                         table.column("token_offset").to_numpy())
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingSample:
+    """One store sample in training coordinates: T = n − 1 positions p, every array indexed by p.
+
+    ``aux_TAH`` and ``topk_*_Tk`` may be views into a memory-mapped shard: nothing is copied until
+    someone writes them elsewhere.
+    """
+
+    sample_id: str
+    first_token: int  # x_0 (never an input or a target of the draft; prompts start with it)
+    tokens_T: Tensor  # int64: x_{p+1}
+    targets_T: Tensor  # int64: x_{p+2}, −1 at T−1
+    supervised_T: Tensor  # bool: m[p] = loss_mask[p+2]
+    aux_TAH: Tensor  # aux[p]
+    topk_ids_Tk: Tensor  # int32: topk[p+1], the distribution of x_{p+2}
+    topk_logprobs_Tk: Tensor  # float16/32: topk[p+1]
+
+    @property
+    def num_positions(self) -> int:
+        return int(self.tokens_T.numel())
+
+    @property
+    def input_ids_n(self) -> Tensor:
+        """The sample's tokens x_0 … x_{n−1}."""
+        return torch.cat([torch.tensor([self.first_token], dtype=torch.long), self.tokens_T])
+
+    def context_before_first_target(self) -> list[int] | None:
+        """x_0 … x_{p+1} for the first supervised p: the conversation up to the first token the draft is
+        charged for (a prompt whose continuation is what training supervises); None if nothing is."""
+        supervised = self.supervised_T.nonzero().flatten()
+        if not supervised.numel():
+            return None
+        return self.input_ids_n[: int(supervised[0]) + 2].tolist()
+
+
+def sample_of(columns: ShardColumns, row: int, tensors: dict[str, Tensor]) -> TrainingSample:
+    """Sample ``row`` of a shard: its columns' slices and (views of) its tensor rows."""
+    a, b = int(columns.starts[row]), int(columns.starts[row + 1])
+    off, num_positions = int(columns.token_offset[row]), b - a
+    assert off + num_positions + 1 <= tensors[S.AUX_HIDDEN].shape[0], "token_offset past the shard's tensors"
+    return TrainingSample(
+        sample_id=columns.sample_ids[row],
+        first_token=int(columns.first_tokens[row]),
+        tokens_T=torch.from_numpy(columns.tokens[a:b]),
+        targets_T=torch.from_numpy(columns.targets[a:b]),
+        supervised_T=torch.from_numpy(columns.supervised[a:b]),
+        aux_TAH=tensors[S.AUX_HIDDEN][off:off + num_positions],
+        topk_ids_Tk=tensors[S.TOPK_IDS][off + 1:off + 1 + num_positions],
+        topk_logprobs_Tk=tensors[S.TOPK_LOGPROBS][off + 1:off + 1 + num_positions],
+    )
+
+
+def training_sample(sample_id: str, input_ids_n: Tensor, loss_mask_n: Tensor, aux_nAH: Tensor,
+                    topk_ids_nk: Tensor, topk_logprobs_nk: Tensor) -> TrainingSample:
+    """One sample's raw rows (n tokens, as stored) in training coordinates, through the same shift."""
+    n = int(torch.as_tensor(input_ids_n).numel())
+    assert n >= 2 and aux_nAH.shape[0] == n and topk_ids_nk.shape[0] == n, "sample rows disagree"
+    columns = shift_columns([sample_id], torch.as_tensor(input_ids_n).numpy(),
+                            torch.as_tensor(loss_mask_n).numpy(), np.array([0, n]), np.array([0]))
+    tensors = {S.AUX_HIDDEN: aux_nAH, S.TOPK_IDS: topk_ids_nk, S.TOPK_LOGPROBS: topk_logprobs_nk}
+    return sample_of(columns, 0, tensors)
+
+
+# --------------------------------------------------------------------------------------------------
+# Aux rows by byte range
+
+
+@dataclass(frozen=True)
+class AuxSource:
+    """Where a batch's ``aux_TAH`` rows lie on disk: one contiguous byte range per sample, in row order.
+
+    A DataLoader worker hands this over instead of the rows (peagle.stages.train.batch explains
+    why); :meth:`read_into` reads them in the trainer process straight into (pinned) memory.
+    """
+
+    shape: tuple[int, ...]  # (T, A, H)
+    dtype: torch.dtype
+    reads: tuple[tuple[str, int, int], ...]  # (safetensors path, byte offset, byte count)
+
+    def new_buffer(self, *, pin: bool = False) -> Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, pin_memory=pin)
+
+    def read_into(self, out_TAH: Tensor) -> Tensor:
+        """Fill ``out_TAH`` (contiguous, CPU) with the rows; the GIL is released while the kernel copies."""
+        assert tuple(out_TAH.shape) == tuple(self.shape) and out_TAH.dtype == self.dtype and out_TAH.is_contiguous()
+        buffer = memoryview(out_TAH.view(-1).view(torch.uint8).numpy())
+        pos = 0
+        for path, offset, nbytes in self.reads:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                done = 0
+                while done < nbytes:
+                    got = os.preadv(fd, [buffer[pos + done:pos + nbytes]], offset + done)
+                    if got <= 0:
+                        raise OSError(f"{path}: file ended at byte {offset + done}, expected {offset + nbytes}")
+                    done += got
+            finally:
+                os.close(fd)
+            pos += nbytes
+        assert pos == buffer.nbytes, "aux reads do not cover the batch"
+        return out_TAH
+
+
+# --------------------------------------------------------------------------------------------------
+# Readers
+
+
+class ShardReader:
+    """Samples of several opened stores by (store, shard position, row), with per-shard LRU caches of the
+    columns (small) and of the tensor mappings (one per DataLoader worker: each maps what it reads)."""
+
+    def __init__(self, stores: list[Store], capacity: int):
+        self.stores, self.capacity = stores, capacity
+        self._columns: OrderedDict[tuple[int, int], ShardColumns] = OrderedDict()
+        self._tensors: OrderedDict[tuple[int, int], dict[str, Tensor]] = OrderedDict()
+        self._aux: OrderedDict[tuple[int, int], tuple[str, TensorEntry]] = OrderedDict()
+
+    def _cached(self, cache: OrderedDict, key: tuple[int, int], load: Callable[[], Any]) -> Any:
+        if key in cache:
+            cache.move_to_end(key)
+            return cache[key]
+        value = cache[key] = load()
+        while len(cache) > self.capacity:
+            cache.popitem(last=False)
+        return value
+
+    def columns(self, store: int, shard: int) -> ShardColumns:
+        index = self.stores[store].shards[shard].index
+        return self._cached(self._columns, (store, shard), lambda: read_columns(self.stores[store], index))
+
+    def tensors(self, store: int, shard: int) -> dict[str, Tensor]:
+        index = self.stores[store].shards[shard].index
+        return self._cached(self._tensors, (store, shard), lambda: open_shard_tensors(self.stores[store], index))
+
+    def sample(self, store: int, shard: int, row: int) -> TrainingSample:
+        return sample_of(self.columns(store, shard), row, self.tensors(store, shard))
+
+    def aux_read(self, store: int, shard: int, row: int) -> tuple[str, int, int]:
+        """(absolute path, byte offset, byte count) of the sample's T aux rows ``aux[0 … n−2]``."""
+        def load() -> tuple[str, TensorEntry]:
+            path = (self.stores[store].root / self.stores[store].shards[shard].safetensors).resolve()
+            return str(path), read_header(path)[S.AUX_HIDDEN]
+
+        path, entry = self._cached(self._aux, (store, shard), load)
+        columns = self.columns(store, shard)
+        return path, entry.offset + int(columns.token_offset[row]) * entry.row_bytes, \
+            columns.num_positions(row) * entry.row_bytes
+
+
+def iter_training_samples(store: Store, *, heldout_fraction: float | None = None,
+                          max_samples: int | None = None) -> Iterator[TrainingSample]:
+    """A store's samples in shard order; with ``heldout_fraction`` only the held-out ones
+    (``peagle.pipeline.split``), at most ``max_samples``."""
+    yielded = 0
+    for record in store.shards:
+        columns, tensors = read_columns(store, record.index), open_shard_tensors(store, record.index)
+        for row, sample_id in enumerate(columns.sample_ids):
+            if heldout_fraction is not None and not is_heldout(sample_id, heldout_fraction):
+                continue
+            if max_samples is not None and yielded >= max_samples:
+                return
+            yield sample_of(columns, row, tensors)
+            yielded += 1
+
+
+def iter_shard_columns(store: Store) -> Iterator[tuple[int, ShardColumns]]:
+    """(shard index, columns) of every committed shard, in order (Parquet only)."""
+    for record in store.shards:
+        yield record.index, read_columns(store, record.index)
+
+
+__all__ = [
+    "AUX_DTYPE", "AuxSource", "ShardColumns", "ShardReader", "TensorEntry", "TrainingSample",
+    "encode_header", "iter_shard_columns", "iter_training_samples", "map_tensors", "open_shard_tensors",
+    "raw_bytes_per_token", "read_columns", "read_num_positions", "read_header", "sample_of", "shift_columns", "tensor_layout",
+    "training_sample", "PARQUET_READ_COLUMNS",
+]
