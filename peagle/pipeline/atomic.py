@@ -12,6 +12,7 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -68,6 +69,56 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     except BaseException:
         _discard(tmp)
         raise
+
+
+@contextlib.contextmanager
+def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
+    """Build a directory under a temp name beside ``final`` and publish it whole, or not at all.
+
+    Yields the temp directory (``.<name>.tmp-<pid>-<random>``). When the block ends normally every
+    file in it is fsynced, files and directory get the umask's modes (``mkdtemp`` makes 0700: a
+    server running as another user must read them), the directory is fsynced, and is renamed onto ``final``; an existing
+    ``final`` is renamed away first and deleted after, so a reader sees the old directory or the
+    new one, never a mix. When the block raises, the temp directory is removed; a full disk becomes
+    the one-line UserError of :func:`raise_if_disk_full`.
+    """
+    final = Path(final)
+    old = final.with_name(f".{final.name}.deleted-{os.getpid()}")
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
+    except OSError as err:
+        raise_if_disk_full(err, final)
+        raise
+    try:
+        yield tmp
+        for file in tmp.iterdir():
+            if file.is_file():
+                os.chmod(file, 0o666 & ~_umask())  # some writers (safetensors) create 0600 files
+                with open(file, "rb") as f:
+                    os.fsync(f.fileno())
+        os.chmod(tmp, 0o777 & ~_umask())
+        fsync_dir(tmp)
+        if final.exists():
+            os.replace(final, old)
+        os.replace(tmp, final)
+        fsync_dir(final.parent)
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not final.exists():  # the rename onto final failed: put the old one back
+            os.replace(old, final)
+        if isinstance(err, OSError):
+            raise_if_disk_full(err, final)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_dir(path: str | os.PathLike) -> None:
+    """Delete a directory, renaming it away first: a crash mid-delete never leaves it half there."""
+    path = Path(path)
+    doomed = path.with_name(f".{path.name}.deleted-{os.getpid()}")
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def canonical_json(obj: Any) -> bytes:

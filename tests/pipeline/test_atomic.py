@@ -54,6 +54,35 @@ def test_a_failed_write_leaves_the_old_file_and_no_temp(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.bin"]
 
 
+def test_atomic_dir_publishes_a_whole_directory_or_keeps_the_old_one(tmp_path):
+    final = tmp_path / "out"
+    with A.atomic_dir(final) as tmp:
+        assert tmp.parent == tmp_path and tmp.name.startswith(".out.tmp-")
+        (tmp / "a").write_bytes(b"1")
+        os.chmod(tmp / "a", 0o600)  # as safetensors writes its files
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (final / "a").read_bytes() == b"1" and (final / "a").stat().st_mode & 0o777 == 0o666 & ~umask
+    assert final.stat().st_mode & 0o777 == 0o777 & ~umask  # not mkdtemp's 0700
+    with A.atomic_dir(final) as tmp:  # replaces the old directory whole
+        (tmp / "b").write_bytes(b"2")
+    assert sorted(p.name for p in final.iterdir()) == ["b"]
+    with pytest.raises(RuntimeError, match="writer died"), A.atomic_dir(final) as tmp:
+        (tmp / "c").write_bytes(b"half")
+        raise RuntimeError("writer died")
+    assert sorted(p.name for p in final.iterdir()) == ["b"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp or renamed-away directory left
+    with pytest.raises(UserError, match="no space left writing"), A.atomic_dir(final):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_remove_dir(tmp_path):
+    (tmp_path / "d" / "e").mkdir(parents=True)
+    A.remove_dir(tmp_path / "d")
+    assert list(tmp_path.iterdir()) == []
+
+
 def _create(args) -> bool:
     path, payload = args
     return A.create_exclusive(path, payload)

@@ -4,9 +4,9 @@ The layout and names are the checkpoint contract (peagle/schemas/checkpoint.py);
 checking checkpoints is shared with export (peagle/pipeline/checkpoint_files.py). This module writes
 them (torchtitan's layout, made crash-safe) and loads them back into a run.
 
-A save writes every part into a temp directory ``.step-N.tmp-<pid>-<rand>``, fsyncs it, writes
-``metadata.json``, then renames the directory into place and fsyncs the parent: a reader sees a
-whole checkpoint or none. Loading checks every file's size and sha256 against ``metadata.json``; a
+A save writes every part into a temp directory ``.step-N.tmp-<pid>-<rand>``, writes
+``metadata.json``, then commits the directory whole (``pipeline.atomic.atomic_dir``: fsync, rename
+into place, fsync the parent): a reader sees a whole checkpoint or none. Loading checks every file's size and sha256 against ``metadata.json``; a
 damaged newest checkpoint (a disk that lost data, a truncated copy) is skipped with a warning and
 the one before it used.
 
@@ -24,7 +24,6 @@ import json
 import os
 import random
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from peagle.pipeline.atomic import fsync_dir, pid_alive, raise_if_disk_full
+from peagle.pipeline.atomic import atomic_dir, pid_alive, remove_dir
 from peagle.pipeline.checkpoint_files import checkpoint_problem, list_checkpoints, read_checkpoint_part
 from peagle.pipeline.failpoints import failpoint
 from peagle.schemas.checkpoint import (ALL_PARTS, CHECKPOINTS_DIR, CONFIG, DATALOADER, FORMAT_VERSION, LR_SCHEDULER,
@@ -114,10 +113,8 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, state: dict[str, Any]
 
 
 def _write_committed(root: Path, step: int, parts: dict[str, Any]) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=root))
-    try:
+    with atomic_dir(final) as tmp:  # a re-run that reached the same step again replaces it whole
         files = {}
         for key, obj in parts.items():
             name = part_file(key)
@@ -138,23 +135,9 @@ def _write_committed(root: Path, step: int, parts: dict[str, Any]) -> Path:
         meta = {"format_version": FORMAT_VERSION, "step": step, "parts": sorted(parts), "files": files}
         with open(tmp / METADATA_FILE, "w") as f:
             json.dump(meta, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(tmp)
         failpoint("train.before_checkpoint_rename")
-        if final.exists():  # a re-run that reached the same step again: replace it whole
-            _remove_dir(final)
-        os.replace(tmp, final)
-        fsync_dir(root)
-        failpoint("train.after_checkpoint_rename")
-        _known_valid.add(_signature(final))  # hashed while written
-    except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise_if_disk_full(err, tmp)
-        raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    failpoint("train.after_checkpoint_rename")
+    _known_valid.add(_signature(final))  # hashed while written
     return final
 
 
@@ -196,7 +179,7 @@ def prune_checkpoints(run_dir: str | os.PathLike, keep: int) -> None:
     num_valid = 0
     for path in reversed(list_checkpoints(run_dir)):
         if num_valid >= keep:
-            _remove_dir(path)
+            remove_dir(path)
         elif _is_valid(path):
             num_valid += 1
     for tmp in root.glob(".step-*.tmp-*"):
@@ -229,13 +212,6 @@ def _is_valid(path: Path) -> bool:
     with contextlib.suppress(OSError):
         _known_valid.add(_signature(path))
     return True
-
-
-def _remove_dir(path: Path) -> None:
-    """Rename away first, so a crash mid-delete never leaves a half-deleted ``step-N`` behind."""
-    doomed = path.with_name(f".deleted-{path.name}-{os.getpid()}")
-    os.replace(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------------
