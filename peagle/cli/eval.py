@@ -15,7 +15,7 @@ from peagle.cli.config_file import ConfigOption
 
 def _resolve_source(source: Path, out: Path, num_depths: int | None, target: str | None) -> tuple[Path, Path | None]:
     """(export dir, run dir): an export is used as is; a run or checkpoint is exported into OUT/export."""
-    from peagle.stages.eval.draft_source import is_export_dir
+    from peagle.model.speculators_format import is_export_dir
     from peagle.stages.export.run import ExportConfig, run_export
 
     if is_export_dir(source):

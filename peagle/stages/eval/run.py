@@ -20,11 +20,11 @@ from typing import Any
 import torch
 
 import peagle
+from peagle.model.speculators_format import ExportedDraft, load_export
 from peagle.pipeline.store import Store, open_store
 from peagle.pipeline.store_reader import iter_training_samples
 from peagle.schemas.errors import UserError
 from peagle.stages.eval import offline, online, prompts as prompt_sources, report as reporting
-from peagle.stages.eval.draft_source import ExportedDraft, load_export
 from peagle.stages.eval.vllm_eval import run_vllm, vllm_available
 
 ALL_MODES = ("offline", "online", "vllm")

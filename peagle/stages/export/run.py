@@ -3,10 +3,9 @@
 Reads the checkpoint through its format (peagle/schemas/checkpoint.py, read by
 peagle/pipeline/checkpoint_files.py; stages never import each other): the model part is the
 unwrapped draft's state dict, the config part holds the run's TrainConfig and DraftConfig; the sizes
-and sha256 of both are checked against ``metadata.json`` before anything is read. Writes
-``config.json`` + ``model.safetensors`` into a temp directory beside ``--out``, fsyncs, and renames
-it into place: a reader (vLLM) sees a whole export or none. Re-exporting onto an existing export
-replaces it whole.
+and sha256 of both are checked against ``metadata.json`` before anything is read. The export directory
+itself is written by the format's one home, :mod:`peagle.model.speculators_format` (atomically:
+a reader such as vLLM sees a whole export or none; re-exporting replaces an export whole).
 """
 
 from __future__ import annotations
@@ -14,10 +13,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,14 +22,13 @@ from typing import Any
 import torch
 
 import peagle
-from peagle.pipeline.atomic import canonical_json, fsync_dir, raise_if_disk_full
+from peagle.model import speculators_format as fmt
 from peagle.pipeline.checkpoint_files import (checkpoint_problem, checkpoint_step, latest_valid_checkpoint,
                                               list_checkpoints, read_checkpoint_part)
 from peagle.schemas.checkpoint import (CHECKPOINTS_DIR, CONFIG, DRAFT_CONFIG_KEY, METADATA_FILE, MODEL,
                                        TRAIN_CONFIG_KEY, part_file)
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.errors import UserError
-from peagle.stages.export import speculators_format as fmt
 
 EXPORTED_PARTS = (MODEL, CONFIG)
 """The checkpoint parts export reads, and so checks (not the optimizer state: a third of the bytes)."""
@@ -141,69 +137,9 @@ def run_export(config: ExportConfig) -> Path:
         "draft_config": ckpt.draft_config.to_dict(),
         "run_config": ckpt.train_config,
     }
-    return write_export(ckpt.state_dict, ckpt.draft_config, config.out, verifier_name=verifier_name,
-                        verifier_architectures=verifier_architectures(target, verifier_name),
-                        speculative_tokens=int(k), dtype=config.dtype, provenance=provenance)
-
-
-def write_export(state_dict: dict[str, torch.Tensor], draft_config: DraftConfig, out: str | os.PathLike, *,
-                 verifier_name: str, verifier_architectures: list[str], speculative_tokens: int,
-                 dtype: str = "float32", provenance: dict[str, Any] | None = None) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` atomically (temp dir, fsync, rename) to ``out``."""
-    from safetensors.torch import save_file
-
-    tensors = fmt.export_state_dict(state_dict, draft_config, dtype=EXPORT_DTYPES[dtype])
-    config_json = fmt.build_config(draft_config, verifier_name=verifier_name,
-                                   verifier_architectures=verifier_architectures,
-                                   speculative_tokens=speculative_tokens, dtype=dtype, provenance=provenance)
-    out = Path(out)
-    if out.exists() and any(out.iterdir()) and not _is_export(out):
-        raise UserError(f"--out {out} exists and is not a peagle export; choose an empty or new directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
-    try:
-        save_file(tensors, str(tmp / fmt.WEIGHTS_FILE), metadata={"format": "pt"})
-        (tmp / fmt.CONFIG_FILE).write_bytes(canonical_json(config_json))
-        umask = _current_umask()  # mkdtemp makes 0700: a server running as another user must read the export
-        for name in (fmt.WEIGHTS_FILE, fmt.CONFIG_FILE):
-            os.chmod(tmp / name, 0o666 & ~umask)
-            with open(tmp / name, "rb") as f:
-                os.fsync(f.fileno())
-        os.chmod(tmp, 0o777 & ~umask)
-        fsync_dir(tmp)
-        _replace_dir(tmp, out)
-    except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise_if_disk_full(err, out)
-        raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
-
-
-def _replace_dir(tmp: Path, out: Path) -> None:
-    """Rename ``tmp`` onto ``out``; an existing ``out`` is renamed away first and deleted after."""
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(tmp, out)
-    fsync_dir(out.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _current_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _is_export(path: Path) -> bool:
-    with contextlib.suppress(OSError, json.JSONDecodeError):
-        return json.loads((path / fmt.CONFIG_FILE).read_text()).get("speculators_model_type") == "peagle"
-    return False
+    return fmt.write_export(ckpt.state_dict, ckpt.draft_config, config.out, verifier_name=verifier_name,
+                            verifier_architectures=verifier_architectures(target, verifier_name),
+                            speculative_tokens=int(k), dtype=EXPORT_DTYPES[config.dtype], provenance=provenance)
 
 
 def verifier_architectures(target: str | None, verifier_name: str) -> list[str]:

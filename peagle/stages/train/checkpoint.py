@@ -41,7 +41,7 @@ from peagle.schemas.errors import UserError
 
 __all__ = [  # the part names are re-exported: the trainer builds its state dict under them
     "CONFIG", "DATALOADER", "LR_SCHEDULER", "MODEL", "OPTIMIZER", "PER_RANK_PARTS", "RNG", "SHARED_PARTS",
-    "TRAIN_STATE", "load_checkpoint", "load_warm_start", "prune_checkpoints", "rng_state", "save_checkpoint",
+    "TRAIN_STATE", "load_checkpoint", "prune_checkpoints", "rng_state", "save_checkpoint",
     "seed_rngs", "set_rng_state",
 ]
 
@@ -253,48 +253,3 @@ def _gather_to_rank0(obj: Any, rank: int, world: int) -> list[Any] | None:
     out = [None] * world if rank == 0 else None
     dist.gather_object(obj, out, dst=0)
     return out
-
-
-# --------------------------------------------------------------------------------------------------
-# Warm start (--init-from)
-
-
-def load_warm_start(draft: torch.nn.Module, export_dir: str | os.PathLike) -> str:
-    """Copy the weights of an exported P-EAGLE / EAGLE-3 draft (``model.safetensors``) into ``draft``.
-
-    The export key names equal the draft's state-dict keys (DESIGN §6). Tensors with the same name
-    and shape are copied; the draft vocab must be the same one (``d2t``). Keys the export lacks (an
-    EAGLE-3 draft has no ``mask_hidden``; fewer layers) keep their initial values and are named in
-    the returned summary line.
-
-    Raises:
-        UserError: missing files, a shape that differs, or another draft vocab.
-    """
-    from safetensors.torch import load_file
-
-    path = Path(export_dir) / "model.safetensors"
-    if not path.is_file():
-        raise UserError(f"--init-from {export_dir}: no model.safetensors there (expected a `peagle export` "
-                        "or speculators draft directory)")
-    tensors = load_file(str(path))
-    own = draft.state_dict()
-    if "d2t" in tensors and "d2t" in own and not torch.equal(tensors["d2t"].long(), own["d2t"].long().cpu()):
-        raise UserError(f"--init-from {export_dir} was trained with another draft vocab (d2t differs); "
-                        "use the same --draft-vocab-size and store vocab")
-    loaded, kept = [], []
-    with torch.no_grad():
-        for name, value in own.items():
-            if name in ("d2t", "t2d"):
-                continue
-            if name not in tensors:
-                kept.append(name)
-                continue
-            if tuple(tensors[name].shape) != tuple(value.shape):
-                raise UserError(f"--init-from {export_dir}: {name} has shape {tuple(tensors[name].shape)}, this "
-                                f"draft's is {tuple(value.shape)}")
-            value.copy_(tensors[name].to(value.dtype))
-            loaded.append(name)
-    summary = f"warm start from {export_dir}: {len(loaded)} tensors loaded"
-    if kept:
-        summary += f"; {len(kept)} kept at init ({', '.join(kept[:4])}{', ...' if len(kept) > 4 else ''})"
-    return summary

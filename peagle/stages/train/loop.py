@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from peagle.model.draft import PEagleDraft, build_draft_from_target
+from peagle.model.speculators_format import load_weights_into
 from peagle.pipeline.atomic import atomic_write_bytes, atomic_write_json
 from peagle.pipeline.checkpoint_files import latest_valid_checkpoint, read_checkpoint_part
 from peagle.pipeline.failpoints import failpoint
@@ -126,7 +127,7 @@ class Trainer:
                                         train_lm_head=c.train_lm_head,
                                         activation_checkpointing=c.activation_checkpointing)
         if c.init_from:
-            self._say(ckpt.load_warm_start(draft, c.init_from))
+            self._say(load_weights_into(draft, c.init_from))
         self._build_optimization(draft, total_steps)
         self.extra = {"store_manifest_hash": self.loader.manifest_hashes[0],
                       "store_manifest_hashes": list(self.loader.manifest_hashes)}

@@ -82,7 +82,7 @@ def fit_to_continuations(draft: PEagleDraft, target: HFTarget, sequences: list[l
 
 
 def export(draft: PEagleDraft, target_dir, out):
-    from peagle.stages.export.run import write_export
+    from peagle.model.speculators_format import write_export
 
     return write_export(draft.state_dict(), draft.config, out, verifier_name=str(target_dir),
                         verifier_architectures=["LlamaForCausalLM"], speculative_tokens=K)

