@@ -18,7 +18,6 @@ V draft vocab, h/g query/kv heads, D head dim.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
@@ -30,6 +29,7 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
+from peagle.model.target import TargetWeights
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.errors import UserError
 
@@ -320,32 +320,6 @@ def check_draft_token_ids(ids: Tensor, config: DraftConfig) -> None:
         raise UserError(f"draft token ids must lie in [0, {config.target_vocab_size})")
 
 
-def _target_tensor_reader(target_dir: Path):
-    """Return ``read(name) -> Tensor`` over a target's (possibly sharded) safetensors, and the key set."""
-    from safetensors import safe_open
-
-    index_file = target_dir / "model.safetensors.index.json"
-    if index_file.exists():
-        file_of_key = json.loads(index_file.read_text())["weight_map"]
-    elif (target_dir / "model.safetensors").exists():
-        with safe_open(target_dir / "model.safetensors", framework="pt") as f:
-            file_of_key = {key: "model.safetensors" for key in f.keys()}
-    else:
-        raise UserError(f"no model.safetensors or model.safetensors.index.json in target dir {target_dir}")
-
-    def read(name: str) -> Tensor:
-        with safe_open(target_dir / file_of_key[name], framework="pt") as f:
-            return f.get_tensor(name)
-
-    return read, set(file_of_key)
-
-
-def _find_key(keys: set[str], suffix: str) -> str | None:
-    """The unique checkpoint key ending in ``suffix`` at a module boundary (``model.``, ``language_model.``...)."""
-    hits = sorted(k for k in keys if k == suffix or k.endswith("." + suffix))
-    return hits[0] if len(hits) == 1 else None
-
-
 def build_draft_from_target(target_dir: str | Path, config: DraftConfig, draft_token_ids: Tensor | None = None,
                             **draft_kwargs: Any) -> PEagleDraft:
     """A randomly initialised draft whose ``embed_tokens`` and ``lm_head`` rows come from the target.
@@ -357,13 +331,12 @@ def build_draft_from_target(target_dir: str | Path, config: DraftConfig, draft_t
     Raises:
         UserError: when files are missing, shapes disagree with the config, or the ids are invalid.
     """
-    target_dir = Path(target_dir)
-    read, keys = _target_tensor_reader(target_dir)
-    embed_key = _find_key(keys, "embed_tokens.weight")
+    weights = TargetWeights(target_dir)
+    embed_key = weights.find("embed_tokens.weight")
     if embed_key is None:
         raise UserError(f"target {target_dir} has no unique embed_tokens.weight")
-    head_key = _find_key(keys, "lm_head.weight") or embed_key  # tied embeddings: lm_head is embed_tokens
-    embed_VH = read(embed_key)
+    head_key = weights.find("lm_head.weight") or embed_key  # tied embeddings: lm_head is embed_tokens
+    embed_VH = weights.read(embed_key)
     expected = (config.target_vocab_size, config.hidden_size)
     if tuple(embed_VH.shape) != expected:
         raise UserError(f"target embed_tokens shape {tuple(embed_VH.shape)} does not match draft config {expected}")
@@ -377,6 +350,6 @@ def build_draft_from_target(target_dir: str | Path, config: DraftConfig, draft_t
     draft = PEagleDraft(config, **draft_kwargs)
     with torch.no_grad():
         draft.embed_tokens.weight.copy_(embed_VH.float())
-        draft.lm_head.weight.copy_((embed_VH if head_key == embed_key else read(head_key)).float()[ids])
+        draft.lm_head.weight.copy_((embed_VH if head_key == embed_key else weights.read(head_key)).float()[ids])
     draft.set_vocab_map(ids)
     return draft

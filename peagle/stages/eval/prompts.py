@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
+from peagle.model.target import read_generation_config
 from peagle.pipeline.store_reader import TrainingSample
 from peagle.schemas.errors import UserError
 
@@ -90,8 +91,6 @@ def stop_token_ids(tokenizer: Any, model_dir: str | os.PathLike) -> list[int]:
     ids = set()
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
-    gen = Path(model_dir) / "generation_config.json"
-    if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids.update([int(eos)] if isinstance(eos, int) else [int(e) for e in eos or []])
+    eos = read_generation_config(model_dir).get("eos_token_id")
+    ids.update([int(eos)] if isinstance(eos, int) else [int(e) for e in eos or []])
     return sorted(ids)

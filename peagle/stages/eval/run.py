@@ -21,6 +21,7 @@ import torch
 
 import peagle
 from peagle.model.speculators_format import ExportedDraft, load_export
+from peagle.model.target import CONFIG_FILE, check_store_matches_target, open_target
 from peagle.pipeline.store import Store, open_store
 from peagle.pipeline.store_reader import iter_training_samples
 from peagle.schemas.errors import UserError
@@ -149,8 +150,11 @@ def run_eval(config: EvalConfig) -> dict[str, Any]:
     store, heldout = resolve_store(config, exported)
     modes = resolve_modes(config, store is not None)
     needs_target = "online" in modes or "vllm" in modes
-    if needs_target and not (target_dir and (Path(target_dir) / "config.json").is_file()):
-        raise UserError(f"online/vLLM modes need the target model: pass --target DIR (export names {target_dir!r})")
+    if needs_target:
+        if not (target_dir and (Path(target_dir) / CONFIG_FILE).is_file()):
+            raise UserError(f"online/vLLM modes need the target model: pass --target DIR (export names {target_dir!r})")
+        if store is not None:  # its samples become prompts: they must be the target's own tokens
+            check_store_matches_target(store.settings, open_target(target_dir), store=store.root)
     torch.manual_seed(config.seed)
     sections: dict[str, dict[str, Any]] = {}
 

@@ -11,7 +11,6 @@ a reader such as vLLM sees a whole export or none; re-exporting replaces an expo
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import torch
 
 import peagle
 from peagle.model import speculators_format as fmt
+from peagle.model.target import CONFIG_FILE, read_config_json
 from peagle.pipeline.checkpoint_files import (checkpoint_problem, checkpoint_step, latest_valid_checkpoint,
                                               list_checkpoints, read_checkpoint_part)
 from peagle.schemas.checkpoint import (CHECKPOINTS_DIR, CONFIG, DRAFT_CONFIG_KEY, METADATA_FILE, MODEL,
@@ -143,11 +143,11 @@ def run_export(config: ExportConfig) -> Path:
 
 
 def verifier_architectures(target: str | None, verifier_name: str) -> list[str]:
-    """The verifier's ``architectures`` from a local config.json (the training target, else the name)."""
+    """The verifier's ``architectures`` from a local target directory (the training target, else the name)."""
     for candidate in (target, verifier_name):
-        if candidate and (Path(candidate) / "config.json").is_file():
-            with contextlib.suppress(OSError, json.JSONDecodeError):
-                return list(json.loads((Path(candidate) / "config.json").read_text()).get("architectures") or [])
+        if candidate and (Path(candidate) / CONFIG_FILE).is_file():
+            with contextlib.suppress(UserError):
+                return list(read_config_json(candidate).get("architectures") or [])
     return []
 
 

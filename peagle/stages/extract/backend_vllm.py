@@ -28,7 +28,6 @@ H hidden size, V target vocab, K top-k.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 from collections.abc import Iterator
@@ -36,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
+from peagle.model.target import TargetWeights, text_config_dict
 from peagle.schemas.errors import UserError
 from peagle.stages.extract.backend import TargetOutput
 
@@ -80,7 +79,7 @@ class TargetHead:
     """
 
     def __init__(self, target_dir: Path, *, dtype: torch.dtype, device: torch.device) -> None:
-        config = _text_config(target_dir)
+        config = text_config_dict(target_dir)
         unsupported = [k for k in ("final_logit_softcapping", "logit_scale", "logits_scaling") if config.get(k)]
         if unsupported or str(config.get("model_type", "")).startswith("gemma"):
             raise UserError(
@@ -90,10 +89,10 @@ class TargetHead:
         self.eps = float(config.get("rms_norm_eps", 1e-6))
         self.dtype = dtype
         self.device = device
-        names = _weight_files(target_dir)
+        weights = TargetWeights(target_dir)
         head_keys = _LM_HEAD_KEYS + (_EMBED_KEYS if config.get("tie_word_embeddings") else ())
-        self.norm_H = _load_first(target_dir, names, _NORM_KEYS).to(device, dtype)
-        self.lm_head_VH = _load_first(target_dir, names, head_keys).to(device, dtype)
+        self.norm_H = weights.read_first(_NORM_KEYS).to(device, dtype)
+        self.lm_head_VH = weights.read_first(head_keys).to(device, dtype)
 
     @property
     def vocab_size(self) -> int:
@@ -174,7 +173,7 @@ class VllmBackend:
                             "engines never write the last hidden-states dump)")
         self._vllm = vllm
         self.target_dir = Path(target_dir)
-        config = _text_config(self.target_dir)
+        config = text_config_dict(self.target_dir)
         self.num_layers = int(config["num_hidden_layers"])
         self.hidden_size = int(config["hidden_size"])
         self.aux_layer_ids = list(aux_layer_ids)
@@ -361,31 +360,3 @@ class VllmBackend:
             aux_TAH = dump_TLH[:, :-1].contiguous()  # drop layer N: only the head needed it
             outputs.append(TargetOutput(aux_TAH=aux_TAH, topk_ids_TK=ids_part, topk_logprobs_TK=lp_part))
         return outputs
-
-
-def _text_config(target_dir: Path) -> dict[str, Any]:
-    path = Path(target_dir) / "config.json"
-    if not path.is_file():
-        raise UserError(f"target dir {target_dir} has no config.json")
-    config = json.loads(path.read_text())
-    return {**config, **config.get("text_config", {})}
-
-
-def _weight_files(target_dir: Path) -> dict[str, str]:
-    """Tensor name → safetensors file name, from the index or the single file."""
-    index = target_dir / "model.safetensors.index.json"
-    if index.is_file():
-        return dict(json.loads(index.read_text())["weight_map"])
-    single = target_dir / "model.safetensors"
-    if not single.is_file():
-        raise UserError(f"target dir {target_dir} has no model.safetensors(.index.json)")
-    with safe_open(single, framework="pt") as handle:
-        return {name: single.name for name in handle.keys()}
-
-
-def _load_first(target_dir: Path, names: dict[str, str], candidates: tuple[str, ...]) -> torch.Tensor:
-    for key in candidates:
-        if key in names:
-            with safe_open(target_dir / names[key], framework="pt") as handle:
-                return handle.get_tensor(key)
-    raise UserError(f"target {target_dir} has none of the weights {list(candidates)}")

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from peagle.pipeline.target_identity import target_content_hash
+from peagle.model import target as T
+from peagle.model.target import load_config
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 from peagle.schemas.extract_config import ExtractConfig, resolve_aux_layer_ids
@@ -24,9 +25,8 @@ class Target:
     """What the driver knows about the target before loading its weights."""
 
     path: Path
-    config: Any  # transformers PretrainedConfig (text part)
+    config: Any  # transformers PretrainedConfig (text part; peagle.model.target.load_config)
     tokenizer: Any
-
 
 
 def load_target(path: str) -> Target:
@@ -35,22 +35,17 @@ def load_target(path: str) -> Target:
     Raises:
         UserError: the directory is missing or holds no loadable config/tokenizer.
     """
+    config = load_config(path)  # checks the directory first: a typo fails fast
     root = Path(path)
-    if not root.is_dir():
-        raise UserError(f"target model directory {root} does not exist")
-    if not (root / "config.json").is_file():
-        raise UserError(f"target model directory {root} has no config.json")
-    from transformers import AutoConfig, AutoTokenizer  # after the checks: a typo fails fast
+    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     try:
-        config = AutoConfig.from_pretrained(root)
         tokenizer = AutoTokenizer.from_pretrained(root)
     except (OSError, ValueError, KeyError) as err:
         raise UserError(f"cannot load target {root}: {str(err).strip().splitlines()[0] if str(err).strip() else err!r}") from err
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return Target(path=root, config=text_config, tokenizer=tokenizer)
+    return Target(path=root, config=config, tokenizer=tokenizer)
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -92,12 +87,8 @@ def compute_dtype(config: ExtractConfig) -> str:
 
 
 def store_settings(config: ExtractConfig, target: Target) -> S.StoreSettings:
-    c = target.config
-    aux_ids = resolve_aux_layer_ids(config, c.num_hidden_layers)
-    identity = S.TargetIdentity(
-        path=str(target.path.resolve()), architecture=(getattr(c, "architectures", None) or [c.model_type])[0],
-        num_hidden_layers=c.num_hidden_layers, hidden_size=c.hidden_size, vocab_size=c.vocab_size,
-        dtype=compute_dtype(config), content_hash=target_content_hash(target.path))
+    aux_ids = resolve_aux_layer_ids(config, target.config.num_hidden_layers)
+    identity = T.Target(path=target.path, config=target.config).identity(compute_dtype(config))
     return S.StoreSettings(
         target=identity, tokenizer_fingerprint=tokenizer_fingerprint(target.tokenizer),
         chat_template_hash=hashlib.sha256((target.tokenizer.chat_template or "").encode()).hexdigest(),

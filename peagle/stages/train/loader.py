@@ -64,9 +64,7 @@ class LoaderConfig:
     pin_memory: bool = False
     verify: bool = False
     mask_token_id: int | None = None  # default: the stores' StoreSettings.mask_token_id
-    hidden_size: int | None = None  # what training asks for; None = whatever the stores hold
-    aux_layer_ids: tuple[int, ...] | None = None
-    target_vocab_size: int | None = None
+    aux_layer_ids: tuple[int, ...] | None = None  # what the draft reads; None = whatever the stores hold
 
     def plan_settings(self) -> PlanSettings:
         return PlanSettings(seed=self.seed, token_budget=self.token_budget, shuffle=self.shuffle,
@@ -87,20 +85,18 @@ class LoaderConfig:
 
 
 def open_training_stores(config: LoaderConfig) -> list[Store]:
-    """Open every store, check it against what training asks and against the first store.
+    """Open every store, check its aux layers against what the draft reads, and every store against the
+    first (whether a store fits the target is ``peagle.model.target.check_store_matches_target``).
 
     Raises:
         UserError: one line naming the store, the field and both values.
     """
     stores = [open_store(spec.path, verify=config.verify) for spec in config.stores]
-    asked = {"hidden_size": config.hidden_size, "aux_layer_ids": config.aux_layer_ids,
-             "vocab_size": config.target_vocab_size}
     for store in stores:
-        held = _store_facts(store)
-        for name, want in asked.items():
-            if want is not None and tuple(np.atleast_1d(held[name])) != tuple(np.atleast_1d(want)):
-                raise UserError(f"store {store.root} has {name} {_show(held[name])}, training asks for "
-                                f"{name} {_show(want)}")
+        held = tuple(store.settings.aux_layer_ids)
+        if config.aux_layer_ids is not None and held != tuple(config.aux_layer_ids):
+            raise UserError(f"store {store.root} has aux_layer_ids {_show(held)}, training asks for "
+                            f"aux_layer_ids {_show(config.aux_layer_ids)}")
     first = _store_facts(stores[0])
     for store in stores[1:]:
         held = _store_facts(store)

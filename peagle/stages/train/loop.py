@@ -32,11 +32,11 @@ from torch import Tensor, nn
 
 from peagle.model.draft import PEagleDraft, build_draft_from_target
 from peagle.model.speculators_format import load_weights_into
+from peagle.model.target import check_store_matches_target, open_target
 from peagle.pipeline.atomic import atomic_write_bytes, atomic_write_json
 from peagle.pipeline.checkpoint_files import latest_valid_checkpoint, read_checkpoint_part
 from peagle.pipeline.failpoints import failpoint
 from peagle.pipeline.store import read_settings
-from peagle.pipeline.target_identity import target_content_hash
 from peagle.schemas.checkpoint import DRAFT_CONFIG_KEY, TRAIN_CONFIG_KEY
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.errors import UserError
@@ -96,10 +96,12 @@ class Trainer:
         ckpt.seed_rngs(c.seed)  # before anything draws; a resume then restores the checkpoint's states
         self._setup_world()
         resume_from = self._find_resume_point()
-        target_cfg = _load_target_config(c.target)
+        target = open_target(c.target)
+        target_cfg = target.config
+        for path in [spec.path for spec in c.stores()] + ([parse_store_spec(c.eval_store).path] if c.eval_store else []):
+            check_store_matches_target(read_settings(path), target, store=path)
         first_store = c.stores()[0].path
         settings = read_settings(first_store)
-        _check_store_matches_target(settings, target_cfg, first_store, c.target)
         vocab_size = int(target_cfg.vocab_size)
         draft_vocab_size = c.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, vocab_size)
         if draft_vocab_size > vocab_size:
@@ -201,8 +203,7 @@ class Trainer:
             split=split, heldout_fraction=fraction, shuffle=not eval_split,
             sequence_partitions=c.sequence_partitions, attention=self.attention,
             num_workers=0 if eval_split else c.num_workers, pin_memory=self.device.type == "cuda",
-            verify=c.verify, hidden_size=int(target_cfg.hidden_size), target_vocab_size=int(target_cfg.vocab_size),
-            aux_layer_ids=tuple(settings.aux_layer_ids))
+            verify=c.verify, aux_layer_ids=tuple(settings.aux_layer_ids))
 
     def _find_resume_point(self) -> Path | None:
         """Rank 0 picks the newest valid checkpoint (warning about damaged ones) and checks its config."""
@@ -417,40 +418,6 @@ class Trainer:
     def _say(self, line: str) -> None:
         if self.rank == 0:
             print(f"peagle: {line}", file=sys.stderr, flush=True)
-
-
-def _load_target_config(target: str) -> Any:
-    from transformers import AutoConfig
-
-    if not (Path(target) / "config.json").is_file():
-        raise UserError(f"--target {target} is not a model directory (no config.json)")
-    config = AutoConfig.from_pretrained(target)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if not getattr(text, "architectures", None):
-        text.architectures = getattr(config, "architectures", None)
-    return text
-
-
-def _check_store_matches_target(settings: Any, target_cfg: Any, store: str, target: str) -> None:
-    """One line naming the first of architecture, hidden size, layers, vocab that differs, then the
-    weights themselves (content hash: a same-shaped target with other weights) (DESIGN §2).
-
-    The loader checks that every store has the first one's target; this checks the first against --target.
-    """
-    t = settings.target
-    architecture = (getattr(target_cfg, "architectures", None) or [t.architecture])[0]
-    for name, held, want in (("architecture", t.architecture, architecture),
-                             ("hidden_size", t.hidden_size, target_cfg.hidden_size),
-                             ("num_hidden_layers", t.num_hidden_layers, target_cfg.num_hidden_layers),
-                             ("vocab_size", t.vocab_size, target_cfg.vocab_size)):
-        if str(held) != str(want):
-            raise UserError(f"store {store} was extracted from a target with {name} {held}, --target has "
-                            f"{name} {want}")
-    content_hash = target_content_hash(target)
-    if content_hash != t.content_hash:
-        raise UserError(f"store {store} was extracted from target {t.path} (content hash {t.content_hash[:12]}), "
-                        f"--target {target} has other weights (content hash {content_hash[:12]}); train with the "
-                        "target the store was extracted from")
 
 
 def run_training(config: TrainConfig) -> None:

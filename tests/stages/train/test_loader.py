@@ -193,15 +193,10 @@ def test_long_samples_are_skipped_and_batches_fit_the_budget(tiny_store):
         assert batch.num_tokens <= budget
 
 
-@pytest.mark.parametrize("field, value, named", [
-    ("hidden_size", 64, "hidden_size 128, training asks for hidden_size 64"),
-    ("aux_layer_ids", (1, 4, 5), "aux_layer_ids 2,4,5, training asks for aux_layer_ids 1,4,5"),
-    ("target_vocab_size", 2048, "vocab_size 1024, training asks for vocab_size 2048"),
-])
-def test_store_checks_are_one_line_errors(tiny_store, field, value, named):
+def test_other_aux_layers_are_a_one_line_error(tiny_store):
     with pytest.raises(UserError) as err:
-        TrainLoader(config(tiny_store, **{field: value}))
-    assert "\n" not in str(err.value) and named in str(err.value)
+        TrainLoader(config(tiny_store, aux_layer_ids=(1, 4, 5)))
+    assert "\n" not in str(err.value) and "aux_layer_ids 2,4,5, training asks for aux_layer_ids 1,4,5" in str(err.value)
 
 
 def test_mixed_stores_must_agree_and_verify_checks_sha256(tiny_store, tmp_path):

@@ -1,0 +1,211 @@
+"""The target model directory (Hugging Face layout): the one module that reads it.
+
+Extract, train, export and eval all read the target here: its config (the text part of a
+multimodal config), its weights (one safetensors file or an index of shards, by name or by a name's
+suffix), its content hash (which weights these are), the identity a store records, and the one
+check that a store was extracted from this target.
+
+**Content hash.** A store's hidden states and top-k are only right for the exact target that
+produced them. Names and shapes are not enough: a fine-tune, or the same architecture trained from
+another seed, has the same config and weight files of the same sizes. Hashing every byte would read
+the whole target (16 GB for an 8B model) on every run, so the hash covers ``config.json``, each
+weight file's name and size, and a few evenly spaced samples of its bytes: other weights differ in
+practically every tensor, so the samples catch them, and reading them costs a few MiB.
+
+**The compatibility check** (:func:`check_store_matches_target`) compares, in this order, the
+architecture, hidden size, layer count and vocab size a store records with the target's, then the
+content hash, and names the first that differs in one line.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from peagle.schemas import store as S
+from peagle.schemas.errors import UserError
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+NUM_SAMPLES = 16
+"""Content-hash samples per weight file, evenly spaced from its first to its last byte."""
+SAMPLE_BYTES = 1 << 16
+
+
+def check_target_dir(path: str | os.PathLike) -> Path:
+    """``path`` as a Path, if it is a directory with a config.json.
+
+    Raises:
+        UserError: naming what is missing.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise UserError(f"target model directory {root} does not exist")
+    if not (root / CONFIG_FILE).is_file():
+        raise UserError(f"target model directory {root} has no {CONFIG_FILE}")
+    return root
+
+
+def read_config_json(path: str | os.PathLike) -> dict[str, Any]:
+    """The target's config.json as stored (``text_config`` not merged)."""
+    root = check_target_dir(path)
+    try:
+        return json.loads((root / CONFIG_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise UserError(f"cannot read {root / CONFIG_FILE}: {err}") from err
+
+
+def text_config_dict(path: str | os.PathLike) -> dict[str, Any]:
+    """config.json with a multimodal config's ``text_config`` merged over the top level (no
+    transformers import: the vLLM backend reads the head's settings from this)."""
+    config = read_config_json(path)
+    return {**config, **(config.get("text_config") or {})}
+
+
+def read_generation_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The target's generation_config.json ({} when it has none): e.g. the EOS ids decoding stops on."""
+    gen = Path(path) / GENERATION_CONFIG_FILE
+    try:
+        return json.loads(gen.read_text()) if gen.is_file() else {}
+    except (OSError, json.JSONDecodeError) as err:
+        raise UserError(f"cannot read {gen}: {err}") from err
+
+
+def load_config(path: str | os.PathLike) -> Any:
+    """The target's transformers config, the text part of a multimodal one, with ``architectures``.
+
+    Raises:
+        UserError: the directory or its config.json is missing, or transformers cannot read it.
+    """
+    root = check_target_dir(path)
+    from transformers import AutoConfig  # after the checks: a typo fails fast
+
+    try:
+        config = AutoConfig.from_pretrained(root)
+    except (OSError, ValueError, KeyError) as err:
+        detail = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
+        raise UserError(f"cannot load the config of target {root}: {detail}") from err
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not getattr(text, "architectures", None):
+        text.architectures = getattr(config, "architectures", None)
+    return text
+
+
+def architecture(config: Any) -> str:
+    """The first of ``architectures`` (the model type when a config lists none)."""
+    return (getattr(config, "architectures", None) or [config.model_type])[0]
+
+
+def content_hash(path: str | os.PathLike) -> str:
+    """sha256 over config.json and, per weight file (sorted by name), its name, size and byte samples."""
+    root = Path(path)
+    h = hashlib.sha256((root / CONFIG_FILE).read_bytes())
+    for p in sorted(root.iterdir()):
+        if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES):
+            size = p.stat().st_size
+            h.update(f"\n{p.name}\t{size}\n".encode())
+            with open(p, "rb") as f:
+                for i in range(NUM_SAMPLES):
+                    h.update(os.pread(f.fileno(), SAMPLE_BYTES, _sample_offset(i, size)))
+    return h.hexdigest()
+
+
+def _sample_offset(i: int, size: int) -> int:
+    """Start of sample ``i``: the first begins at byte 0, the last ends at the file's end."""
+    return (max(size - SAMPLE_BYTES, 0) * i) // (NUM_SAMPLES - 1)
+
+
+class TargetWeights:
+    """The target's safetensors weights by tensor name (sharded through the index, or one file)."""
+
+    def __init__(self, path: str | os.PathLike):
+        from safetensors import safe_open
+
+        self.root = Path(path)
+        index = self.root / WEIGHTS_INDEX_FILE
+        if index.is_file():
+            self.file_of_key: dict[str, str] = dict(json.loads(index.read_text())["weight_map"])
+        elif (self.root / WEIGHTS_FILE).is_file():
+            with safe_open(self.root / WEIGHTS_FILE, framework="pt") as f:
+                self.file_of_key = {key: WEIGHTS_FILE for key in f.keys()}
+        else:
+            raise UserError(f"target {self.root} has no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE}")
+
+    @property
+    def keys(self) -> set[str]:
+        return set(self.file_of_key)
+
+    def read(self, name: str) -> Tensor:
+        from safetensors import safe_open
+
+        with safe_open(self.root / self.file_of_key[name], framework="pt") as f:
+            return f.get_tensor(name)
+
+    def find(self, suffix: str) -> str | None:
+        """The one key ending in ``suffix`` at a module boundary (``model.``, ``language_model.`` ...),
+        or None when there is none or more than one."""
+        hits = sorted(k for k in self.file_of_key if k == suffix or k.endswith("." + suffix))
+        return hits[0] if len(hits) == 1 else None
+
+    def read_first(self, names: tuple[str, ...]) -> Tensor:
+        """The first of ``names`` the target has (checkpoint layouts differ between families)."""
+        for name in names:
+            if name in self.file_of_key:
+                return self.read(name)
+        raise UserError(f"target {self.root} has none of the weights {list(names)}")
+
+
+@dataclass
+class Target:
+    """An opened target directory: its (text) config; the content hash is computed once, on first use."""
+
+    path: Path
+    config: Any
+
+    @functools.cached_property
+    def content_hash(self) -> str:
+        return content_hash(self.path)
+
+    def identity(self, dtype: str) -> S.TargetIdentity:
+        """What a store extracted from this target with compute ``dtype`` records about it."""
+        c = self.config
+        return S.TargetIdentity(path=str(self.path.resolve()), architecture=architecture(c),
+                                num_hidden_layers=int(c.num_hidden_layers), hidden_size=int(c.hidden_size),
+                                vocab_size=int(c.vocab_size), dtype=dtype, content_hash=self.content_hash)
+
+
+def open_target(path: str | os.PathLike) -> Target:
+    """The target directory with its config loaded (weights are read on demand: :class:`TargetWeights`)."""
+    return Target(path=Path(path), config=load_config(path))
+
+
+def check_store_matches_target(settings: S.StoreSettings, target: Target, *, store: str | os.PathLike) -> None:
+    """The one store-vs-target check (module docstring).
+
+    Raises:
+        UserError: one line naming the first of architecture, hidden size, layers, vocab that
+            differs, or, for a target of the same shape, that its weights are other ones.
+    """
+    t, c = settings.target, target.config
+    for name, held, want in (("architecture", t.architecture, architecture(c)),
+                             ("hidden_size", t.hidden_size, c.hidden_size),
+                             ("num_hidden_layers", t.num_hidden_layers, c.num_hidden_layers),
+                             ("vocab_size", t.vocab_size, c.vocab_size)):
+        if str(held) != str(want):
+            raise UserError(f"store {store} was extracted from a target with {name} {held}, --target has "
+                            f"{name} {want}")
+    if target.content_hash != t.content_hash:
+        raise UserError(f"store {store} was extracted from target {t.path} (content hash {t.content_hash[:12]}), "
+                        f"--target {target.path} has other weights (content hash {target.content_hash[:12]}); "
+                        "use the target the store was extracted from")

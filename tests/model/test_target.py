@@ -1,0 +1,101 @@
+"""The target directory (model/target.py): config of plain and multimodal targets, weights by name and
+suffix, the content hash, and the one store-vs-target check."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+
+import pytest
+
+from peagle.model import target as T
+from peagle.model.target import SAMPLE_BYTES
+from peagle.model.target import content_hash as target_content_hash
+from peagle.schemas import store as S
+from peagle.schemas.errors import UserError
+from peagle.testing.tiny_target import TinyTargetSpec, build_tiny_target
+
+
+def test_a_copy_hashes_equal_and_other_weights_of_the_same_shape_do_not(tiny_llama, tmp_path):
+    copy = shutil.copytree(tiny_llama, tmp_path / "copy")
+    assert target_content_hash(copy) == target_content_hash(tiny_llama)
+    other = build_tiny_target(tmp_path / "other", TinyTargetSpec(arch="llama", seed=7))
+    assert sorted((p.name, p.stat().st_size) for p in other.glob("*.safetensors")) == \
+        sorted((p.name, p.stat().st_size) for p in tiny_llama.glob("*.safetensors"))  # names and sizes agree
+    assert target_content_hash(other) != target_content_hash(tiny_llama)
+
+
+def test_config_weights_and_small_files_count(tmp_path):
+    (tmp_path / "config.json").write_text('{"hidden_size": 8}')
+    (tmp_path / "model.safetensors").write_bytes(b"tiny")  # shorter than one sample
+    (tmp_path / "README.md").write_text("not a weight file")
+    first = target_content_hash(tmp_path)
+    (tmp_path / "README.md").write_text("changed")
+    assert target_content_hash(tmp_path) == first
+    (tmp_path / "model.safetensors").write_bytes(b"tinY")
+    assert target_content_hash(tmp_path) != first
+    (tmp_path / "model.safetensors").write_bytes(bytes(3 * SAMPLE_BYTES))
+    zeros = target_content_hash(tmp_path)
+    data = bytearray(3 * SAMPLE_BYTES)
+    data[-1] = 1  # the last sample ends at the last byte
+    (tmp_path / "model.safetensors").write_bytes(bytes(data))
+    assert target_content_hash(tmp_path) != zeros
+    (tmp_path / "config.json").write_text('{"hidden_size": 9}')
+    assert target_content_hash(tmp_path) not in (zeros, first)
+
+
+def test_config_and_weights_of_a_real_target(tiny_llama):
+    config = T.load_config(tiny_llama)
+    assert T.architecture(config) == "LlamaForCausalLM" and config.num_hidden_layers == 8
+    assert T.text_config_dict(tiny_llama)["hidden_size"] == config.hidden_size == 128
+    weights = T.TargetWeights(tiny_llama)
+    key = weights.find("embed_tokens.weight")
+    assert key == "model.embed_tokens.weight" and weights.read(key).shape == (config.vocab_size, 128)
+    assert weights.find("input_layernorm.weight") is None  # one per layer: not unique
+    assert weights.read_first(("nope", "model.norm.weight")).shape == (128,)
+    with pytest.raises(UserError, match="none of the weights"):
+        weights.read_first(("nope",))
+
+
+def test_a_multimodal_config_gives_its_text_part_with_the_top_level_architecture(tiny_llama, tmp_path):
+    target = shutil.copytree(tiny_llama, tmp_path / "vlm")
+    text = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({
+        "architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
+        "text_config": {k: v for k, v in text.items() if k != "architectures"},
+        "vision_config": {"model_type": "clip_vision_model"}}))
+    config = T.load_config(target)
+    assert config.hidden_size == 128 and T.architecture(config) == "LlavaForConditionalGeneration"
+    assert T.text_config_dict(target)["num_hidden_layers"] == 8
+
+
+def test_missing_directory_and_config_are_one_line(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        T.load_config(tmp_path / "nope")
+    with pytest.raises(UserError, match="has no config.json"):
+        T.load_config(tmp_path)
+    with pytest.raises(UserError, match="has no model.safetensors"):
+        T.TargetWeights(tmp_path)
+
+
+def settings_of(target: T.Target, **changes) -> S.StoreSettings:
+    identity = target.identity("float32")
+    return S.StoreSettings(target=replace(identity, **changes), tokenizer_fingerprint="t", chat_template_hash="h",
+                           aux_layer_ids=(2, 4, 5), topk=4, max_seq_len=64, logprob_dtype="float16", loss_on="all")
+
+
+def test_store_vs_target_names_the_first_difference_in_one_line(tiny_llama, tmp_path):
+    target = T.open_target(tiny_llama)
+    T.check_store_matches_target(settings_of(target), target, store="s")  # its own store
+    copy = T.open_target(shutil.copytree(tiny_llama, tmp_path / "copy"))
+    T.check_store_matches_target(settings_of(target), copy, store="s")  # the same weights elsewhere
+    for changes, named in (({"architecture": "Qwen3ForCausalLM"}, "architecture Qwen3ForCausalLM, --target has "
+                            "architecture LlamaForCausalLM"),
+                           ({"hidden_size": 64}, "hidden_size 64, --target has hidden_size 128"),
+                           ({"num_hidden_layers": 4}, "num_hidden_layers 4, --target has num_hidden_layers 8"),
+                           ({"vocab_size": 7}, "vocab_size 7"),
+                           ({"content_hash": "0" * 64}, "has other weights")):
+        with pytest.raises(UserError) as err:
+            T.check_store_matches_target(settings_of(target, **changes), target, store="s")
+        assert named in str(err.value) and "\n" not in str(err.value)
