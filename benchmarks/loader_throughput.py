@@ -54,11 +54,12 @@ import torch.multiprocessing  # noqa: F401  (registers the shared-memory reducti
 from peagle.pipeline.store import commit_shard, init_store, open_store, write_shard_file
 from peagle.pipeline.store_reader import ShardReader, raw_bytes_per_token
 from peagle.schemas import store as S
+from peagle.schemas.loader_config import CodSettings, LoaderConfig
 from peagle.schemas.train_config import StoreSpec
-from peagle.stages.train.batch import CodSettings, collate, make_item
+from peagle.stages.train.batch import collate, make_item
 from torch.utils.data import DataLoader
 
-from peagle.stages.train.loader import LoaderConfig, ShardStream, TrainLoader
+from peagle.stages.train.loader import ShardStream, TrainLoader
 from peagle.stages.train.vocab import build_draft_vocab, load_draft_vocab
 
 HIDDEN, AUX_LAYERS, TOPK, TARGET_VOCAB, DRAFT_VOCAB = 4096, (2, 16, 29), 32, 128256, 32000

@@ -46,7 +46,9 @@ import torch
 from peagle.model.draft import PEagleDraft
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.train_config import TrainConfig
-from peagle.stages.train.batch import CodSettings, collate, make_item
+from peagle.pipeline.store_reader import training_sample
+from peagle.schemas.loader_config import CodSettings
+from peagle.stages.train.batch import collate, make_item
 from peagle.stages.train.loop import Trainer
 
 LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -74,16 +76,16 @@ def build_draft(d: dict, num_layers: int, activation_checkpointing: bool) -> PEa
 
 def make_batch(d: dict, seq_len: int, num_segments: int, attention: str, draft: PEagleDraft, seed: int = 0):
     """One row of ``seq_len`` training positions, supervised everywhere but position 0 (and the last,
-    which has no next token), through the loader's make_item + collate."""
+    which has no next token), through the store reader's shift and the loader's make_item + collate."""
     g = torch.Generator().manual_seed(seed)
     n = seq_len + 1
     loss_mask = torch.ones(n, dtype=torch.bool)
     loss_mask[:3] = False  # m[p] = loss_mask[p + 2]: m[0] = 0
     top = torch.randn(n, 32, generator=g).log_softmax(-1).sort(dim=-1, descending=True)
-    item = make_item("bench", torch.randint(0, d["vocab"] - 1, (n,), generator=g), loss_mask,
-                     torch.randn(n, 3, d["hidden"], generator=g).to(torch.bfloat16),
-                     torch.randint(0, d["vocab"] - 1, (n, 32), generator=g).to(torch.int32), top.values.half(),
-                     cod=CodSettings(num_depths=8, down_sample_ratio=0.7, down_sample_ratio_min=0.2), seed=seed,
+    sample = training_sample("bench", torch.randint(0, d["vocab"] - 1, (n,), generator=g), loss_mask,
+                             torch.randn(n, 3, d["hidden"], generator=g).to(torch.bfloat16),
+                             torch.randint(0, d["vocab"] - 1, (n, 32), generator=g).to(torch.int32), top.values.half())
+    item = make_item(sample, cod=CodSettings(num_depths=8, down_sample_ratio=0.7, down_sample_ratio_min=0.2), seed=seed,
                      epoch=0)
     t2d = draft.t2d.cpu()
     target_to_draft = torch.where(t2d, torch.cumsum(t2d.long(), 0) - 1, -1)

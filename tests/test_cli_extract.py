@@ -18,6 +18,7 @@ import pytest
 
 from peagle.schemas import extract_config as X
 from peagle.schemas import store as S
+from peagle.schemas.fields import field_docs
 from peagle.testing.chat_data import write_chat_jsonl
 
 COMMON = ("--samples-per-shard", "5", "--topk", "8", "--backend", "hf", "--device", "cpu", "--batch-size", "3")
@@ -84,7 +85,7 @@ def test_help_explains_every_config_field():
     _register()
     command = typer.main.get_command(app).commands["extract"]
     flags = {p.name for p in command.params} - {"config", "more_data"}
-    assert flags == {f for f in X.field_docs(X.ExtractConfig)}
+    assert flags == set(field_docs(X.ExtractConfig))
     proc = _ok(run_peagle("extract", "--help"))
     for name in flags:
         assert f"--{name.replace('_', '-')}" in proc.stdout

@@ -28,25 +28,6 @@ def peagle(*args, env: dict[str, str] | None = None) -> subprocess.CompletedProc
                           env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
-def test_every_config_field_is_a_flag_with_its_docstring_as_help():
-    import dataclasses
-
-    import typer.main
-
-    from peagle.cli import _register, app
-    from peagle.schemas.train_config import TrainConfig, field_docs
-
-    _register()
-    command = typer.main.get_command(app).commands["train"]
-    params = {p.name: p for p in command.params}
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    assert set(params) == fields | {"config"}
-    for name in fields:
-        assert params[name].opts[0] == "--" + name.replace("_", "-")
-        assert params[name].help == field_docs(TrainConfig)[name]
-    assert params["store"].multiple and params["store"].required
-
-
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, tiny_llama):
     """A real store from `peagle extract` on the tiny Llama, with a 200-token draft vocab."""

@@ -34,9 +34,9 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+from peagle.schemas.loader_config import DEFAULT_BLOCK_SIZE  # the loader computes block indices for it
 
-DEFAULT_BLOCK_SIZE = 128
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
 def document_ids(anchor_pos_N: Tensor, lengths_D: Tensor, total_seq_len: int) -> Tensor:

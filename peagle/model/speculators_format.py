@@ -312,20 +312,19 @@ def draft_config_from_speculators(config_json: dict[str, Any]) -> DraftConfig:
     )
 
 
-def read_export(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """(config.json, the tensors of model.safetensors) of an export directory.
+def read_export_config(path: str | os.PathLike) -> dict[str, Any]:
+    """An export directory's config.json.
 
     Raises:
-        UserError: when a file is missing or unreadable.
+        UserError: when a file of the export is missing or the config unreadable.
     """
     path = Path(path)
     if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
         raise UserError(f"{path} is not an export directory (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
     try:
-        config_json = json.loads((path / CONFIG_FILE).read_text())
+        return json.loads((path / CONFIG_FILE).read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise UserError(f"{path / CONFIG_FILE} is unreadable ({err})") from err
-    return config_json, _read_tensors(path)
 
 
 def _read_tensors(path: Path) -> dict[str, Tensor]:
@@ -369,8 +368,9 @@ def load_export(path: str | os.PathLike) -> ExportedDraft:
         UserError: when the directory is not a 'peagle' export or its tensors do not fit its config.
     """
     path = Path(path)
-    config_json, tensors = read_export(path)
+    config_json = read_export_config(path)
     config = draft_config_from_speculators(config_json)
+    tensors = _read_tensors(path)
     provenance = config_json.get(PROVENANCE_KEY) or {}
     recorded = provenance.get("draft_config")
     if recorded is not None and DraftConfig.from_dict(recorded).to_dict() != config.to_dict():

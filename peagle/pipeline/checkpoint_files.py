@@ -1,8 +1,9 @@
 """Finding and trusting training checkpoints: the reading side of the format (schemas/checkpoint.py).
 
-`peagle train` (resume) and `peagle export` both read checkpoints; stages never import each other,
-so what they share lives here: listing ``step-N`` directories, checking every file's size and sha256
-against ``metadata.json``, picking the newest whole checkpoint, and loading one part.
+`peagle train` (resume), `peagle export` and `peagle eval` (on a run) read checkpoints; stages never
+import each other, so what they share lives here: listing ``step-N`` directories, checking every
+file's size and sha256 against ``metadata.json``, picking the newest whole checkpoint, loading one
+part, and reading the draft of one (:func:`read_draft_checkpoint`).
 A checkpoint is damaged when a disk lost data or a copy was cut short; the newest one that checks
 out is used, with a one-line warning per damaged one skipped.
 """
@@ -12,14 +13,21 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from peagle.pipeline.store import sha256_file
-from peagle.schemas.checkpoint import (ALL_PARTS, CHECKPOINTS_DIR, FORMAT_VERSION, METADATA_FILE, STEP_DIR,
-                                       part_file)
+from peagle.schemas.checkpoint import (ALL_PARTS, CHECKPOINTS_DIR, CONFIG, DRAFT_CONFIG_KEY, FORMAT_VERSION,
+                                       METADATA_FILE, MODEL, PROVENANCE_KEY, STEP_DIR, TRAIN_CONFIG_KEY, part_file)
+from peagle.schemas.draft_config import DraftConfig
+from peagle.schemas.errors import UserError
+
+DRAFT_PARTS = (MODEL, CONFIG)
+"""The parts that hold a trained draft, and so the ones export checks (not the optimizer state: a
+third of the bytes)."""
 
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
@@ -76,3 +84,57 @@ def checkpoint_step(path: Path) -> int:
 def read_checkpoint_part(path: str | os.PathLike, key: str, *, map_location: str | torch.device = "cpu") -> Any:
     """One part of a checkpoint (weights-only unpickling: plain containers and tensors)."""
     return torch.load(Path(path) / part_file(key), map_location=map_location, weights_only=True)
+
+
+@dataclass(kw_only=True)
+class DraftCheckpoint:
+    """The draft of one training checkpoint: weights, configs, and what training recorded."""
+
+    path: Path
+    step: int
+    state_dict: dict[str, torch.Tensor]
+    draft_config: DraftConfig
+    train_config: dict[str, Any] = field(default_factory=dict)
+    provenance: dict[str, Any] = field(default_factory=dict)  # peagle version, git revision, host
+    extra: dict[str, Any] = field(default_factory=dict)  # everything else config.pt records (store hashes, ...)
+
+
+def resolve_checkpoint(source: str | os.PathLike) -> Path:
+    """The checkpoint directory ``source`` names: itself, or the newest valid one of a run directory.
+
+    Raises:
+        UserError: when nothing usable is there.
+    """
+    source = Path(source)
+    if not source.exists():
+        raise UserError(f"{source} does not exist")
+    if (source / METADATA_FILE).is_file():
+        problem = checkpoint_problem(source, DRAFT_PARTS)
+        if problem:
+            raise UserError(f"checkpoint {source} is damaged: {problem}")
+        return source
+    if not list_checkpoints(source):
+        raise UserError(f"{source} is neither a checkpoint nor a run directory with {CHECKPOINTS_DIR}/step-N")
+    path = latest_valid_checkpoint(source, DRAFT_PARTS)
+    if path is None:
+        raise UserError(f"no valid checkpoint in {source / CHECKPOINTS_DIR}")
+    return path
+
+
+def read_draft_checkpoint(source: str | os.PathLike) -> DraftCheckpoint:
+    """The draft of a run's newest valid checkpoint (or of one checkpoint directory).
+
+    Raises:
+        UserError: nothing usable there, or a config part this peagle cannot read.
+    """
+    path = resolve_checkpoint(source)
+    saved = read_checkpoint_part(path, CONFIG)
+    if not isinstance(saved, dict):
+        raise UserError(f"{path / part_file(CONFIG)} is not a mapping; was it written by another peagle version?")
+    rest = dict(saved)
+    if DRAFT_CONFIG_KEY not in rest:
+        raise UserError(f"{path / part_file(CONFIG)} records no draft config (keys: {sorted(saved)})")
+    draft, train = rest.pop(DRAFT_CONFIG_KEY), rest.pop(TRAIN_CONFIG_KEY, None)
+    return DraftCheckpoint(path=path, step=checkpoint_step(path), state_dict=read_checkpoint_part(path, MODEL),
+                           draft_config=DraftConfig.from_dict(dict(draft)), train_config=dict(train or {}),
+                           provenance=dict(rest.pop(PROVENANCE_KEY, None) or {}), extra=rest)

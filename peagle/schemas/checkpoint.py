@@ -11,7 +11,9 @@ The checkpoint directory is what `peagle train` hands to `peagle export` (and to
       .step-00000080.tmp-<pid>-<rand>/  being written (ignored by every reader)
 
 ``config.pt`` is a dict: ``train_config`` (TrainConfig.to_dict()), ``draft_config``
-(DraftConfig.to_dict()), ``world_size`` and store provenance (``store_manifest_hash``, ...).
+(DraftConfig.to_dict()), ``provenance`` (peagle version, git revision, host of the training
+process: peagle/pipeline/provenance.py), ``world_size`` and the stores trained on
+(``store_manifest_hash``, ...).
 Plain names only here; the writer is stages/train/checkpoint.py, the readers pipeline/checkpoint_files.py.
 """
 
@@ -41,6 +43,7 @@ ALL_PARTS = SHARED_PARTS + PER_RANK_PARTS
 # Keys of the CONFIG part.
 TRAIN_CONFIG_KEY = "train_config"
 DRAFT_CONFIG_KEY = "draft_config"
+PROVENANCE_KEY = "provenance"  # peagle version, git revision, host facts of the training process
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 

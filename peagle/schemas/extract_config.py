@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from peagle.schemas.errors import UserError
-from peagle.schemas.fields import field_docs  # noqa: F401  (the CLI reads the help text through this module)
 
 BACKENDS = ("auto", "vllm", "hf")
 LOSS_ON = ("all", "last", "per_turn")
@@ -166,20 +165,6 @@ def _flag(name: str) -> str:
 def _choice(flag: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise UserError(f"--{flag} must be one of {'|'.join(allowed)}, got {value!r}")
-
-
-def parse_int_list(text: str | list | tuple | None, flag: str = "aux-layers") -> tuple[int, ...] | None:
-    """``"2,8,13"`` (or ``"2 8 13"``, ``"[2, 8, 13]"``, a list from a config file) -> ``(2, 8, 13)``."""
-    if text is None:
-        return None
-    if isinstance(text, (list, tuple)):
-        parts = [str(p) for p in text]
-    else:
-        parts = str(text).strip().strip("[]()").replace(",", " ").split()
-    try:
-        return tuple(int(p) for p in parts)
-    except ValueError as err:
-        raise UserError(f"--{flag} must be comma-separated integers like 2,8,13, got {text!r}") from err
 
 
 def check_aux_layer_ids(ids: tuple[int, ...], num_layers: int | None = None) -> None:

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from peagle.schemas.errors import UserError
-from peagle.schemas.fields import field_docs  # re-exported (__all__): the CLI reads the help text here
 
 ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
 
@@ -27,7 +26,7 @@ SAFE_TO_CHANGE = frozenset({
 lives (a run directory may be moved), not what a step computes. (Changing the run length re-times
 the cosine decay from the resume step on.)"""
 
-__all__ = ["TrainConfig", "StoreSpec", "parse_store_spec", "config_mismatch", "field_docs", "SAFE_TO_CHANGE"]
+__all__ = ["TrainConfig", "StoreSpec", "parse_store_spec", "config_mismatch", "SAFE_TO_CHANGE"]
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The evaluation report: one JSON file and a few PNG plots a person can read at a glance.
 
-``REPORT_DIR/report.json`` holds every mode's numbers (see :func:`build_report`); the plots are
+``REPORT_DIR/report.json`` holds every mode's numbers (see :func:`build_report`; :func:`summary_table`
+is what `peagle eval` prints of it); the plots are
 
 * ``per_depth_acceptance.png`` -- P(draft d accepted) for d = 1..K, per mode (offline chains, own
   loop, vLLM), with the conditional acceptance of the offline chains;
@@ -202,3 +203,31 @@ def plot_training_curves(metrics: list[dict[str, Any]]):
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     return figure
+
+
+def _fmt(x: Any, digits: int = 3) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def summary_table(report: dict[str, Any]) -> str:
+    """A few lines a person reads first: AL and per-depth acceptance per mode, speedup, output checks."""
+    lines = [f"{'mode':<10} {'AL':>6}  per-depth acceptance"]
+    for mode in ("offline", "online", "vllm"):
+        section = report.get(mode)
+        if not section:
+            continue
+        per_depth = " ".join(_fmt(v, 2) for v in section.get("per_depth_acceptance") or [])
+        lines.append(f"{mode:<10} {_fmt(section.get('acceptance_length')):>6}  {per_depth}")
+    online = report.get("online") or {}
+    if online.get("speedup") is not None:
+        lines.append(f"own loop: {_fmt(online.get('tokens_per_target_forward'), 2)} tokens/target forward, "
+                     f"speedup {_fmt(online.get('speedup'), 2)}x over plain decoding, non-repetitive prompts AL "
+                     f"{_fmt((online.get('non_repetitive') or {}).get('acceptance_length'))}")
+    for mode, key in (("online", "greedy_output_matches_plain"), ("vllm", "greedy_output_matches_target_only")):
+        value = (report.get(mode) or {}).get(key)
+        if value is not None:
+            lines.append(f"{mode}: greedy output equals the target's own: {value}")
+    gap = (report.get("comparison") or {}).get("online_vs_vllm_relative_difference")
+    if gap is not None:
+        lines.append(f"own loop vs vLLM acceptance length: {100 * gap:.1f}% apart")
+    return "\n".join(lines)

@@ -1,7 +1,7 @@
 """`peagle eval`: offline chains, own speculative loop and vLLM on one export, into one report.
 
-The CLI hands this stage an *export directory* (it exports a run first), so every mode measures the
-weights vLLM serves. Modes:
+A run or checkpoint is first exported (:func:`resolve_source`), so every mode measures the weights
+vLLM serves. Modes:
 
 * ``offline`` -- teacher-forced chains on held-out store samples (:mod:`.offline`);
 * ``online`` -- our own speculative-decoding loop with the HF target (:mod:`.online`);
@@ -15,79 +15,55 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 import peagle
-from peagle.model.speculators_format import ExportedDraft, load_export
+from peagle.model.checkpoint_export import export_checkpoint
+from peagle.model.speculators_format import (PROVENANCE_KEY, ExportedDraft, is_export_dir, load_export,
+                                              read_export_config)
 from peagle.model.target import CONFIG_FILE, check_store_matches_target, open_target
 from peagle.pipeline.store import Store, open_store
 from peagle.pipeline.store_reader import iter_training_samples
+from peagle.schemas.checkpoint import CHECKPOINTS_DIR
 from peagle.schemas.errors import UserError
+from peagle.schemas.eval_config import EvalConfig
 from peagle.stages.eval import offline, online, prompts as prompt_sources, report as reporting
 from peagle.stages.eval.vllm_eval import run_vllm, vllm_available
 
-ALL_MODES = ("offline", "online", "vllm")
-TARGET_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
-@dataclass(frozen=True, kw_only=True)
-class EvalConfig:
-    """Settings of `peagle eval` (after the CLI resolved the source to an export)."""
+@dataclass(frozen=True)
+class EvalSource:
+    """What ``EvalConfig.source`` resolves to: the export every mode measures, the run it came from
+    (metrics, stores; None if unknown) and the report directory."""
 
-    export_dir: str
-    """The speculators 'peagle' directory to evaluate."""
-    out: str
-    """Report directory: report.json and the PNG plots."""
-    target: str | None = None
-    """Target model directory (HF layout). Default: the export's verifier, if it is a local directory."""
-    run_dir: str | None = None
-    """Training run directory, for metrics.jsonl (training curves) and the run's stores."""
-    store: str | None = None
-    """Store for offline chains (and prompts). Default: the run's eval store, else the held-out
-    samples of its first training store."""
-    prompts: str | None = None
-    """Prompts file for online/vLLM decoding (JSONL or .txt). Default: store samples, else built-ins."""
-    num_depths: int | None = None
-    """K. Default: the export's speculative_tokens."""
-    modes: tuple[str, ...] | None = None
-    """Subset of offline, online, vllm. Default: each one that can run here."""
-    temperature: float = 0.0
-    """0: greedy (outputs must equal plain decoding); > 0: sampling with the standard rejection rule."""
-    max_new_tokens: int = 64
-    """Tokens generated per prompt (own loop and vLLM)."""
-    max_prompts: int = 8
-    """Prompts decoded (own loop and vLLM)."""
-    max_samples: int = 64
-    """Store samples evaluated offline."""
-    seed: int = 0
-    """Sampling seed (prompt i uses seed + i)."""
-    target_dtype: str = "float32"
-    """dtype of target and draft in the own loop; vLLM runs bfloat16 for bfloat16, else float32."""
-    device: str = "auto"
-    """Device of the own loop: auto (cuda if available), cpu or cuda."""
-    ignore_eos: bool = False
-    """Always generate max_new_tokens tokens (no stop tokens)."""
-    progress: bool = True
-    """Show progress bars."""
+    export_dir: Path
+    run_dir: Path | None
+    out: Path
 
-    def __post_init__(self) -> None:
-        if self.modes is not None:
-            unknown = sorted(set(self.modes) - set(ALL_MODES))
-            if unknown or not self.modes:
-                raise UserError(f"--mode takes a comma list of {','.join(ALL_MODES)}, got {','.join(self.modes)}")
-        if self.temperature < 0:
-            raise UserError(f"--temperature must be >= 0, got {self.temperature}")
-        for name in ("max_new_tokens", "max_prompts", "max_samples"):
-            if getattr(self, name) < 1:
-                raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.num_depths is not None and self.num_depths < 1:
-            raise UserError(f"--num-depths must be >= 1, got {self.num_depths}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise UserError(f"--device must be auto, cpu or cuda, got {self.device!r}")
-        if self.target_dtype not in TARGET_DTYPES:
-            raise UserError(f"--target-dtype must be one of {'|'.join(TARGET_DTYPES)}, got {self.target_dtype!r}")
+
+def resolve_source(config: EvalConfig) -> EvalSource:
+    """An export is used as is; a run or checkpoint is first exported into OUT/export (with the
+    ``--num-depths`` and ``--target`` of this evaluation as K and verifier).
+
+    Raises:
+        UserError: when ``source`` does not exist or holds no usable checkpoint.
+    """
+    source = Path(config.source)
+    if not source.exists():
+        raise UserError(f"{source} does not exist")
+    is_run = (source / CHECKPOINTS_DIR).is_dir()
+    out = Path(config.out) if config.out else (source / "eval" if is_run else source.with_name(source.name + "-eval"))
+    if is_export_dir(source):
+        ckpt = (read_export_config(source).get(PROVENANCE_KEY) or {}).get("checkpoint")
+        run_dir = Path(ckpt).parent.parent if ckpt and Path(ckpt).parent.parent.is_dir() else None
+        return EvalSource(source, run_dir, out)
+    export_dir = export_checkpoint(source, out / "export", verifier_name=config.target,
+                                   speculative_tokens=config.num_depths)
+    return EvalSource(export_dir, source if is_run else source.parent.parent, out)
 
 
 def _warn(message: str) -> None:
@@ -126,12 +102,12 @@ def _has_weight(spec: str) -> bool:
 
 
 def resolve_modes(config: EvalConfig, has_store: bool) -> list[str]:
-    if config.modes is not None:
-        if "offline" in config.modes and not has_store:
+    if config.mode is not None:
+        if "offline" in config.mode and not has_store:
             raise UserError("--mode offline needs a store: pass --store (the run records none)")
-        if "vllm" in config.modes and not vllm_available():
+        if "vllm" in config.mode and not vllm_available():
             raise UserError("--mode vllm needs vLLM importable here (scripts/install_vllm.sh); drop it from --mode")
-        return list(config.modes)
+        return list(config.mode)
     modes = ["offline"] if has_store else []
     modes.append("online")
     if vllm_available():
@@ -141,9 +117,10 @@ def resolve_modes(config: EvalConfig, has_store: bool) -> list[str]:
     return modes
 
 
-def run_eval(config: EvalConfig) -> dict[str, Any]:
-    """Run the selected modes, write the report and plots; returns the report dict."""
-    exported = load_export(config.export_dir)
+def run_eval(config: EvalConfig, *, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the selected modes, write the report and plots, echo the summary table; returns the report."""
+    where = resolve_source(config)
+    exported = load_export(where.export_dir)
     draft = exported.draft
     K = config.num_depths or exported.speculative_tokens
     target_dir = config.target or exported.verifier
@@ -160,7 +137,7 @@ def run_eval(config: EvalConfig) -> dict[str, Any]:
 
     if "offline" in modes:
         samples = iter_training_samples(store, heldout_fraction=heldout, max_samples=config.max_samples)
-        result = offline.evaluate_offline(draft, samples, K, progress=config.progress)
+        result = offline.evaluate_offline(draft, samples, K, progress=not config.quiet)
         if result.num_samples == 0:
             _warn(f"offline: no sample to evaluate in {store.root}"
                   + (f" (it is a training store of the run, so only its held-out {heldout:g} of samples count, "
@@ -181,12 +158,12 @@ def run_eval(config: EvalConfig) -> dict[str, Any]:
         device = ("cuda" if torch.cuda.is_available() else "cpu") if config.device == "auto" else config.device
         if device == "cuda" and not torch.cuda.is_available():
             raise UserError("--device cuda was asked for, but torch sees no CUDA device")
-        dtype = TARGET_DTYPES[config.target_dtype]
+        dtype = TORCH_DTYPES[config.target_dtype]
         target = online.HFTarget.load(target_dir, draft.config.aux_layer_ids, dtype=dtype, device=device)
         drafter = online.proposer_drafter(draft.to(device=device, dtype=dtype), target.vocab_size)
         result = online.evaluate_online(target, drafter, prompt_ids, num_depths=K, max_new_tokens=config.max_new_tokens,
                                         temperature=config.temperature, seed=config.seed, stop_ids=set(stops),
-                                        progress=config.progress)
+                                        progress=not config.quiet)
         sections["online"] = {**result.to_dict(), "prompt_source": prompt_source}
         del target
 
@@ -201,16 +178,19 @@ def run_eval(config: EvalConfig) -> dict[str, Any]:
 
     meta = {
         "peagle_version": peagle.__version__,
-        "export_dir": str(Path(config.export_dir).resolve()),
+        "export_dir": str(where.export_dir.resolve()),
         "target": str(target_dir),
-        "run_dir": config.run_dir,
+        "run_dir": str(where.run_dir) if where.run_dir else None,
         "num_depths": K,
         "num_depths_trained": exported.num_depths_trained,
         "modes": modes,
-        "settings": {k: v for k, v in asdict(config).items() if k not in ("export_dir", "progress")},
+        "settings": {k: v for k, v in asdict(config).items() if k not in ("source", "quiet")},
     }
     report = reporting.build_report(sections=sections, meta=meta)
-    reporting.write_report(config.out, report, metrics=reporting.read_metrics(config.run_dir))
+    reporting.write_report(where.out, report, metrics=reporting.read_metrics(where.run_dir))
+    echo(reporting.summary_table(report))
+    echo(f"report: {where.out / reporting.REPORT_FILE}  plots: "
+         + ", ".join(str(where.out / p) for p in (report.get("plots") or {}).values()))
     return report
 
 

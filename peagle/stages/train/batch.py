@@ -45,20 +45,11 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from peagle.model.mask import DEFAULT_BLOCK_SIZE, CodBlockIndices, cod_block_indices
+from peagle.model.mask import CodBlockIndices, cod_block_indices
 from peagle.pipeline.store_reader import AuxSource, TrainingSample
+from peagle.schemas.loader_config import CodSettings
 from peagle.stages.train.cod import cod_generator, generate_cod_sample_indices, pack_cod
 from peagle.stages.train.segments import SegmentPlan, plan_segments
-
-
-@dataclass(frozen=True, kw_only=True)
-class CodSettings:
-    """How COD sampling draws a sample's elements (DESIGN §4)."""
-
-    num_depths: int = 8
-    down_sample_ratio: float = 0.7
-    down_sample_ratio_min: float = 0.2
-    max_anchors: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -283,4 +274,4 @@ def collate(items: list[TrainItem], *, target_to_draft_V: Tensor, mask_token_id:
     return batch
 
 
-__all__ = ["AuxSource", "CodSettings", "TrainItem", "TrainBatch", "make_item", "collate", "DEFAULT_BLOCK_SIZE"]
+__all__ = ["TrainItem", "TrainBatch", "make_item", "collate"]

@@ -21,63 +21,31 @@ and compute segment plans and flex block indices. The trainer receives finished 
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any, Iterator
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from peagle.model.mask import DEFAULT_BLOCK_SIZE
 from peagle.pipeline.split import is_heldout
 from peagle.pipeline.store import Store, manifest_hash, open_store
 from peagle.pipeline.store_reader import ShardReader, read_num_positions
 from peagle.schemas.errors import UserError
-from peagle.schemas.train_config import StoreSpec
-from peagle.stages.train.batch import CodSettings, TrainBatch, collate, make_item
+from peagle.schemas.loader_config import LoaderConfig
+from peagle.stages.train.batch import TrainBatch, collate, make_item
 from peagle.stages.train.epoch_plan import EpochPlan, PlanSettings, SampleIndex, plan_epoch, worker_batches
 from peagle.stages.train.vocab import DraftVocab
 
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
-SPLITS = ("train", "heldout", "all")
 
 
-@dataclass(frozen=True, kw_only=True)
-class LoaderConfig:
-    """Everything the data stream depends on. Fields marked (plan) must not change across a resume."""
-
-    stores: tuple[StoreSpec, ...]
-    seed: int = 0  # (plan)
-    token_budget: int = 16384  # (plan) training positions (n − 1 per sample) per batch
-    cod: CodSettings = field(default_factory=CodSettings)  # (plan)
-    split: str = "train"  # (plan) train | heldout | all
-    heldout_fraction: float = 0.0  # (plan)
-    shuffle: bool = True  # (plan)
-    shuffle_window: int = 4  # (plan) units whose samples are shuffled together
-    sequence_partitions: int = 1
-    attention: str = "sdpa"  # flex: block indices are computed in the workers
-    block_size: int = DEFAULT_BLOCK_SIZE
-    num_workers: int = 0
-    prefetch_factor: int = 2
-    pin_memory: bool = False
-    verify: bool = False
-    mask_token_id: int | None = None  # default: the stores' StoreSettings.mask_token_id
-    aux_layer_ids: tuple[int, ...] | None = None  # what the draft reads; None = whatever the stores hold
-
-    def plan_settings(self) -> PlanSettings:
-        return PlanSettings(seed=self.seed, token_budget=self.token_budget, shuffle=self.shuffle,
-                            shuffle_window=self.shuffle_window, weights=tuple(s.weight for s in self.stores))
-
-    def __post_init__(self) -> None:
-        if self.split not in SPLITS:
-            raise UserError(f"split must be one of {'|'.join(SPLITS)}, got {self.split!r}")
-        if self.token_budget < 1 or self.shuffle_window < 1:
-            raise UserError(f"token_budget and shuffle_window must be >= 1, got {self.token_budget}, "
-                            f"{self.shuffle_window}")
-        if self.attention not in ("flex", "sdpa"):
-            raise UserError(f"loader attention must be flex or sdpa, got {self.attention!r}")
+def plan_settings(config: LoaderConfig) -> PlanSettings:
+    """The part of the loader config the epoch plan depends on."""
+    return PlanSettings(seed=config.seed, token_budget=config.token_budget, shuffle=config.shuffle,
+                        shuffle_window=config.shuffle_window, weights=tuple(s.weight for s in config.stores))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -220,7 +188,7 @@ class TrainLoader:
 
     def plan(self, epoch: int) -> EpochPlan:
         if self._plan is None or self._plan[0] != epoch:
-            self._plan = (epoch, plan_epoch(self.index, self.config.plan_settings(), epoch, self.world_size))
+            self._plan = (epoch, plan_epoch(self.index, plan_settings(self.config), epoch, self.world_size))
         return self._plan[1]
 
     @property

@@ -40,10 +40,11 @@ from peagle.pipeline.store import read_settings
 from peagle.schemas.checkpoint import DRAFT_CONFIG_KEY, TRAIN_CONFIG_KEY
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.errors import UserError
+from peagle.schemas.loader_config import CodSettings, LoaderConfig
 from peagle.schemas.train_config import TrainConfig, config_mismatch, parse_store_spec
 from peagle.stages.train import checkpoint as ckpt
-from peagle.stages.train.batch import CodSettings, TrainBatch
-from peagle.stages.train.loader import LoaderConfig, TrainLoader
+from peagle.stages.train.batch import TrainBatch
+from peagle.stages.train.loader import TrainLoader
 from peagle.stages.train.step import (DraftStep, Unit, build_optimizer, lr_factor, stats_vector, summarise,
                                       to_units, unit_forward)
 from peagle.stages.train.vocab import load_draft_vocab

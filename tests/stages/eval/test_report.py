@@ -62,7 +62,7 @@ def test_nan_becomes_null_and_modes_are_compared(tmp_path):
 
 
 def test_summary_table_reads_the_report():
-    from peagle.cli.eval import summary_table
+    from peagle.stages.eval.report import summary_table
 
     report = build_report(sections=sections(), meta={})
     table = summary_table(report)

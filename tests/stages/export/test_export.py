@@ -11,7 +11,9 @@ from pathlib import Path
 import torch
 
 from peagle.model.draft import PEagleDraft
-from peagle.stages.export.run import ExportConfig, read_checkpoint, run_export
+from peagle.pipeline.checkpoint_files import read_draft_checkpoint
+from peagle.schemas.export_config import ExportConfig
+from peagle.stages.export.run import run_export
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "model"))  # test helpers of the format, any import mode
 from test_speculators_format import tiny_draft  # noqa: E402
@@ -35,9 +37,9 @@ def test_run_export_writes_the_newest_valid_checkpoint(tmp_path, tiny_llama):
     write_checkpoint(tmp_path / "run", old, tiny_llama, 10)
     damaged = write_checkpoint(tmp_path / "run", new, tiny_llama, 20)
     (damaged / "model.pt").write_bytes((damaged / "model.pt").read_bytes()[:-10] + b"0" * 10)  # same size, bad sha
-    assert read_checkpoint(tmp_path / "run").step == 10
+    assert read_draft_checkpoint(tmp_path / "run").step == 10
 
-    out = run_export(ExportConfig(source=str(tmp_path / "run"), out=str(tmp_path / "export")))
+    out = run_export(ExportConfig(source=str(tmp_path / "run"), out=str(tmp_path / "export")), echo=lambda _: None)
     config = json.loads((out / "config.json").read_text())
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3  # trained depths
     assert config["speculators_config"]["verifier"] == {"name_or_path": str(Path(tiny_llama).resolve()),

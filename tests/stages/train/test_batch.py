@@ -7,7 +7,8 @@ import torch
 
 from peagle.model.mask import dense_peagle_mask
 from peagle.pipeline.store_reader import training_sample
-from peagle.stages.train.batch import CodSettings, TrainBatch, collate, make_item
+from peagle.schemas.loader_config import CodSettings
+from peagle.stages.train.batch import TrainBatch, collate, make_item
 from peagle.stages.train.cod import cod_generator, generate_cod_sample_indices
 
 COD = CodSettings(num_depths=4, down_sample_ratio=0.7, down_sample_ratio_min=0.2)

@@ -13,9 +13,9 @@ import torch
 from peagle.pipeline.split import is_heldout
 from peagle.schemas.errors import UserError
 from peagle.schemas.train_config import StoreSpec
-from peagle.stages.train.batch import CodSettings
 from peagle.stages.train.epoch_plan import plan_epoch, worker_batches
-from peagle.stages.train.loader import LoaderConfig, TrainLoader, build_sample_index, open_training_stores
+from peagle.schemas.loader_config import CodSettings, LoaderConfig
+from peagle.stages.train.loader import TrainLoader, build_sample_index, open_training_stores, plan_settings
 
 COD = CodSettings(num_depths=4)
 BUDGET = 400  # training positions per batch: 2-3 tiny chat samples
@@ -39,7 +39,7 @@ def test_plan_partitions_are_disjoint_covering_and_balanced(tiny_store, world_si
     stores = open_training_stores(cfg)
     index = build_sample_index(stores, cfg)
     for epoch in (0, 1):
-        plan = plan_epoch(index, cfg.plan_settings(), epoch, world_size)
+        plan = plan_epoch(index, plan_settings(cfg), epoch, world_size)
         kept = []
         for rank in range(world_size):
             bounds = plan.bounds_of_rank[rank]

@@ -18,7 +18,8 @@ from peagle.model.draft import PEagleDraft
 from peagle.pipeline.store_reader import training_sample
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.train_config import TrainConfig
-from peagle.stages.train.batch import CodSettings, collate, make_item
+from peagle.schemas.loader_config import CodSettings
+from peagle.stages.train.batch import collate, make_item
 from peagle.stages.train.loop import Trainer
 
 TARGET_VOCAB, DRAFT_VOCAB, MASK_TOKEN, HIDDEN, NUM_AUX, TOPK, K = 96, 48, 95, 32, 3, 4, 5

@@ -1,0 +1,151 @@
+"""Sub-commands generated from their schema config dataclasses: one flag per field, nothing else.
+
+A :class:`ConfigCommand` turns a config dataclass (``peagle/schemas``) into a typer command: every
+field is ``--field-name`` (or a positional argument, where the command says so), its docstring the
+help text, its default the flag's default (written once, in the dataclass), and its type the
+flag's type. So a command and its config cannot drift apart; a new field is a new flag with no
+edit here (tests hold them 1:1). The config's ``__post_init__`` validates the values.
+
+How types become flags:
+
+* ``str``, ``int``, ``float``, ``X | None``: one value;
+* ``bool``: ``--name/--no-name``;
+* ``tuple[X, ...]``: a repeatable flag (``--store a --store b``), or, for the fields a command names
+  in ``comma_lists``, one comma-separated value (``--mode offline,online``, ``--aux-layers 2,8,13``);
+* ``more_values``: a tuple field that also takes the command's trailing positional values (so
+  ``--data a.jsonl b.jsonl`` works).
+
+``--config FILE`` (YAML or TOML, keys = flag names) supplies defaults for any of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import typer
+
+from peagle.cli.config_file import ConfigOption
+from peagle.schemas.errors import UserError
+from peagle.schemas.fields import field_docs
+
+
+def _field_type(cls: type, name: str) -> tuple[Any, bool]:
+    """(the field's type without ``None``, whether ``None`` is allowed)."""
+    hint = typing.get_type_hints(cls)[name]
+    args = typing.get_args(hint)
+    if type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return rest[0], True
+    return hint, False
+
+
+def _tuple_item(tp: Any) -> Any | None:
+    """``X`` for ``tuple[X, ...]``, else None."""
+    if typing.get_origin(tp) is tuple:
+        args = typing.get_args(tp)
+        return args[0] if len(args) == 2 and args[1] is Ellipsis else None
+    return None
+
+
+def split_list(text: Any, item: type, flag: str) -> tuple:
+    """``"2,8,13"`` (or ``"2 8 13"``, ``"[2, 8, 13]"``, a list from a config file) -> ``(2, 8, 13)``."""
+    parts = [str(p) for p in text] if isinstance(text, (list, tuple)) else \
+        str(text).strip().strip("[]()").replace(",", " ").split()
+    try:
+        return tuple(item(p) for p in parts)
+    except ValueError as err:
+        kind = "integers like 2,8,13" if item is int else f"{item.__name__} values"
+        raise UserError(f"--{flag} must be comma-separated {kind}, got {text!r}") from err
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConfigCommand:
+    """One sub-command whose flags are the fields of ``config_class`` (module docstring)."""
+
+    name: str
+    config_class: type
+    run: Callable[[Any], Any]
+    """Called with the built config."""
+    help: str
+    arguments: tuple[str, ...] = ()
+    """Fields taken as positional arguments, in this order."""
+    more_values: str | None = None
+    comma_lists: frozenset[str] = frozenset()
+    metavars: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def more_name(self) -> str:
+        return f"more_{self.more_values}"
+
+    def parameters(self) -> list[inspect.Parameter]:
+        docs = field_docs(self.config_class)
+        params = []
+        for f in dataclasses.fields(self.config_class):
+            tp, optional = _field_type(self.config_class, f.name)
+            item = _tuple_item(tp)
+            required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            default = ... if required else (f.default if f.default is not dataclasses.MISSING else f.default_factory())
+            flag = "--" + f.name.replace("_", "-")
+            if item is not None and f.name in self.comma_lists:
+                annotation = Optional[str]
+                if default not in (None, ...):
+                    default = ",".join(map(str, default))
+            elif item is not None:
+                annotation = Optional[list[item]]
+                if required and f.name == self.more_values:
+                    default = None  # the values may all come positionally; the config checks there are some
+                elif default not in (None, ...):
+                    default = list(default)
+            else:
+                annotation = Optional[tp] if optional else tp
+            metavar = self.metavars.get(f.name)
+            if f.name in self.arguments:
+                option = typer.Argument(default, help=docs[f.name], metavar=metavar, show_default=not required)
+            else:
+                decls = [f"{flag}/--no-{flag[2:]}"] if annotation is bool else [flag]
+                option = typer.Option(default, *decls, help=docs[f.name], metavar=metavar, show_default=not required)
+            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option,
+                                            annotation=annotation))
+        if self.more_values is not None:
+            more = typer.Argument(None, metavar=self.metavars.get(self.more_values), show_default=False,
+                                  help=f"More values of --{self.more_values.replace('_', '-')} (so "
+                                       f"`--{self.more_values.replace('_', '-')} A B` works).")
+            params.append(inspect.Parameter(self.more_name, inspect.Parameter.KEYWORD_ONLY, default=more,
+                                            annotation=Optional[list[str]]))
+        params.append(inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=ConfigOption,
+                                        annotation=Optional[str]))
+        return params
+
+    def build(self, flags: dict[str, Any]) -> Any:
+        """The config from parsed flag values (``config`` and the extra positional values folded in)."""
+        values = {k: v for k, v in flags.items() if k not in ("config", self.more_name)}
+        if self.more_values is not None:
+            values[self.more_values] = tuple(values.get(self.more_values) or ()) + tuple(flags.get(self.more_name) or ())
+        for f in dataclasses.fields(self.config_class):
+            item = _tuple_item(_field_type(self.config_class, f.name)[0])
+            value = values.get(f.name)
+            if item is not None and value is not None:
+                values[f.name] = (split_list(value, item, f.name.replace("_", "-")) if f.name in self.comma_lists
+                                  else tuple(value))
+        return self.config_class(**values)
+
+    def register(self, app: typer.Typer) -> None:
+        def command(**flags: Any) -> None:
+            self.run(self.build(flags))
+
+        command.__signature__ = inspect.Signature(self.parameters())  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in command.__signature__.parameters.values()}  # type: ignore[attr-defined]
+        command.__name__ = command.__qualname__ = f"{self.name}_command"
+        app.command(self.name, help=self.help)(command)
+
+    def parse(self, app: typer.Typer, argv: list[str]) -> Any:
+        """The config ``peagle NAME ARGV`` would run with (flags and ``--config`` files parsed, not run)."""
+        import typer.main
+
+        command = typer.main.get_command(app).commands[self.name]
+        with command.make_context(self.name, list(argv)) as ctx:
+            return self.build(ctx.params)

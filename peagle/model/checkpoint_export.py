@@ -1,0 +1,80 @@
+"""A training checkpoint as a speculators export directory: `peagle export`, and `peagle eval` on a run.
+
+Both stages turn checkpoints into exports (eval measures exactly what vLLM serves, so it exports a
+run first); stages never import each other, so the conversion lives here. The checkpoint is read
+through its format (peagle/pipeline/checkpoint_files.py: sizes and sha256 of the parts read are
+checked first), the directory is written by the format's one home
+(peagle/model/speculators_format.py).
+
+The export's ``peagle`` section records where the draft came from: the provenance training
+recorded in the checkpoint (peagle version, git revision, host of the *training* process), the
+checkpoint and its step, the store manifest hash, the trained depths, the draft and run configs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from peagle.model.speculators_format import write_export
+from peagle.model.target import CONFIG_FILE, read_config_json
+from peagle.pipeline.checkpoint_files import DraftCheckpoint, read_draft_checkpoint
+from peagle.schemas.errors import UserError
+
+
+def export_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *, verifier_name: str | None = None,
+                      speculative_tokens: int | None = None, dtype: str = "float32") -> Path:
+    """Export the checkpoint ``source`` names (a run's newest valid one, or one checkpoint) to ``out``.
+
+    ``verifier_name`` defaults to the target path training used, ``speculative_tokens`` to the trained
+    number of depths (a larger K is allowed, with a warning: deeper drafts are untrained).
+
+    Raises:
+        UserError: no usable checkpoint, a default that the checkpoint cannot supply, or an ``out``
+            that holds something other than an export.
+    """
+    ckpt = read_draft_checkpoint(source)
+    target = ckpt.train_config.get("target")
+    verifier = verifier_name or (str(Path(target).resolve()) if target else None)
+    if not verifier:
+        raise UserError("the checkpoint records no target path: pass --verifier-name")
+    trained_depths = ckpt.train_config.get("num_depths")
+    k = speculative_tokens or trained_depths
+    if k is None:
+        raise UserError("the checkpoint records no num_depths: pass --speculative-tokens")
+    if trained_depths is not None and k > trained_depths:
+        print(f"peagle: warning: --speculative-tokens {k} exceeds the {trained_depths} trained depths; "
+              "deeper drafts are untrained and will rarely be accepted", file=sys.stderr)
+    return write_export(ckpt.state_dict, ckpt.draft_config, out, verifier_name=verifier,
+                        verifier_architectures=verifier_architectures(target, verifier), speculative_tokens=int(k),
+                        dtype=getattr(torch, dtype), provenance=export_provenance(ckpt))
+
+
+def export_provenance(ckpt: DraftCheckpoint) -> dict[str, Any]:
+    """The export's ``peagle`` section (module docstring). A checkpoint from before training recorded
+    provenance gives None for what it lacks, never the exporting machine's facts."""
+    return {
+        "peagle_version": ckpt.provenance.get("peagle_version"),
+        "git_revision": ckpt.provenance.get("git_revision"),
+        "host": ckpt.provenance.get("host"),
+        "checkpoint": str(ckpt.path.resolve()),
+        "step": ckpt.step,
+        "store_manifest_hash": ckpt.extra.get("store_manifest_hash"),
+        "num_depths_trained": ckpt.train_config.get("num_depths"),
+        "draft_config": ckpt.draft_config.to_dict(),
+        "run_config": ckpt.train_config,
+    }
+
+
+def verifier_architectures(target: str | None, verifier_name: str) -> list[str]:
+    """The verifier's ``architectures`` from a local target directory (the training target, else the name)."""
+    for candidate in (target, verifier_name):
+        if candidate and (Path(candidate) / CONFIG_FILE).is_file():
+            with contextlib.suppress(UserError):
+                return list(read_config_json(candidate).get("architectures") or [])
+    return []

@@ -1,0 +1,87 @@
+"""The configuration of one `peagle eval` run: every CLI flag is a field, its docstring the help."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from peagle.schemas.errors import UserError
+
+EVAL_MODES = ("offline", "online", "vllm")
+TARGET_DTYPES = ("float32", "bfloat16", "float64")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    """Settings of `peagle eval` (DESIGN §5): what to measure, on which prompts, how to decode."""
+
+    source: str
+    """Training run directory, checkpoint directory, or export directory (a run or checkpoint is first
+    exported into OUT/export, so every mode measures exactly what vLLM serves)."""
+
+    target: str | None = None
+    """Target model directory (HF layout). Default: the verifier named in the export, if it is a local
+    directory."""
+
+    store: str | None = None
+    """Store for offline chains and prompts. Default: the run's --eval-store, else the held-out
+    samples of its first training store."""
+
+    prompts: str | None = None
+    """Prompts file: JSONL lines with `messages`, `prompt` or `prompt_token_ids`, or a .txt file of user
+    messages. Default: the store's samples up to their first assistant reply, else a few built-in ones."""
+
+    num_depths: int | None = None
+    """K: draft tokens per step (all modes). Default: the export's speculative_tokens."""
+
+    mode: tuple[str, ...] | None = None
+    """Comma list of offline,online,vllm. Default: every mode that can run here (offline needs a
+    store, vllm needs vLLM)."""
+
+    out: str | None = None
+    """Report directory (report.json + PNG plots). Default: RUN_DIR/eval, or EXPORT_DIR-eval."""
+
+    temperature: float = 0.0
+    """0: greedy (outputs must equal plain decoding); > 0: sampling with the standard rejection rule."""
+
+    max_new_tokens: int = 64
+    """Tokens generated per prompt (own loop and vLLM)."""
+
+    max_prompts: int = 8
+    """Prompts decoded (own loop and vLLM)."""
+
+    max_samples: int = 64
+    """Store samples evaluated offline."""
+
+    seed: int = 0
+    """Sampling seed (prompt i uses seed + i)."""
+
+    target_dtype: str = "float32"
+    """dtype of target and draft in the own loop (float32, bfloat16 or float64); vLLM runs bfloat16
+    for bfloat16, else float32."""
+
+    device: str = "auto"
+    """Device of the own loop: auto (cuda if available), cpu or cuda."""
+
+    ignore_eos: bool = False
+    """Always generate --max-new-tokens tokens (no stop tokens)."""
+
+    quiet: bool = False
+    """No progress bars."""
+
+    def __post_init__(self) -> None:
+        if self.mode is not None:
+            unknown = sorted(set(self.mode) - set(EVAL_MODES))
+            if unknown or not self.mode:
+                raise UserError(f"--mode takes a comma list of {','.join(EVAL_MODES)}, got {','.join(self.mode)}")
+        if self.temperature < 0:
+            raise UserError(f"--temperature must be >= 0, got {self.temperature}")
+        for name in ("max_new_tokens", "max_prompts", "max_samples"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.num_depths is not None and self.num_depths < 1:
+            raise UserError(f"--num-depths must be >= 1, got {self.num_depths}")
+        if self.device not in DEVICES:
+            raise UserError(f"--device must be one of {'|'.join(DEVICES)}, got {self.device!r}")
+        if self.target_dtype not in TARGET_DTYPES:
+            raise UserError(f"--target-dtype must be one of {'|'.join(TARGET_DTYPES)}, got {self.target_dtype!r}")

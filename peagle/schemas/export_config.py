@@ -1,0 +1,39 @@
+"""The configuration of one `peagle export` run: every CLI flag is a field, its docstring the help."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from peagle.schemas.errors import UserError
+
+EXPORT_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportConfig:
+    """Settings of `peagle export` (DESIGN §6)."""
+
+    source: str
+    """Training run directory (its newest valid checkpoint is exported) or one checkpoint directory
+    (RUN_DIR/checkpoints/step-N)."""
+
+    out: str
+    """Export directory to create (an existing export there is replaced whole; anything else there
+    is refused)."""
+
+    verifier_name: str | None = None
+    """Verifier recorded in the export and served by `LLM(model=OUT)`. Default: the target path
+    given to training; a hub-style name (org/model) makes the export portable."""
+
+    speculative_tokens: int | None = None
+    """K: draft tokens vLLM proposes per step. Default: the trained number of depths."""
+
+    dtype: str = "float32"
+    """Weight dtype in model.safetensors: float32 (lossless) or bfloat16 (half the size; vLLM casts to
+    the served dtype anyway)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in EXPORT_DTYPES:
+            raise UserError(f"--dtype must be one of {'|'.join(EXPORT_DTYPES)}, got {self.dtype!r}")
+        if self.speculative_tokens is not None and self.speculative_tokens < 1:
+            raise UserError(f"--speculative-tokens must be >= 1, got {self.speculative_tokens}")
