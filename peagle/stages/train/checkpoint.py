@@ -12,7 +12,7 @@ the one before it used.
 
 Per-rank parts (data position, RNG) are gathered to rank 0, which writes everything; a resume on
 another world size is refused (the data stream of each rank would change). Every rank calls
-:func:`save_checkpoint` (gathering is a collective).
+:meth:`Checkpointer.save` (gathering is a collective).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from peagle.schemas.errors import UserError
 
 __all__ = [  # the part names are re-exported: the trainer builds its state dict under them
     "CONFIG", "DATALOADER", "LR_SCHEDULER", "MODEL", "OPTIMIZER", "PER_RANK_PARTS", "RNG", "SHARED_PARTS",
-    "TRAIN_STATE", "load_checkpoint", "prune_checkpoints", "rng_state", "save_checkpoint",
+    "TRAIN_STATE", "Checkpointer", "load_checkpoint", "rng_state",
     "seed_rngs", "set_rng_state",
 ]
 
@@ -90,55 +90,106 @@ def _python_state_to_plain(state: tuple) -> list:
 # Save
 
 
-def save_checkpoint(run_dir: str | os.PathLike, step: int, state: dict[str, Any], *, keep: int) -> Path | None:
-    """Commit ``state`` (every part of ``SHARED_PARTS + PER_RANK_PARTS``) as ``step-N``; keep the newest ``keep``.
-
-    Collective under torch.distributed: per-rank parts are gathered to rank 0, which writes; the
-    other ranks wait at a barrier until the checkpoint is committed. Returns the path on rank 0.
+class Checkpointer:
+    """One run's checkpoints: saves them (a collective), prunes old ones, and remembers which ones it
+    has verified whole, so that pruning after every save does not read gigabytes of unchanged files
+    again. The memory is this object's (a trainer holds one): another process, or another
+    Checkpointer, hashes what it has not seen itself.
     """
-    missing = [k for k in ALL_PARTS if k not in state]
-    assert not missing, f"checkpoint state lacks {missing}"
-    rank, world = _rank_world()
-    gathered = {key: _gather_to_rank0(state[key], rank, world) for key in PER_RANK_PARTS}
-    path = None
-    if rank == 0:
-        parts = {key: state[key] for key in SHARED_PARTS}
-        for key, per_rank in gathered.items():
-            parts[key] = {"world_size": world, **{f"rank_{i}": s for i, s in enumerate(per_rank)}}
-        path = _write_committed(Path(run_dir) / CHECKPOINTS_DIR, step, parts)
-        prune_checkpoints(run_dir, keep)
-    if world > 1:
-        dist.barrier()
-    return path
+
+    def __init__(self, run_dir: str | os.PathLike, *, keep: int):
+        self.run_dir, self.keep = Path(run_dir), keep
+        self._known_valid: set[tuple] = set()
+        """File signatures (:func:`_signature`) of checkpoints this object wrote or hashed whole."""
+
+    def save(self, step: int, state: dict[str, Any]) -> Path | None:
+        """Commit ``state`` (every part of ``SHARED_PARTS + PER_RANK_PARTS``) as ``step-N``; keep the newest ``keep``.
+
+        Collective under torch.distributed: per-rank parts are gathered to rank 0, which writes; the
+        other ranks wait at a barrier until the checkpoint is committed. Returns the path on rank 0.
+        """
+        missing = [k for k in ALL_PARTS if k not in state]
+        assert not missing, f"checkpoint state lacks {missing}"
+        rank, world = _rank_world()
+        gathered = {key: _gather_to_rank0(state[key], rank, world) for key in PER_RANK_PARTS}
+        path = None
+        if rank == 0:
+            parts = {key: state[key] for key in SHARED_PARTS}
+            for key, per_rank in gathered.items():
+                parts[key] = {"world_size": world, **{f"rank_{i}": s for i, s in enumerate(per_rank)}}
+            path = self._write_committed(step, parts)
+            self.prune()
+        if world > 1:
+            dist.barrier()
+        return path
+
+    def _write_committed(self, step: int, parts: dict[str, Any]) -> Path:
+        final = self.run_dir / CHECKPOINTS_DIR / step_dir_name(step)
+        with atomic_dir(final) as tmp:  # a re-run that reached the same step again replaces it whole
+            files = {}
+            for key, obj in parts.items():
+                name = part_file(key)
+                with open(tmp / name, "wb") as f:
+                    writer = _HashingWriter(f)
+                    try:
+                        torch.save(obj, writer)
+                    except Exception:
+                        # torch's zip writer turns a failed write into RuntimeError("unexpected pos"):
+                        # re-raise the OSError underneath, so a full disk is told as one.
+                        if writer.error is not None:
+                            raise writer.error from None
+                        raise
+                    failpoint("train.checkpoint_write")
+                    f.flush()
+                    os.fsync(f.fileno())
+                files[name] = {"bytes": writer.num_bytes, "sha256": writer.sha256.hexdigest()}
+            meta = {"format_version": FORMAT_VERSION, "step": step, "parts": sorted(parts), "files": files}
+            with open(tmp / METADATA_FILE, "w") as f:
+                json.dump(meta, f, indent=1, sort_keys=True)
+            failpoint("train.before_checkpoint_rename")
+        failpoint("train.after_checkpoint_rename")
+        self._known_valid.add(_signature(final))  # hashed while written
+        return final
+
+    def prune(self) -> None:
+        """Delete every checkpoint older than the newest ``keep`` VALID ones, and temp dirs whose writer is dead.
+
+        Damaged checkpoints do not count towards ``keep``: a run restarted below damaged checkpoints of
+        higher steps would otherwise delete each good checkpoint right after writing it. A damaged one
+        goes once ``keep`` valid ones of higher steps exist.
+        """
+        root = self.run_dir / CHECKPOINTS_DIR
+        num_valid = 0
+        for path in reversed(list_checkpoints(self.run_dir)):
+            if num_valid >= self.keep:
+                remove_dir(path)
+            elif self.is_valid(path):
+                num_valid += 1
+        for tmp in root.glob(".step-*.tmp-*"):
+            with contextlib.suppress(ValueError, IndexError):
+                pid = int(tmp.name.split(".tmp-")[1].split("-")[0])
+                if pid != os.getpid() and not pid_alive(pid):
+                    shutil.rmtree(tmp, ignore_errors=True)
+
+    def is_valid(self, path: Path) -> bool:
+        """Whether every file of checkpoint ``path`` matches ``metadata.json`` (hashed once per signature)."""
+        with contextlib.suppress(OSError):
+            if _signature(path) in self._known_valid:
+                return True
+        if checkpoint_problem(path) is not None:
+            return False
+        with contextlib.suppress(OSError):
+            self._known_valid.add(_signature(path))
+        return True
 
 
-def _write_committed(root: Path, step: int, parts: dict[str, Any]) -> Path:
-    final = root / step_dir_name(step)
-    with atomic_dir(final) as tmp:  # a re-run that reached the same step again replaces it whole
-        files = {}
-        for key, obj in parts.items():
-            name = part_file(key)
-            with open(tmp / name, "wb") as f:
-                writer = _HashingWriter(f)
-                try:
-                    torch.save(obj, writer)
-                except Exception:
-                    # torch's zip writer turns a failed write into RuntimeError("unexpected pos"):
-                    # re-raise the OSError underneath, so a full disk is told as one.
-                    if writer.error is not None:
-                        raise writer.error from None
-                    raise
-                failpoint("train.checkpoint_write")
-                f.flush()
-                os.fsync(f.fileno())
-            files[name] = {"bytes": writer.num_bytes, "sha256": writer.sha256.hexdigest()}
-        meta = {"format_version": FORMAT_VERSION, "step": step, "parts": sorted(parts), "files": files}
-        with open(tmp / METADATA_FILE, "w") as f:
-            json.dump(meta, f, indent=1, sort_keys=True)
-        failpoint("train.before_checkpoint_rename")
-    failpoint("train.after_checkpoint_rename")
-    _known_valid.add(_signature(final))  # hashed while written
-    return final
+def _signature(path: Path) -> tuple:
+    """(path, then name, inode, size, mtime of every file): any rewrite of a file changes it."""
+    files = []
+    for file in sorted(path.iterdir()):
+        st = file.stat()
+        files.append((file.name, st.st_ino, st.st_size, st.st_mtime_ns))
+    return (str(path), *files)
 
 
 class _HashingWriter:
@@ -166,52 +217,6 @@ class _HashingWriter:
         except OSError as err:
             self.error = self.error or err
             raise
-
-
-def prune_checkpoints(run_dir: str | os.PathLike, keep: int) -> None:
-    """Delete every checkpoint older than the newest ``keep`` VALID ones, and temp dirs whose writer is dead.
-
-    Damaged checkpoints do not count towards ``keep``: a run restarted below damaged checkpoints of
-    higher steps would otherwise delete each good checkpoint right after writing it. A damaged one
-    goes once ``keep`` valid ones of higher steps exist.
-    """
-    root = Path(run_dir) / CHECKPOINTS_DIR
-    num_valid = 0
-    for path in reversed(list_checkpoints(run_dir)):
-        if num_valid >= keep:
-            remove_dir(path)
-        elif _is_valid(path):
-            num_valid += 1
-    for tmp in root.glob(".step-*.tmp-*"):
-        with contextlib.suppress(ValueError, IndexError):
-            pid = int(tmp.name.split(".tmp-")[1].split("-")[0])
-            if pid != os.getpid() and not pid_alive(pid):
-                shutil.rmtree(tmp, ignore_errors=True)
-
-
-_known_valid: set[tuple] = set()
-"""File signatures (:func:`_signature`) of checkpoints this process wrote or hashed whole: pruning
-after every save does not read gigabytes of unchanged files again."""
-
-
-def _signature(path: Path) -> tuple:
-    """(path, then name, inode, size, mtime of every file): any rewrite of a file changes it."""
-    files = []
-    for file in sorted(path.iterdir()):
-        st = file.stat()
-        files.append((file.name, st.st_ino, st.st_size, st.st_mtime_ns))
-    return (str(path), *files)
-
-
-def _is_valid(path: Path) -> bool:
-    with contextlib.suppress(OSError):
-        if _signature(path) in _known_valid:
-            return True
-    if checkpoint_problem(path) is not None:
-        return False
-    with contextlib.suppress(OSError):
-        _known_valid.add(_signature(path))
-    return True
 
 
 # --------------------------------------------------------------------------------------------------

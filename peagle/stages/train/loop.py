@@ -36,8 +36,9 @@ from peagle.model.target import check_store_matches_target, open_target
 from peagle.pipeline.atomic import atomic_write_bytes, atomic_write_json
 from peagle.pipeline.checkpoint_files import latest_valid_checkpoint, read_checkpoint_part
 from peagle.pipeline.failpoints import failpoint
+from peagle.pipeline.provenance import provenance
 from peagle.pipeline.store import read_settings
-from peagle.schemas.checkpoint import DRAFT_CONFIG_KEY, TRAIN_CONFIG_KEY
+from peagle.schemas.checkpoint import DRAFT_CONFIG_KEY, PROVENANCE_KEY, TRAIN_CONFIG_KEY
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.errors import UserError
 from peagle.schemas.loader_config import CodSettings, LoaderConfig
@@ -86,7 +87,8 @@ class Trainer:
         self.loader: TrainLoader | None = None  # None in trainers made by ``for_model``
         self.eval_loader: TrainLoader | None = None
         self.cpu_group = None
-        self.extra: dict[str, Any] = {}
+        self.checkpointer = ckpt.Checkpointer(self.run_dir, keep=config.keep_checkpoints)
+        self.extra: dict[str, Any] = {}  # what the config part records besides the configs
         self.lr_used, self.data_wait_s = 0.0, 0.0
 
     # ---------------------------------------------------------------------------------------- build
@@ -133,7 +135,8 @@ class Trainer:
             self._say(load_weights_into(draft, c.init_from))
         self._build_optimization(draft, total_steps)
         self.extra = {"store_manifest_hash": self.loader.manifest_hashes[0],
-                      "store_manifest_hashes": list(self.loader.manifest_hashes)}
+                      "store_manifest_hashes": list(self.loader.manifest_hashes),
+                      PROVENANCE_KEY: provenance()}  # this process: the revision and host that train
         if resume_from is not None:
             self.load_state_dict(ckpt.load_checkpoint(resume_from))
             self._say(f"resumed from {resume_from} (step {self.step})")
@@ -324,7 +327,7 @@ class Trainer:
             if c.eval_every and (self.step % c.eval_every == 0 or last) and self.eval_loader is not None:
                 self._write_metrics(self.evaluate())
             if (c.save_every and self.step % c.save_every == 0) or last:
-                ckpt.save_checkpoint(self.run_dir, self.step, self.state_dict(), keep=c.keep_checkpoints)
+                self.checkpointer.save(self.step, self.state_dict())
         if bar is not None:
             bar.close()
 
@@ -412,7 +415,8 @@ class Trainer:
         atomic_write_bytes(path, "".join(kept).encode())
 
     def _config_part(self) -> dict[str, Any]:
-        """What export and resume read: the run config, the draft config, store provenance."""
+        """What export and resume read: the run config, the draft config, the stores trained on and the
+        provenance of the training process."""
         return {TRAIN_CONFIG_KEY: self.config.to_dict(), DRAFT_CONFIG_KEY: self.draft_config.to_dict(),
                 "world_size": self.world_size, **self.extra}
 

@@ -34,9 +34,9 @@ def run_dir(tmp_path_factory, tiny_llama):
     part = {"train_config": {"target": str(tiny_llama), "num_depths": 3, "store": [str(root / "store")],
                              "heldout_fraction": 0.0, "eval_store": None},
             "draft_config": config.to_dict(), "world_size": 1, "store_manifest_hash": "0" * 64}
-    ckpt.save_checkpoint(root / "run", 7, {ckpt.MODEL: draft.state_dict(), ckpt.OPTIMIZER: {}, ckpt.LR_SCHEDULER: {},
-                                           ckpt.TRAIN_STATE: {}, ckpt.CONFIG: part, ckpt.DATALOADER: {}, ckpt.RNG: {}},
-                         keep=1)
+    ckpt.Checkpointer(root / "run", keep=1).save(7, {ckpt.MODEL: draft.state_dict(), ckpt.OPTIMIZER: {},
+                                                     ckpt.LR_SCHEDULER: {}, ckpt.TRAIN_STATE: {}, ckpt.CONFIG: part,
+                                                     ckpt.DATALOADER: {}, ckpt.RNG: {}})
     (root / "run" / "metrics.jsonl").write_text(json.dumps(
         {"kind": "train", "step": 7, "loss": 4.0, "depth_agreement": [0.1, 0.1, 0.1], "acceptance_length_estimate": 1.1})
         + "\n")

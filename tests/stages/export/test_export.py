@@ -20,14 +20,15 @@ from test_speculators_format import tiny_draft  # noqa: E402
 
 
 def write_checkpoint(run_dir: Path, draft: PEagleDraft, target: Path, step: int, *, num_depths: int = 3) -> Path:
-    """A checkpoint exactly as the trainer commits it (its save_checkpoint, its config part's keys)."""
+    """A checkpoint exactly as the trainer commits it (its Checkpointer, its config part's keys)."""
     from peagle.stages.train import checkpoint as ckpt
 
     config_part = {"train_config": {"target": str(target), "num_depths": num_depths, "store": ["/data/store"]},
-                   "draft_config": draft.config.to_dict(), "world_size": 1, "store_manifest_hash": "ab" * 32}
+                   "draft_config": draft.config.to_dict(), "world_size": 1, "store_manifest_hash": "ab" * 32,
+                   "provenance": {"peagle_version": "0.0.9", "git_revision": "0123abcd", "host": {"hostname": "trainer"}}}
     state = {ckpt.MODEL: draft.state_dict(), ckpt.OPTIMIZER: {}, ckpt.LR_SCHEDULER: {}, ckpt.TRAIN_STATE: {"step": step},
              ckpt.CONFIG: config_part, ckpt.DATALOADER: {}, ckpt.RNG: {}}
-    return ckpt.save_checkpoint(run_dir, step, state, keep=5)
+    return ckpt.Checkpointer(run_dir, keep=5).save(step, state)
 
 
 def test_run_export_writes_the_newest_valid_checkpoint(tmp_path, tiny_llama):
@@ -45,6 +46,9 @@ def test_run_export_writes_the_newest_valid_checkpoint(tmp_path, tiny_llama):
     assert config["speculators_config"]["verifier"] == {"name_or_path": str(Path(tiny_llama).resolve()),
                                                         "architectures": ["LlamaForCausalLM"]}
     assert config["peagle"]["step"] == 10 and config["peagle"]["store_manifest_hash"] == "ab" * 32
+    # Provenance is what training recorded, not the exporting machine's.
+    assert (config["peagle"]["git_revision"], config["peagle"]["peagle_version"]) == ("0123abcd", "0.0.9")
+    assert config["peagle"]["host"] == {"hostname": "trainer"}
     loaded = load_export(out)  # eval's reader: the same tensors come back
     for name, tensor in old.state_dict().items():
         assert torch.equal(loaded.draft.state_dict()[name], tensor), name

@@ -34,7 +34,7 @@ def make_state(value: float = 1.0, world: int = 1) -> dict:
 
 
 def test_save_commits_a_whole_directory_and_loads_back(tmp_path):
-    path = ckpt.save_checkpoint(tmp_path, 7, make_state(), keep=3)
+    path = ckpt.Checkpointer(tmp_path, keep=3).save(7, make_state())
     assert path == tmp_path / "checkpoints" / "step-00000007"
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000007"]  # no temp left
     meta = json.loads((path / METADATA_FILE).read_text())
@@ -47,8 +47,9 @@ def test_save_commits_a_whole_directory_and_loads_back(tmp_path):
 
 
 def test_keeps_the_newest_k(tmp_path):
+    checkpointer = ckpt.Checkpointer(tmp_path, keep=2)
     for step in (2, 4, 6, 8):
-        ckpt.save_checkpoint(tmp_path, step, make_state(step), keep=2)
+        checkpointer.save(step, make_state(step))
     assert [p.name for p in cf.list_checkpoints(tmp_path)] == ["step-00000006", "step-00000008"]
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000006", "step-00000008"]
 
@@ -57,27 +58,48 @@ def test_damaged_checkpoints_do_not_count_towards_keep(tmp_path):
     """A run restarted from step 0 below damaged checkpoints of higher steps keeps its new good ones;
     the damaged ones go once ``keep`` valid checkpoints of higher steps exist."""
     for step in (40, 80):
-        path = ckpt.save_checkpoint(tmp_path, step, make_state(step), keep=2)
+        path = ckpt.Checkpointer(tmp_path, keep=2).save(step, make_state(step))
         (path / "model.pt").write_bytes((path / "model.pt").read_bytes()[:-10])
     assert cf.latest_valid_checkpoint(tmp_path) is None
     for step in (10, 20, 30):
-        ckpt.save_checkpoint(tmp_path, step, make_state(step), keep=2)
+        ckpt.Checkpointer(tmp_path, keep=2).save(step, make_state(step))
     names = [p.name for p in cf.list_checkpoints(tmp_path)]
     assert names == ["step-00000020", "step-00000030", "step-00000040", "step-00000080"]
     for step in (40, 50, 60):  # step 40 is written again (replacing the damaged one), then 50, 60
-        ckpt.save_checkpoint(tmp_path, step, make_state(step), keep=2)
+        ckpt.Checkpointer(tmp_path, keep=2).save(step, make_state(step))
     assert [p.name for p in cf.list_checkpoints(tmp_path)] == ["step-00000050", "step-00000060",
                                                                   "step-00000080"]
     for step in (90, 100):
-        ckpt.save_checkpoint(tmp_path, step, make_state(step), keep=2)
+        ckpt.Checkpointer(tmp_path, keep=2).save(step, make_state(step))
     assert [p.name for p in cf.list_checkpoints(tmp_path)] == ["step-00000090", "step-00000100"]
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000090", "step-00000100"]
 
 
+def test_a_checkpointer_hashes_a_checkpoint_once_and_remembers_only_its_own(tmp_path, monkeypatch):
+    """Pruning after every save checks the kept checkpoints; what this Checkpointer wrote or hashed it
+    does not read again (unless a file changed), and another Checkpointer (a resumed process) starts
+    with an empty memory: nothing is shared through module state."""
+    checked = []
+    real = ckpt.checkpoint_problem
+    monkeypatch.setattr(ckpt, "checkpoint_problem", lambda path, *a: checked.append(path.name) or real(path, *a))
+    writer = ckpt.Checkpointer(tmp_path, keep=2)
+    for step in (1, 2, 3):
+        writer.save(step, make_state(step))
+    assert checked == []  # every kept one was written by this object
+    resumed = ckpt.Checkpointer(tmp_path, keep=2)
+    resumed.save(4, make_state(4))
+    assert checked == ["step-00000003"]  # hashed once by the new object ...
+    resumed.save(5, make_state(5))
+    assert checked == ["step-00000003"]  # ... and remembered
+    model = tmp_path / "checkpoints" / "step-00000005" / "model.pt"
+    model.write_bytes(model.read_bytes()[:-10])  # a rewritten file changes the signature
+    assert not resumed.is_valid(model.parent) and checked[-1] == "step-00000005"
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "no_metadata", "missing_file"])
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys, damage):
-    ckpt.save_checkpoint(tmp_path, 2, make_state(2), keep=3)
-    newest = ckpt.save_checkpoint(tmp_path, 4, make_state(4), keep=3)
+    ckpt.Checkpointer(tmp_path, keep=3).save(2, make_state(2))
+    newest = ckpt.Checkpointer(tmp_path, keep=3).save(4, make_state(4))
     model = newest / "model.pt"
     if damage == "flip":
         data = bytearray(model.read_bytes())
@@ -100,14 +122,14 @@ def test_temp_directories_are_invisible_and_cleaned_once_their_writer_is_dead(tm
     (root / ".step-00000009.tmp-999999999-abc").mkdir(parents=True)  # a writer that no longer exists
     (root / ".step-00000009.tmp-999999999-abc" / "model.pt").write_bytes(b"half")
     assert cf.list_checkpoints(tmp_path) == [] and cf.latest_valid_checkpoint(tmp_path) is None
-    ckpt.save_checkpoint(tmp_path, 1, make_state(), keep=3)
+    ckpt.Checkpointer(tmp_path, keep=3).save(1, make_state())
     assert sorted(os.listdir(root)) == ["step-00000001"]
 
 
 def save_and_get_killed(run_dir: Path, step: int, *, keep: int, failpoint: str) -> None:
-    """``save_checkpoint`` in a child process that SIGKILLs itself at ``failpoint``."""
+    """``Checkpointer.save`` in a child process that SIGKILLs itself at ``failpoint``."""
     script = ("from test_checkpoint import make_state; from peagle.stages.train import checkpoint as c; "
-              f"c.save_checkpoint({str(run_dir)!r}, {step}, make_state({step}), keep={keep})")
+              f"c.Checkpointer({str(run_dir)!r}, keep={keep}).save({step}, make_state({step}))")
     env = {**os.environ, "PEAGLE_FAILPOINT": failpoint,
            "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
@@ -116,22 +138,22 @@ def save_and_get_killed(run_dir: Path, step: int, *, keep: int, failpoint: str) 
 
 def test_killed_before_the_rename_leaves_only_the_previous_checkpoint(tmp_path):
     """SIGKILL between the last fsync and the rename (failpoint): the new step does not exist."""
-    ckpt.save_checkpoint(tmp_path, 2, make_state(2), keep=3)
+    ckpt.Checkpointer(tmp_path, keep=3).save(2, make_state(2))
     save_and_get_killed(tmp_path, 4, keep=3, failpoint="train.before_checkpoint_rename")
     leftovers = [p.name for p in (tmp_path / "checkpoints").iterdir()]
     assert len(leftovers) == 2 and any(name.startswith(".step-00000004.tmp-") for name in leftovers)
     assert cf.latest_valid_checkpoint(tmp_path).name == "step-00000002"
-    ckpt.save_checkpoint(tmp_path, 4, make_state(4), keep=3)  # the re-run commits it and sweeps the temp
+    ckpt.Checkpointer(tmp_path, keep=3).save(4, make_state(4))  # the re-run commits it and sweeps the temp
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000002", "step-00000004"]
 
 
 def test_killed_after_the_rename_leaves_the_new_checkpoint_whole_and_prunes_later(tmp_path):
     """SIGKILL right after the rename, before pruning: the new step is valid, the old one still there."""
-    ckpt.save_checkpoint(tmp_path, 2, make_state(2), keep=1)
+    ckpt.Checkpointer(tmp_path, keep=1).save(2, make_state(2))
     save_and_get_killed(tmp_path, 4, keep=1, failpoint="train.after_checkpoint_rename")
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000002", "step-00000004"]
     assert cf.latest_valid_checkpoint(tmp_path).name == "step-00000004"
-    ckpt.save_checkpoint(tmp_path, 6, make_state(6), keep=1)
+    ckpt.Checkpointer(tmp_path, keep=1).save(6, make_state(6))
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000006"]
 
 
@@ -139,7 +161,7 @@ def test_a_failed_write_leaves_no_checkpoint(tmp_path):
     state = make_state()
     state[ckpt.TRAIN_STATE] = {"unpicklable": lambda: None}
     with pytest.raises(Exception):
-        ckpt.save_checkpoint(tmp_path, 3, state, keep=3)
+        ckpt.Checkpointer(tmp_path, keep=3).save(3, state)
     assert os.listdir(tmp_path / "checkpoints") == []
 
 
@@ -160,7 +182,7 @@ def test_seed_rngs_seeds_every_saved_rng():
 
 
 def test_loading_on_another_world_size_is_refused(tmp_path):
-    path = ckpt.save_checkpoint(tmp_path, 1, make_state(), keep=3)
+    path = ckpt.Checkpointer(tmp_path, keep=3).save(1, make_state())
     # Rewrite the per-rank part as a 2-rank run would have, keeping checksums right.
     torch.save({"world_size": 2, "rank_0": {}, "rank_1": {}}, path / "dataloader.pt")
     with pytest.raises(UserError, match="written by 2 processes, this run has 1"):

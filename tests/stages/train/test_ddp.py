@@ -79,7 +79,7 @@ def _worker(out: str) -> None:
     fsdp = _trainer(2, fsdp=True)
     fsdp_losses = _steps(fsdp, 2, rank, range(NUM_STEPS))
     fsdp_weights = _weights(fsdp)
-    path = ckpt.save_checkpoint(Path(out).parent / "fsdp_run", NUM_STEPS, fsdp.state_dict(), keep=1)
+    path = ckpt.Checkpointer(Path(out).parent / "fsdp_run", keep=1).save(NUM_STEPS, fsdp.state_dict())
     fresh = _trainer(2, fsdp=True)
     fresh.load_state_dict(ckpt.load_checkpoint(cf.latest_valid_checkpoint(Path(out).parent / "fsdp_run")))
     resumed_weights = _weights(fresh)

@@ -106,6 +106,17 @@ def test_the_checkpoint_holds_the_unwrapped_draft(finished_run):
     assert state[ckpt.TRAIN_STATE]["step"] == 4 and state[ckpt.TRAIN_STATE]["tokens_seen"] > 0
 
 
+def test_training_records_its_own_provenance(finished_run):
+    """The revision and host of the process that trained (export copies this, not its own)."""
+    from peagle.pipeline.provenance import git_revision
+    from peagle.schemas.checkpoint import PROVENANCE_KEY
+
+    recorded = ckpt.load_checkpoint(cf.latest_valid_checkpoint(finished_run))[ckpt.CONFIG][PROVENANCE_KEY]
+    assert recorded["git_revision"] == git_revision() and recorded["peagle_version"]
+    assert recorded["host"]["torch"] == torch.__version__
+    assert json.loads((finished_run / "run.json").read_text())[PROVENANCE_KEY] == recorded
+
+
 def test_resume_from_an_earlier_checkpoint_reproduces_the_run(finished_run, tmp_path, tiny_store):
     out = tmp_path / "resumed"
     shutil.copytree(finished_run, out)
