@@ -83,18 +83,12 @@ def create_peagle_mask_mod(anchor_pos: Tensor, depth: Tensor, lengths: Tensor, t
 
 
 def dense_peagle_mask(anchor_pos: Tensor, depth: Tensor, lengths: Tensor, total_seq_len: int) -> Tensor:
-    """The same rule as ``[N, N]`` bool (True = may attend), for SDPA; equals evaluating the mask_mod."""
+    """The same rule as ``[N, N]`` bool (True = may attend), for SDPA: the mask_mod itself, evaluated on
+    every (query, key) pair at once by broadcasting."""
     anchor_N = torch.as_tensor(anchor_pos, dtype=torch.long)
-    depth_N = torch.as_tensor(depth, dtype=torch.long).to(anchor_N.device)
-    doc_N = document_ids(anchor_N, lengths, total_seq_len)
-    q_idx = torch.arange(anchor_N.numel(), device=anchor_N.device)[:, None]
-    kv_idx = torch.arange(anchor_N.numel(), device=anchor_N.device)[None, :]
-    doc_q, doc_k = doc_N[q_idx], doc_N[kv_idx]
-    anchor_q, anchor_k = anchor_N[q_idx], anchor_N[kv_idx]
-    depth_q, depth_k = depth_N[q_idx], depth_N[kv_idx]
-    real_context = (depth_k == 0) & (anchor_k <= anchor_q)
-    own_chain = (anchor_k == anchor_q) & (depth_k <= depth_q)
-    return (doc_q == doc_k) & (doc_q >= 0) & (real_context | own_chain)
+    mask_mod = create_peagle_mask_mod(anchor_N, depth, lengths, total_seq_len)
+    idx = torch.arange(anchor_N.numel(), device=anchor_N.device)
+    return mask_mod(0, 0, idx[:, None], idx[None, :])
 
 
 class CodBlockIndices(NamedTuple):

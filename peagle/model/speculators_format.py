@@ -74,8 +74,6 @@ from peagle.schemas.errors import UserError
 SPECULATORS_VERSION = "0.9.0"
 """The speculators release whose format this writes (config field ``speculators_version``)."""
 
-VLLM_VERSION_CHECKED = "0.32.0"
-
 ARCHITECTURE = "PEagleDraftModel"
 """What speculators 0.9.0 writes in ``architectures`` when it saves a P-EAGLE draft."""
 

@@ -205,10 +205,6 @@ class TrainConfig:
         """The training stores with their weights, in the order given."""
         return [parse_store_spec(s) for s in self.store]
 
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.out)
-
     def to_dict(self) -> dict[str, Any]:
         """JSON-able; ``store`` as a list. Inverse of :meth:`from_dict`."""
         d = dataclasses.asdict(self)

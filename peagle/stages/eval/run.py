@@ -29,6 +29,7 @@ from peagle.pipeline.store_reader import iter_training_samples
 from peagle.schemas.checkpoint import CHECKPOINTS_DIR
 from peagle.schemas.errors import UserError
 from peagle.schemas.eval_config import EvalConfig
+from peagle.schemas.train_config import parse_store_spec
 from peagle.stages.eval import offline, online, prompts as prompt_sources, report as reporting
 from peagle.stages.eval.vllm_eval import run_vllm, vllm_available
 
@@ -76,7 +77,7 @@ def resolve_store(config: EvalConfig, exported: ExportedDraft) -> tuple[Store | 
     A store the run trained on counts only its held-out samples (the loader's sample_id hash rule).
     """
     run = exported.run_config
-    train_stores = [str(Path(s.rsplit(":", 1)[0] if _has_weight(s) else s).resolve()) for s in run.get("store") or []]
+    train_stores = [str(Path(parse_store_spec(s).path).resolve()) for s in run.get("store") or []]
     path = config.store or run.get("eval_store") or (train_stores[0] if train_stores else None)
     if path is None:
         return None, None
@@ -91,14 +92,6 @@ def resolve_store(config: EvalConfig, exported: ExportedDraft) -> tuple[Store | 
     fraction = run.get("heldout_fraction") or 0.0
     heldout = (not run.get("eval_store") and fraction > 0 and str(Path(path).resolve()) in train_stores)
     return store, (fraction if heldout else None)
-
-
-def _has_weight(spec: str) -> bool:
-    head, sep, tail = spec.rpartition(":")
-    try:
-        return bool(sep and head) and float(tail) > 0
-    except ValueError:
-        return False
 
 
 def resolve_modes(config: EvalConfig, has_store: bool) -> list[str]:

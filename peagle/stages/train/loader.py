@@ -217,14 +217,13 @@ class TrainLoader:
     def __iter__(self) -> Iterator[TrainBatch]:
         epoch, start = self.epoch, self.batch_in_epoch
         num_batches = self.plan(epoch).num_batches
+        assert start < num_batches or num_batches == 0, "the position is always inside an epoch"
         for i, batch in enumerate(self.batches(epoch, start), start=start):
             if i + 1 >= num_batches:
                 self.epoch, self.batch_in_epoch = epoch + 1, 0
             else:
                 self.batch_in_epoch = i + 1
             yield batch
-        if start >= num_batches:  # state left at an epoch's end by an older state dict
-            self.epoch, self.batch_in_epoch = epoch + 1, 0
 
     def stream(self) -> Iterator[TrainBatch]:
         """Every batch of every epoch from the current position on, forever."""
