@@ -19,11 +19,12 @@ these arrays. (Charged tokens are exactly ``targets[supervised]``: the x_i with 
 and i ≥ 2.)
 
 **The shard tensors' layout is known here only.** :func:`tensor_layout` says which tensors a shard
-file holds, with shape and dtype (the writer in the extract stage writes exactly that);
+file holds, with shape and dtype (the writer in the extract stage writes exactly that, through
+:mod:`peagle.pipeline.safetensors_file`, the one parser and writer of the file header);
 :func:`raw_bytes_per_token` is its size per token (extract's plan, ``store info``);
-:func:`read_header` is the one parser of a safetensors header; :func:`map_tensors` maps a shard's
-tensors without reading them; :class:`AuxSource` reads a batch's aux rows from their byte ranges.
-A change of the aux representation (dtype, a scale tensor) lands in this file.
+:func:`open_shard_tensors` maps a shard's tensors without reading them; :class:`AuxSource` reads a
+batch's aux rows from their byte ranges. A change of the aux representation (dtype, a scale
+tensor) lands in this file.
 
 Shape letters: n a sample's tokens, T = n − 1 training positions, A aux layers, H hidden size,
 k stored top-k.
@@ -31,8 +32,6 @@ k stored top-k.
 
 from __future__ import annotations
 
-import json
-import mmap
 import os
 import struct
 from collections import OrderedDict
@@ -43,6 +42,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from peagle.pipeline.safetensors_file import TensorEntry, encode_header, map_tensors, read_header
 from peagle.pipeline.split import is_heldout
 from peagle.pipeline.store import Store, damaged
 from peagle.schemas import store as S
@@ -52,12 +52,6 @@ AUX_DTYPE = torch.bfloat16
 """dtype of ``aux_hidden`` rows on disk and in memory."""
 TOPK_IDS_DTYPE = torch.int32
 LOGPROB_DTYPES = {"float16": torch.float16, "float32": torch.float32}
-
-_SAFETENSORS_DTYPES = {
-    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
-    "I32": torch.int32, "I64": torch.int64, "U8": torch.uint8, "BOOL": torch.bool,
-}
-_SAFETENSORS_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
 
 PARQUET_READ_COLUMNS = ["sample_id", "input_ids", "loss_mask", "token_offset"]
 
@@ -79,69 +73,6 @@ def raw_bytes_per_token(settings: S.StoreSettings) -> int:
     """Tensor bytes per token, A·H·2 (bf16 aux) + k·(4 + log-prob bytes): the store's size per token
     before Parquet, and the unit of extract's size estimate."""
     return sum(torch.Size(shape[1:]).numel() * dtype.itemsize for shape, dtype in tensor_layout(settings, 0).values())
-
-
-def encode_header(layout: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> bytes:
-    """The safetensors header (u64 length + JSON, padded to 8 bytes) for tensors laid out in order."""
-    header, offset = {}, 0
-    for name, (shape, dtype) in layout.items():
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
-        header[name] = {"dtype": _SAFETENSORS_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    text = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
-    text += b" " * (-len(text) % 8)
-    return len(text).to_bytes(8, "little") + text
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """One tensor of a safetensors file: where its bytes are (absolute file offset)."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-    @property
-    def row_bytes(self) -> int:
-        return self.nbytes // self.shape[0] if self.shape and self.shape[0] else 0
-
-
-def read_header(path: str | os.PathLike) -> dict[str, TensorEntry]:
-    """Parse a safetensors header: u64 little-endian length, JSON, then the data (offsets from its start)."""
-    with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        size = os.fstat(f.fileno()).st_size
-        if header_len > size - 8:
-            raise ValueError(f"header length {header_len} exceeds the file's {size} bytes")
-        header = json.loads(f.read(header_len))
-    base = 8 + header_len
-    entries = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = meta["data_offsets"]
-        entries[name] = TensorEntry(_SAFETENSORS_DTYPES[meta["dtype"]], tuple(meta["shape"]), base + start, end - start)
-        if base + end > size:
-            raise ValueError(f"tensor {name} ends at byte {base + end}, past the file's {size} bytes")
-    return entries
-
-
-def map_tensors(path: str | os.PathLike) -> dict[str, Tensor]:
-    """Map a safetensors file into tensors without reading it: pages load on first touch.
-
-    ``safetensors.torch.load_file`` copies every tensor into RAM; a loader over an 8B-shaped store
-    (~24 KiB/token) cannot afford that per shard. The mapping is private copy-on-write.
-    """
-    entries = read_header(path)
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    out = {}
-    for name, e in entries.items():
-        count = e.nbytes // e.dtype.itemsize
-        t = torch.frombuffer(mm, dtype=e.dtype, count=count, offset=e.offset) if count else torch.empty(0, dtype=e.dtype)
-        out[name] = t.view(e.shape)
-    return out
 
 
 def open_shard_tensors(store: Store, index: int) -> dict[str, Tensor]:
@@ -409,11 +340,3 @@ def iter_shard_columns(store: Store) -> Iterator[tuple[int, ShardColumns]]:
     """(shard index, columns) of every committed shard, in order (Parquet only)."""
     for record in store.shards:
         yield record.index, read_columns(store, record.index)
-
-
-__all__ = [
-    "AUX_DTYPE", "AuxSource", "ShardColumns", "ShardReader", "TensorEntry", "TrainingSample",
-    "encode_header", "iter_shard_columns", "iter_training_samples", "map_tensors", "open_shard_tensors",
-    "raw_bytes_per_token", "read_columns", "read_num_positions", "read_header", "sample_of", "shift_columns", "tensor_layout",
-    "training_sample", "PARQUET_READ_COLUMNS",
-]

@@ -28,7 +28,8 @@ import pyarrow.parquet as pq
 import torch
 
 from peagle.pipeline.store import commit_shard, write_shard_file
-from peagle.pipeline.store_reader import encode_header, tensor_layout
+from peagle.pipeline.safetensors_file import encode_header
+from peagle.pipeline.store_reader import tensor_layout
 from peagle.schemas import store as S
 from peagle.stages.extract.backend import TargetOutput
 from peagle.stages.extract.template import TokenizedSample
