@@ -193,7 +193,7 @@ def time_builds(loader: TrainLoader, root: Path, num_batches: int) -> dict:
         t1 = time.perf_counter()
         collate(items, target_to_draft_V=loader.target_to_draft_V, mask_token_id=loader.mask_token_id,
                 num_segments=cfg.sequence_partitions, block_size=cfg.block_size if cfg.attention == "flex" else None,
-                aux_reads=[("", 0, 0)] * len(items))
+                aux_reads=[(("", 0, 0), None)] * len(items))
         items_t.append(t1 - t0)
         collate_t.append(time.perf_counter() - t1)
     ms = lambda xs: round(1000 * statistics.median(xs), 1)  # noqa: E731
