@@ -84,18 +84,26 @@ class AuxSource:
     def new_buffer(self, *, pin: bool = False) -> Tensor:
         return torch.empty(self.shape, dtype=self.dtype, pin_memory=pin)
 
-    def read_into(self, out_TAH: Tensor) -> Tensor:
-        """Fill ``out_TAH`` (contiguous, CPU) with the stored rows (fp8: the codes)."""
+    def read_into(self, out_TAH: Tensor, out_scale_TA: Tensor | None = None) -> StoredAux:
+        """Fill ``out_TAH`` (contiguous, CPU) with the stored rows, and for an fp8 batch ``out_scale_TA``
+        with their scales (fresh memory when None)."""
         assert tuple(out_TAH.shape) == tuple(self.shape) and out_TAH.dtype == self.dtype
-        return _read_ranges(self.reads, out_TAH)
+        values_TAH = _read_ranges(self.reads, out_TAH)
+        if self.scale_reads is None:
+            return StoredAux(values_TAH)
+        if out_scale_TA is None:
+            out_scale_TA = torch.empty(self.shape[:2], dtype=fp8.SCALE_DTYPE)
+        return StoredAux(values_TAH, _read_ranges(self.scale_reads, out_scale_TA))
 
     def read(self, *, pin: bool = False) -> StoredAux:
         """The batch's rows as stored, in fresh (pinned) memory."""
-        values_TAH = self.read_into(self.new_buffer(pin=pin))
-        if self.scale_reads is None:
-            return StoredAux(values_TAH)
-        scale_TA = torch.empty(self.shape[:2], dtype=fp8.SCALE_DTYPE, pin_memory=pin)
-        return StoredAux(values_TAH, _read_ranges(self.scale_reads, scale_TA))
+        scale_TA = None if self.scale_reads is None else torch.empty(self.shape[:2], dtype=fp8.SCALE_DTYPE,
+                                                                       pin_memory=pin)
+        return self.read_into(self.new_buffer(pin=pin), scale_TA)
 
+    @property
+    def num_bytes(self) -> int:
+        """Bytes this batch reads (rows, and scales for fp8)."""
+        return sum(n for _, _, n in self.reads) + sum(n for _, _, n in self.scale_reads or ())
 
 __all__ = ["AuxSource", "ByteRange", "StoredAux"]

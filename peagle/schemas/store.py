@@ -184,8 +184,8 @@ class TopkStats:
     mass_mean: float
     mass_min: float
     mass_max: float
-    agree_positions: int  # positions i < n-1 of every sample
-    agree_count: int  # of which topk_ids[i, 0] == x_{i+1} (the data's next token is the target's top-1)
+    agree_positions: int  # rows i whose next token x_{i+1} is supervised (loss_mask[i+1] = 1)
+    agree_count: int  # of which topk_ids[i, 0] == x_{i+1}: the data's token is the target's top-1
 
 
 MASS_TOLERANCE = 0.02

@@ -70,7 +70,7 @@ def format_info(info: StoreInfo) -> str:
         f"schema       version {s.schema_version}",
         f"target       {t.path} ({t.architecture}, {t.num_hidden_layers} layers, hidden {t.hidden_size}, "
         f"vocab {t.vocab_size}, {t.dtype}, content {t.content_hash[:12]})",
-        f"settings     aux_layer_ids {list(s.aux_layer_ids)}, topk {s.topk} ({s.logprob_dtype}), "
+        f"settings     aux_layer_ids {list(s.aux_layer_ids)} ({s.hidden_dtype}), topk {s.topk} ({s.logprob_dtype}), "
         f"max_seq_len {s.max_seq_len}, loss_on {s.loss_on}, mask_token_id {s.mask_token_id}",
         f"tokenizer    {s.tokenizer_fingerprint[:12]}, chat template {s.chat_template_hash[:12]}",
         f"shards       {info.num_shards} committed" + (f" (backend {', '.join(info.backends)})" if info.backends else ""),

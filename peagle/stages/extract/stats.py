@@ -26,7 +26,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from peagle.pipeline.store_reader import StoredAux
 from peagle.schemas import store as S
 
 
@@ -40,6 +39,7 @@ class SampleRows:
     mass_n: np.ndarray  # float32 Σ exp(topk logprobs)
     topk_non_finite_n: np.ndarray  # bool
     agree_n1: np.ndarray  # bool [n − 1]: topk_ids[i, 0] == x_{i+1}
+    supervised_n1: np.ndarray  # bool [n − 1]: loss_mask[i+1], x_{i+1} is a token the draft learns
 
     @property
     def num_rows(self) -> int:
@@ -53,9 +53,11 @@ class SampleRows:
         return usable
 
 
-def sample_rows(aux: StoredAux, topk_ids_nk: Tensor, topk_logprobs_nk: Tensor, input_ids_n: np.ndarray) -> SampleRows:
-    """The row facts of one sample's stored rows."""
-    states_nAH = aux.states().float()
+def sample_rows(states_nAH: Tensor, topk_ids_nk: Tensor, topk_logprobs_nk: Tensor, input_ids_n: np.ndarray,
+                loss_mask_n: np.ndarray) -> SampleRows:
+    """The row facts of one sample's stored rows (``states_nAH``: the aux states as read back,
+    ``StoredAux.states()``)."""
+    states_nAH = states_nAH.float()
     finite_nAH = torch.isfinite(states_nAH)
     logprobs_nk = topk_logprobs_nk.float()
     ids = np.asarray(input_ids_n)
@@ -66,6 +68,7 @@ def sample_rows(aux: StoredAux, topk_ids_nk: Tensor, topk_logprobs_nk: Tensor, i
         mass_n=logprobs_nk.exp().sum(dim=-1).numpy(),
         topk_non_finite_n=(~torch.isfinite(logprobs_nk).all(dim=-1)).numpy(),
         agree_n1=topk_ids_nk[:-1, 0].numpy() == ids[1:],
+        supervised_n1=np.asarray(loss_mask_n)[1:].astype(bool),
     )
 
 
@@ -101,7 +104,7 @@ def shard_stats(rows: list[SampleRows], settings: S.StoreSettings) -> S.ShardSta
         norm, zero = cat([r.norm_nA for r in rows]), cat([r.zero_nA for r in rows])
         non_finite, usable = cat([r.non_finite_nA for r in rows]), cat([r.norm_rows_nA() for r in rows])
         mass, topk_bad = cat([r.mass_n for r in rows]).astype(np.float64), cat([r.topk_non_finite_n for r in rows])
-        agree = cat([r.agree_n1 for r in rows])
+        agree = cat([r.agree_n1[r.supervised_n1] for r in rows])
     else:
         norm = np.zeros((0, num_aux), np.float32)
         zero = non_finite = usable = np.zeros((0, num_aux), bool)

@@ -32,7 +32,7 @@ import torch
 
 from peagle.pipeline import fp8
 from peagle.pipeline.store import commit_shard, write_shard_file
-from peagle.pipeline.store_reader import StoredAux, encode_header, tensor_layout
+from peagle.pipeline.store_reader import encode_header, stored_aux, tensor_layout
 from peagle.schemas import store as S
 from peagle.stages.extract.backend import TargetOutput
 from peagle.stages.extract.stats import sample_rows, shard_stats
@@ -142,8 +142,8 @@ def encoded_shard(samples: list[TokenizedSample], outputs: list[TargetOutput],
     for sample, out in zip(samples, outputs, strict=True):
         parts = encode_sample(out.aux_TAH, out.topk_ids_TK, out.topk_logprobs_TK, settings)
         encoded.append(parts)
-        rows.append(sample_rows(StoredAux(parts[S.AUX_HIDDEN], parts.get(S.AUX_SCALE)), parts[S.TOPK_IDS],
-                                parts[S.TOPK_LOGPROBS], np.asarray(sample.input_ids)))
+        rows.append(sample_rows(stored_aux(parts).states(), parts[S.TOPK_IDS], parts[S.TOPK_LOGPROBS],
+                                np.asarray(sample.input_ids), np.asarray(sample.loss_mask)))
     return encoded, shard_stats(rows, settings)
 
 
