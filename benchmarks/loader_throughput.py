@@ -294,7 +294,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)  # a DataLoader worker runs with one thread
 
-    results = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
+    results = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                           "load_average_at_start": os.getloadavg()},
                "bytes_per_token": {d: raw_bytes_per_token(settings_for(2, d)) for d in args.hidden_dtype},
                "num_depths": 8, "configs": []}
     for seq_len, hidden_dtype in ((L, d) for L in args.lengths for d in args.hidden_dtype):

@@ -32,7 +32,13 @@ class StoredAux:
     scale_TA: Tensor | None = None
 
     def __getitem__(self, rows: slice | Tensor) -> "StoredAux":
-        return StoredAux(self.values_TAH[rows], None if self.scale_TA is None else self.scale_TA[rows])
+        values = self.values_TAH
+        if isinstance(rows, Tensor) and values.dtype == fp8.FP8_DTYPE:
+            # Gather fp8 codes as bytes: index kernels are not registered for float8 on every device.
+            values = values.view(torch.uint8)[rows].view(fp8.FP8_DTYPE)
+        else:
+            values = values[rows]
+        return StoredAux(values, None if self.scale_TA is None else self.scale_TA[rows])
 
     @property
     def num_rows(self) -> int:
