@@ -69,7 +69,8 @@ def check(
     when a problem is above its threshold, 0 when the store is clean."""
     import json
 
-    from peagle.stages.extract.check import check_store, format_report
+    from peagle.stages.extract.check import check_store
+    from peagle.stages.extract.check_report import format_report
 
     config = CheckConfig(
         store=str(store), target=target, samples=samples, seed=seed, device=device, max_zero_rows=max_zero_rows,

@@ -21,8 +21,8 @@ module reads every committed row once and judges, per problem:
 * **commit statistics that disagree with the rows** they were committed with.
 
 ``check_target`` (``--target``) recomputes samples with the target itself. The report is one
-``CheckReport``: a table per problem with counts and the worst samples, and one explanation line per
-failed problem; ``--json`` prints it whole.
+``CheckReport`` (``check_report``): a table per problem with counts and the worst samples, and one
+explanation line per failed problem; ``--json`` prints it whole.
 
 Shape letters: n rows of a sample, A aux layers, H hidden size.
 """
@@ -30,8 +30,7 @@ Shape letters: n rows of a sample, A aux layers, H hidden size.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -40,68 +39,10 @@ from peagle.pipeline.store import Store, open_store
 from peagle.pipeline.store_reader import open_shard_tensors, stored_aux
 from peagle.schemas import store as S
 from peagle.schemas.check_config import CheckConfig
+from peagle.stages.extract.check_report import NUM_WORST, CheckReport, Finding, Worst
 from peagle.stages.extract.stats import SampleRows, mass_bounds, sample_rows, shard_stats
 
-NUM_WORST = 5
 MIN_JUDGED_MEDIAN = 0.2  # below this median top-1 agreement, misalignment cannot be told from the data
-
-
-@dataclass(frozen=True)
-class Worst:
-    shard: int
-    sample_id: str
-    value: float  # how bad (a count, a z-score, an agreement)
-    detail: str = ""
-
-    def __str__(self) -> str:
-        return f"{S.shard_stem(self.shard)}:{self.sample_id} ({self.detail or _num(self.value)})"
-
-
-@dataclass(kw_only=True)
-class Finding:
-    """One problem: how many rows or samples show it, how many are allowed, the worst samples, and the
-    one line that explains it when it fails."""
-
-    key: str
-    title: str
-    unit: str  # "rows" | "samples"
-    count: int
-    allowed: int
-    worst: list[Worst] = field(default_factory=list)
-    explanation: str = ""
-    judged: bool = True  # False: the store gives this check no signal (``explanation`` says why)
-
-    @property
-    def failed(self) -> bool:
-        return self.judged and self.count > self.allowed
-
-
-@dataclass(kw_only=True)
-class CheckReport:
-    store: Path
-    hidden_dtype: str
-    num_shards: int
-    num_samples: int
-    num_tokens: int
-    seconds: float = 0.0
-    findings: list[Finding] = field(default_factory=list)
-    target: dict[str, Any] | None = None  # check_target's summary
-
-    @property
-    def failed(self) -> list[Finding]:
-        return [f for f in self.findings if f.failed]
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["store"] = str(self.store)
-        d["ok"] = not self.failed
-        for finding, out in zip(self.findings, d["findings"]):
-            out["failed"] = finding.failed
-        return d
-
-
-def _num(x: float) -> str:
-    return f"{x:,}" if float(x).is_integer() else f"{x:.3g}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -152,8 +93,8 @@ def prefix_keys(input_ids: np.ndarray) -> np.ndarray:
 def scan_store(store: Store, *, progress: bool | None = None) -> tuple[list[_SampleScan], dict[str, np.ndarray],
                                                                        list[tuple[int, S.ShardStats]]]:
     """Read every committed row once: per-sample row facts, per-layer duplicate keys, and each shard's
-    statistics as computed from its rows. Memory: about 40 bytes per token and aux layer (an 8B store
-    of 150 GB, ~6M tokens: under 1 GB)."""
+    statistics as computed from its rows. Memory: about 30 bytes per token and aux layer that stay
+    (an 8B store of 150 GB, ~6M tokens with 3 aux layers: ~0.6 GB), plus one sample's rows at a time."""
     import sys
 
     from tqdm import tqdm
@@ -390,29 +331,4 @@ def check_store(config: CheckConfig, *, progress: bool | None = None,
     return report
 
 
-def format_report(report: CheckReport) -> str:
-    """Tables a person reads at a glance, then one explanation line per failed check."""
-    lines = [f"store check {report.store}: {report.num_shards} shards, {report.num_samples:,} samples, "
-             f"{report.num_tokens:,} tokens, {report.hidden_dtype} hidden states ({report.seconds:.1f} s)",
-             f"  {'check':<46} {'found':>9} {'allowed':>8}  worst samples (shard:sample_id)"]
-    for f in report.findings:
-        found = f"{f.count:,} {f.unit}" if f.judged else "-"
-        worst = ", ".join(str(w) for w in f.worst[:3]) if f.worst else ("-" if f.judged else f.explanation)
-        lines.append(f"  {f.title:<46} {found:>9} {f.allowed:>8,}  {worst}")
-    if report.target and report.target.get("relative_error_per_layer"):
-        t = report.target
-        per_layer = ", ".join(f"layer {layer} {e['mean']:.3g} (max {e['max']:.3g})"
-                              for layer, e in t["relative_error_per_layer"].items())
-        lines.append(f"  --target {t['target']}: {len(t['samples'])} samples recomputed; aux relative error {per_layer}; "
-                     f"top-1 agreement {t['top1_agreement']['mean']:.3f} (min {t['top1_agreement']['min']:.3f})")
-    failed = report.failed
-    if failed:
-        lines.append(f"FAILED: {len(failed)} check(s)")
-        lines += [f"  {f.key}: {f.explanation}" for f in failed]
-    else:
-        lines.append("store check passed: no problem above its threshold")
-    return "\n".join(lines)
-
-
-__all__ = ["CheckReport", "Finding", "Worst", "check_store", "format_report", "prefix_keys", "row_hashes",
-           "scan_store"]
+__all__ = ["check_store", "prefix_keys", "row_hashes", "scan_store"]

@@ -24,7 +24,7 @@ from peagle.pipeline.store_reader import open_shard_tensors, stored_aux
 from peagle.pipeline.target_identity import target_content_hash
 from peagle.schemas import store as S
 from peagle.schemas.check_config import CheckConfig
-from peagle.stages.extract.check import Finding, Worst
+from peagle.stages.extract.check_report import Finding, Worst
 from peagle.stages.extract.target import load_target
 
 TITLE = "samples unlike the target's own recomputation"

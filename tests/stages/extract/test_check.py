@@ -20,7 +20,8 @@ from peagle.schemas.errors import UserError
 from peagle.schemas.extract_config import ExtractConfig
 from peagle.schemas.train_config import StoreSpec
 from peagle.stages.extract.backend import TargetOutput
-from peagle.stages.extract.check import check_store, format_report, prefix_keys
+from peagle.stages.extract.check import check_store, prefix_keys
+from peagle.stages.extract.check_report import format_report
 from peagle.stages.extract.convert import convert_store
 from peagle.stages.extract.info import verify_store
 from peagle.stages.extract.run import run_extract
