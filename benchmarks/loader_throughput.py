@@ -157,72 +157,77 @@ def loader_config(root: Path, seq_len: int, segments: int, attention: str, worke
                         dequantize_in_workers=dequantize_in_workers)
 
 
-def time_builds(loader: TrainLoader, root: Path, num_batches: int) -> dict:
-    """Per-batch timings of one worker's work, in this process (torch uses one thread, as in a worker),
-    and of the trainer-side read of the aux rows (what the pin thread does)."""
+def measure_batch(loader: TrainLoader, root: Path, b: int, buffers: dict) -> dict:
+    """Timings (seconds) of one batch ``b``: one worker's work, in this process (torch uses one thread,
+    as in a worker), and the trainer-side read of its aux rows (what the pin thread does)."""
     cfg = loader.config
-    build, cold, items_t, collate_t, transfer, elements, supervised = [], [], [], [], [], [], []
-    aux_warm, aux_cold, aux_fresh = [], [], []
-    reused_TAH = reused_TA = None
-    for b in range(num_batches):
-        epoch, batch = divmod(b, loader.num_batches)
-        plan = loader.plan(epoch)
-        refs = plan.refs_of_rank[0]
-        loc = np.stack([loader.index.store_of[refs], loader.index.shard_of[refs], loader.index.row_of[refs]])
-        stream = ShardStream(loader.stores, cfg, loc_3B=loc, bounds=plan.bounds_of_rank[0],
-                             num_batches=plan.num_batches, start=0, epoch=epoch,
-                             target_to_draft_V=loader.target_to_draft_V, mask_token_id=loader.mask_token_id)
-        for cold_cache, sink in ((True, cold), (False, build)):
-            if cold_cache:
-                evict(root)
-            t0 = time.perf_counter()
-            out = stream.build(ShardReader(loader.stores, capacity=8), batch)
-            sink.append(time.perf_counter() - t0)
-        elements.append(out.num_elements)
-        supervised.append(out.num_supervised)
-        t0 = time.perf_counter()  # what sending the batch to the trainer process costs (shared memory)
-        pickle.loads(ForkingPickler.dumps(out))
-        transfer.append(time.perf_counter() - t0)
-
-        # The trainer side: aux rows from the file into a reused buffer (as into cached pinned memory),
-        # page cache warm and cold, and into fresh memory (every page faulted in: the cost workers avoid).
-        src = out.aux_source
-        if reused_TAH is None or tuple(reused_TAH.shape) != tuple(src.shape):
-            reused_TAH = torch.zeros(src.shape, dtype=src.dtype)
-            reused_TA = torch.zeros(src.shape[:2], dtype=fp8.SCALE_DTYPE) if src.scale_reads else None
-        for sink, fresh, evict_first in ((aux_cold, False, True), (aux_warm, False, False), (aux_fresh, True, False)):
-            if evict_first:
-                evict(root)
-            t0 = time.perf_counter()
-            if fresh:
-                src.read()
-            else:
-                src.read_into(reused_TAH, reused_TA)
-            sink.append(time.perf_counter() - t0)
-
-        # Breakdown of the worker's build (warm cache): items (shift + COD), then collate.
-        reader = ShardReader(loader.stores, capacity=8)
-        lo, hi = plan.bounds_of_rank[0][batch], plan.bounds_of_rank[0][batch + 1]
+    epoch, batch = divmod(b, loader.num_batches)
+    plan = loader.plan(epoch)
+    refs = plan.refs_of_rank[0]
+    loc = np.stack([loader.index.store_of[refs], loader.index.shard_of[refs], loader.index.row_of[refs]])
+    stream = ShardStream(loader.stores, cfg, loc_3B=loc, bounds=plan.bounds_of_rank[0],
+                         num_batches=plan.num_batches, start=0, epoch=epoch,
+                         target_to_draft_V=loader.target_to_draft_V, mask_token_id=loader.mask_token_id)
+    got: dict = {}
+    for name, cold_cache in (("build_cold", True), ("build", False)):
+        if cold_cache:
+            evict(root)
         t0 = time.perf_counter()
-        items = []
-        for i in range(lo, hi):
-            s, j, row = (int(v) for v in loc[:, i])
-            items.append(make_item(reader.sample(s, j, row), cod=cfg.cod, seed=cfg.seed, epoch=epoch))
-        t1 = time.perf_counter()
-        collate(items, target_to_draft_V=loader.target_to_draft_V, mask_token_id=loader.mask_token_id,
-                num_segments=cfg.sequence_partitions, block_size=cfg.block_size if cfg.attention == "flex" else None,
-                aux_reads=[(("", 0, 0), None)] * len(items))
-        items_t.append(t1 - t0)
-        collate_t.append(time.perf_counter() - t1)
-    ms = lambda xs: round(1000 * statistics.median(xs), 1)  # noqa: E731
+        out = stream.build(ShardReader(loader.stores, capacity=8), batch)
+        got[name] = time.perf_counter() - t0
+    got["elements"], got["supervised"] = out.num_elements, out.num_supervised
+    t0 = time.perf_counter()  # what sending the batch to the trainer process costs (shared memory)
+    pickle.loads(ForkingPickler.dumps(out))
+    got["transfer"] = time.perf_counter() - t0
+
+    # The trainer side: aux rows from the file into a reused buffer (as into cached pinned memory),
+    # page cache warm and cold, and into fresh memory (every page faulted in: the cost workers avoid).
+    src = out.aux_source
+    if buffers.get("shape") != tuple(src.shape):
+        buffers.update(shape=tuple(src.shape), values=torch.zeros(src.shape, dtype=src.dtype),
+                       scales=torch.zeros(src.shape[:2], dtype=fp8.SCALE_DTYPE) if src.scale_reads else None)
+    for name, fresh, evict_first in (("aux_cold", False, True), ("aux_warm", False, False), ("aux_fresh", True, False)):
+        if evict_first:
+            evict(root)
+        t0 = time.perf_counter()
+        if fresh:
+            src.read()
+        else:
+            src.read_into(buffers["values"], buffers["scales"])
+        got[name] = time.perf_counter() - t0
+    got["aux_bytes"] = src.num_bytes
+
+    # Breakdown of the worker's build (warm cache): items (shift + COD), then collate.
+    reader = ShardReader(loader.stores, capacity=8)
+    lo, hi = plan.bounds_of_rank[0][batch], plan.bounds_of_rank[0][batch + 1]
+    t0 = time.perf_counter()
+    items = []
+    for i in range(lo, hi):
+        s, j, row = (int(v) for v in loc[:, i])
+        items.append(make_item(reader.sample(s, j, row), cod=cfg.cod, seed=cfg.seed, epoch=epoch))
+    t1 = time.perf_counter()
+    collate(items, target_to_draft_V=loader.target_to_draft_V, mask_token_id=loader.mask_token_id,
+            num_segments=cfg.sequence_partitions, block_size=cfg.block_size if cfg.attention == "flex" else None,
+            aux_reads=[(("", 0, 0), None)] * len(items))
+    got["items"], got["collate"] = t1 - t0, time.perf_counter() - t1
+    return got
+
+
+def summarize(batches: list[dict], token_budget: int) -> dict:
+    """Medians over measured batches, in ms (the keys the module docstring explains)."""
+    def ms(key: str) -> float:
+        return round(1000 * statistics.median(b[key] for b in batches), 1)
+
+    build = statistics.median(b["build"] for b in batches)
     return {
-        "build_ms": ms(build), "build_cold_ms": ms(cold), "items_ms": ms(items_t), "collate_ms": ms(collate_t),
-        "transfer_ms": ms(transfer), "worker_ms_per_batch": ms([a + b for a, b in zip(build, transfer)]),
-        "aux_read_ms": ms(aux_warm), "aux_read_cold_ms": ms(aux_cold), "aux_read_fresh_memory_ms": ms(aux_fresh),
-        "aux_mib": round(src.num_bytes / 2**20, 1), "aux_bytes_per_batch": src.num_bytes,
-        "cod_elements": int(statistics.median(elements)), "supervised_elements": int(statistics.median(supervised)),
-        "items_per_s": round(1 / statistics.median(build), 2),
-        "tokens_per_s": round(cfg.token_budget / statistics.median(build)),
+        "build_ms": ms("build"), "build_cold_ms": ms("build_cold"), "items_ms": ms("items"),
+        "collate_ms": ms("collate"), "transfer_ms": ms("transfer"),
+        "worker_ms_per_batch": round(1000 * statistics.median(b["build"] + b["transfer"] for b in batches), 1),
+        "aux_read_ms": ms("aux_warm"), "aux_read_cold_ms": ms("aux_cold"), "aux_read_fresh_memory_ms": ms("aux_fresh"),
+        "aux_mib": round(batches[0]["aux_bytes"] / 2**20, 1), "aux_bytes_per_batch": batches[0]["aux_bytes"],
+        "cod_elements": int(statistics.median(b["elements"] for b in batches)),
+        "supervised_elements": int(statistics.median(b["supervised"] for b in batches)),
+        "items_per_s": round(1 / build, 2), "tokens_per_s": round(token_budget / build),
     }
 
 
@@ -298,39 +303,51 @@ def main() -> None:
                            "load_average_at_start": os.getloadavg()},
                "bytes_per_token": {d: raw_bytes_per_token(settings_for(2, d)) for d in args.hidden_dtype},
                "num_depths": 8, "configs": []}
-    for seq_len, hidden_dtype in ((L, d) for L in args.lengths for d in args.hidden_dtype):
-        num_samples = args.samples or max(2, 16384 // seq_len)
-        root = Path(args.out) / (f"store-L{seq_len}" + ("" if hidden_dtype == S.HIDDEN_BF16 else f"-{hidden_dtype}"))
-        t0 = time.perf_counter()
-        build_store(root, seq_len, num_samples, samples_per_shard=max(1, 4096 // seq_len * 2), hidden_dtype=hidden_dtype)
-        store_gib = sum(p.stat().st_size for p in (root / S.SHARDS_DIR).iterdir()) / 2**30
-        t0 = time.perf_counter()
-        build_draft_vocab(root, DRAFT_VOCAB)
-        vocab_s = time.perf_counter() - t0
-        vocab = load_draft_vocab(root, DRAFT_VOCAB)
-        print(f"L={seq_len}: store {root} ({num_samples} samples, {store_gib:.2f} GiB); `peagle vocab` "
-              f"{vocab_s:.2f} s", flush=True)
+    for seq_len in args.lengths:
+        roots, vocabs, gib = {}, {}, {}
+        for hidden_dtype in args.hidden_dtype:
+            num_samples = args.samples or max(2, 16384 // seq_len)
+            root = Path(args.out) / (f"store-L{seq_len}" + ("" if hidden_dtype == S.HIDDEN_BF16 else f"-{hidden_dtype}"))
+            build_store(root, seq_len, num_samples, samples_per_shard=max(1, 4096 // seq_len * 2),
+                        hidden_dtype=hidden_dtype)
+            gib[hidden_dtype] = sum(p.stat().st_size for p in (root / S.SHARDS_DIR).iterdir()) / 2**30
+            t0 = time.perf_counter()
+            build_draft_vocab(root, DRAFT_VOCAB)
+            vocab_s = time.perf_counter() - t0
+            roots[hidden_dtype], vocabs[hidden_dtype] = root, load_draft_vocab(root, DRAFT_VOCAB)
+            print(f"L={seq_len}: store {root} ({num_samples} samples, {gib[hidden_dtype]:.2f} GiB); `peagle vocab` "
+                  f"{vocab_s:.2f} s", flush=True)
         for segments in args.segments:
             for attention in args.attention:
-                loader = TrainLoader(loader_config(root, seq_len, segments, attention), vocab=vocab)
-                rec = {"seq_len": seq_len, "hidden_dtype": hidden_dtype, "segments": segments, "attention": attention,
-                       "store_gib": round(store_gib, 3), **time_builds(loader, root, args.batches)}
+                # Encodings measured in turns, batch by batch: on a shared machine both see the same load.
+                loaders = {d: TrainLoader(loader_config(roots[d], seq_len, segments, attention), vocab=vocabs[d])
+                           for d in args.hidden_dtype}
+                measured: dict[str, list[dict]] = {d: [] for d in args.hidden_dtype}
+                buffers: dict[str, dict] = {d: {} for d in args.hidden_dtype}
+                for b in range(args.batches):
+                    for d in args.hidden_dtype:
+                        measured[d].append(measure_batch(loaders[d], roots[d], b, buffers[d]))
+                recs = {d: {"seq_len": seq_len, "hidden_dtype": d, "segments": segments, "attention": attention,
+                            "store_gib": round(gib[d], 3), **summarize(measured[d], seq_len)} for d in args.hidden_dtype}
                 for w in args.workers:
-                    rec[f"dataloader_batches_per_s_w{w}"] = time_dataloader(loader, w, args.batches)
-                    rec[f"loader_items_per_s_w{w}"] = time_loader(
-                        loader_config(root, seq_len, segments, attention, workers=w), vocab, args.batches)
-                if hidden_dtype == S.HIDDEN_FP8:  # CPU training: the worker reads and dequantises the rows
-                    cpu = TrainLoader(loader_config(root, seq_len, segments, attention, dequantize_in_workers=True),
-                                      vocab=vocab)
-                    rec["cpu_path_build_ms"] = time_cpu_builds(cpu, args.batches)
-                if seq_len == 8192 and args.workers:
-                    for name, step_ms in REFERENCE_STEP_MS.items():
-                        need = max(1, math.ceil(rec["worker_ms_per_batch"] / step_ms))
-                        rec[f"workers_needed_{name}"] = need
-                        rec[f"recommended_workers_{name}"] = need + 1
-                        rec[f"pin_thread_share_of_step_{name}"] = round(rec["aux_read_cold_ms"] / step_ms, 3)
-                results["configs"].append(rec)
-                print(json.dumps(rec), flush=True)
+                    for d in args.hidden_dtype:
+                        recs[d][f"dataloader_batches_per_s_w{w}"] = time_dataloader(loaders[d], w, args.batches)
+                    for d in args.hidden_dtype:
+                        recs[d][f"loader_items_per_s_w{w}"] = time_loader(
+                            loader_config(roots[d], seq_len, segments, attention, workers=w), vocabs[d], args.batches)
+                if S.HIDDEN_FP8 in roots:  # CPU training: the worker reads and dequantises the rows itself
+                    cpu = TrainLoader(loader_config(roots[S.HIDDEN_FP8], seq_len, segments, attention,
+                                                    dequantize_in_workers=True), vocab=vocabs[S.HIDDEN_FP8])
+                    recs[S.HIDDEN_FP8]["cpu_path_build_ms"] = time_cpu_builds(cpu, args.batches)
+                for rec in recs.values():
+                    if seq_len == 8192 and args.workers:
+                        for name, step_ms in REFERENCE_STEP_MS.items():
+                            need = max(1, math.ceil(rec["worker_ms_per_batch"] / step_ms))
+                            rec[f"workers_needed_{name}"] = need
+                            rec[f"recommended_workers_{name}"] = need + 1
+                            rec[f"pin_thread_share_of_step_{name}"] = round(rec["aux_read_cold_ms"] / step_ms, 3)
+                    results["configs"].append(rec)
+                    print(json.dumps(rec), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
 
