@@ -79,8 +79,8 @@ def convert_store(source_root: str | Path, out_root: str | Path, hidden_dtype: s
     """Convert every committed shard of ``source_root`` that ``out_root`` does not hold yet.
 
     Raises:
-        UserError: unknown encoding, the source already in it, ``out_root`` the source itself or a
-            store made with other settings, a damaged source shard, a full disk.
+        UserError: unknown encoding, the source already in it, ``out_root`` the source itself, a store
+            made with other settings or holding shards of another store, a damaged source shard, a full disk.
     """
     from tqdm import tqdm
 
@@ -100,6 +100,11 @@ def convert_store(source_root: str | Path, out_root: str | Path, hidden_dtype: s
         target = out / S.INPUTS_DIR / registration.name
         if not target.exists():
             write_bytes_atomic(out, f"{S.INPUTS_DIR}/{registration.name}", registration.read_bytes())
+    sources = {r.index: r for r in source.shards}
+    for record in list_commits(out):
+        if record.index not in sources or record.parquet_sha256 != sources[record.index].parquet_sha256:
+            raise UserError(f"{out} holds shard {S.shard_stem(record.index)} that is no conversion of {source.root}; "
+                            "convert into a new directory")
     done = {r.index for r in list_commits(out)}
     summary = ConvertSummary(source=source.root, out=out, hidden_dtype=hidden_dtype,
                              already=sum(r.index in done for r in source.shards))

@@ -92,6 +92,10 @@ def test_wrong_requests_are_one_line(extracted, tmp_path):
     convert_store(extracted["bf16"], tmp_path / "y", "fp8", echo=lambda _: None, progress=False)
     with pytest.raises(UserError, match=r"was made with hidden_dtype='fp8', this run asks for hidden_dtype='bf16'"):
         convert_store(extracted["fp8"], tmp_path / "y", "bf16", echo=lambda _: None)  # a store of other settings
+    record = tmp_path / "y" / S.commit_name(2)  # a shard of another store with the same settings
+    record.write_text(record.read_text().replace(open_store(tmp_path / "y").shard(2).parquet_sha256, "0" * 64))
+    with pytest.raises(UserError, match="holds shard 00002 that is no conversion of"):
+        convert_store(extracted["bf16"], tmp_path / "y", "fp8", echo=lambda _: None)
 
 
 def test_extract_continues_a_converted_store_and_mixed_encodings_are_refused(extracted, tmp_path):
