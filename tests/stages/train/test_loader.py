@@ -308,3 +308,17 @@ def test_the_step_on_fp8_rows_equals_the_step_on_rows_dequantised_in_workers(fp8
         (unit,) = to_units(batch, torch.device("cpu"))
         loss.append(unit_forward(model, unit, attention="sdpa", num_depths=4, device=torch.device("cpu")).loss_sum)
     assert torch.equal(loss[0], loss[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned host-to-device path needs a GPU")
+def test_fp8_rows_go_pinned_to_the_gpu_as_codes_and_are_dequantised_there(fp8_store):
+    cuda = torch.device("cuda")
+    worker_path = next(iter(TrainLoader(config(StoreSpec(str(fp8_store))))))
+    loader = TrainLoader(config(StoreSpec(str(fp8_store)), dequantize_in_workers=False, pin_memory=True,
+                                num_workers=1))
+    batch = next(iter(loader))
+    assert batch.aux_TAH.dtype == torch.float8_e4m3fn and batch.aux_TAH.is_pinned() and batch.aux_scale_TA.is_pinned()
+    on_gpu = batch.to(cuda, non_blocking=True)
+    assert on_gpu.aux_TAH.device.type == "cuda" and on_gpu.aux_TAH.dtype == torch.float8_e4m3fn
+    rows = torch.tensor([4, 1, 0], device=cuda)
+    assert torch.equal(on_gpu.aux_states(rows).cpu(), worker_path.aux_TAH[rows.cpu()])
