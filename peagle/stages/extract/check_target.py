@@ -70,6 +70,8 @@ def check_target(store: Store, config: CheckConfig, *,
         return finding, summary
 
     picks = pick_samples(store, config.samples, config.seed)
+    if not picks:
+        return finding, summary  # an empty store: nothing to recompute
     echo(f"recomputing {len(picks)} samples with {config.target} ...")
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     backend = HFBackend(config.target, aux_layer_ids=settings.aux_layer_ids, topk=settings.topk,
