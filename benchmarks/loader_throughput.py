@@ -1,10 +1,13 @@
 """Loader throughput on an 8B-shaped synthetic store: can DataLoader workers keep the GPU fed?
 
     python benchmarks/loader_throughput.py --out /tmp/peagle-bench --json loader_throughput.json
+    python benchmarks/loader_throughput.py --hidden-dtype bf16 fp8 --lengths 8192 --segments 1 \
+        --attention sdpa --workers 1 --json loader_throughput_fp8.json
 
-Builds (once; reused when present) one store per row length L, shaped like an 8B target: hidden 4096,
-3 aux layers, top-32 float16 log-probs (24,768 bytes/token), random tensors written through the real
-store writer (``init_store`` + ``write_shard_file`` + ``commit_shard``). Each sample has n = L + 1
+Builds (once; reused when present) one store per row length L and hidden-state encoding, shaped like
+an 8B target: hidden 4096, 3 aux layers, top-32 float16 log-probs (24,768 bytes/token in bf16,
+12,492 in fp8: float8 codes plus a float32 scale per token and layer), random tensors written
+through the real store writer (``init_store`` + ``write_shard_file`` + ``commit_shard``). Each sample has n = L + 1
 tokens (one row of L training positions per batch, as the reference harness runs) and supervises
 every position but the first (DESIGN §8), so COD lengths match the reference (~27.6k at L = 8192).
 
@@ -19,9 +22,14 @@ Measured per (L, S, attention), with K = 8, r = 0.7, r_min = 0.2, on one CPU thr
   transfer, one worker's cost per batch; ``dataloader_batches_per_s_wW``: batches/s that real
   DataLoader workers deliver to this process (meaningful only with W + 2 free cores);
 * trainer side -- ``aux_read_ms``: the pin thread's read of the batch's aux rows (``AuxSource``,
-  preadv) into a reused buffer, as into the CUDA host allocator's cached pinned blocks; ``_cold``
-  with the page cache evicted; ``aux_read_fresh_memory_ms`` into fresh memory (every page faulted
-  in: what copying the rows in a worker and shipping them through shared memory costs, twice).
+  preadv; fp8: codes and scales) into a reused buffer, as into the CUDA host allocator's cached
+  pinned blocks; ``_cold`` with the page cache evicted; ``aux_read_fresh_memory_ms`` into fresh
+  memory (every page faulted in: what copying the rows in a worker and shipping them through shared
+  memory costs, twice); ``aux_bytes_per_batch``: what it reads, which is also what the
+  host-to-device copy moves (fp8 batches are dequantised on the device);
+* end to end -- ``loader_items_per_s_wW``: samples per second out of ``TrainLoader`` with W workers,
+  the aux rows read as the GPU trainer's pin thread reads them (fp8 left as codes); for fp8 also
+  ``cpu_path_build_ms``: a worker's build when it dequantises the rows itself (CPU training).
 
 From ``worker_ms_per_batch`` (warm cache; a cold build adds the top-k page-ins) it derives the
 workers needed for < 2% data wait at the reference GPU step times (one H100, L = 8192: 190 ms/step
@@ -51,6 +59,7 @@ import numpy as np
 import torch
 import torch.multiprocessing  # noqa: F401  (registers the shared-memory reductions of tensors)
 
+from peagle.pipeline import fp8
 from peagle.pipeline.store import commit_shard, init_store, open_store, write_shard_file
 from peagle.pipeline.store_reader import ShardReader, raw_bytes_per_token
 from peagle.schemas import store as S
@@ -66,16 +75,18 @@ HIDDEN, AUX_LAYERS, TOPK, TARGET_VOCAB, DRAFT_VOCAB = 4096, (2, 16, 29), 32, 128
 REFERENCE_STEP_MS = {"1_layer": 190.0, "4_layers": 491.0}  # one H100, L = 8192 (shared/anchors)
 
 
-def settings_for(max_len: int) -> S.StoreSettings:
+def settings_for(max_len: int, hidden_dtype: str = S.HIDDEN_BF16) -> S.StoreSettings:
     return S.StoreSettings(
         target=S.TargetIdentity(path="synthetic-8b", architecture="LlamaForCausalLM", num_hidden_layers=32,
                                 hidden_size=HIDDEN, vocab_size=TARGET_VOCAB, dtype="bfloat16",
                                 content_hash="synthetic"),
         tokenizer_fingerprint="synthetic", chat_template_hash="synthetic", aux_layer_ids=AUX_LAYERS, topk=TOPK,
-        max_seq_len=max_len, logprob_dtype="float16", loss_on="all", mask_token_id=TARGET_VOCAB - 1)
+        max_seq_len=max_len, logprob_dtype="float16", loss_on="all", mask_token_id=TARGET_VOCAB - 1,
+        hidden_dtype=hidden_dtype)
 
 
-def build_store(root: Path, seq_len: int, num_samples: int, samples_per_shard: int) -> Path:
+def build_store(root: Path, seq_len: int, num_samples: int, samples_per_shard: int,
+                hidden_dtype: str = S.HIDDEN_BF16) -> Path:
     """Write a synthetic store (skipped when one with these settings and sizes is committed already)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -85,7 +96,7 @@ def build_store(root: Path, seq_len: int, num_samples: int, samples_per_shard: i
     num_shards = -(-num_samples // samples_per_shard)
     if (root / S.MANIFEST_FILE).exists() and len(open_store(root).shards) == num_shards:
         return root
-    init_store(root, settings_for(n))
+    init_store(root, settings_for(n, hidden_dtype))
     gen = torch.Generator().manual_seed(seq_len)
     for index in range(num_shards):
         count = min(samples_per_shard, num_samples - index * samples_per_shard)
@@ -96,11 +107,11 @@ def build_store(root: Path, seq_len: int, num_samples: int, samples_per_shard: i
         # Top-k ids skewed to low ids (so most fall in a 32k draft vocab), log-probs descending.
         topk_ids = (torch.rand(tokens, TOPK, generator=gen) ** 3 * (TARGET_VOCAB - 1)).to(torch.int32)
         logits = torch.randn(tokens, TOPK, generator=gen).sort(dim=-1, descending=True).values
-        tensors = {
-            S.AUX_HIDDEN: torch.randn(tokens, len(AUX_LAYERS), HIDDEN, generator=gen, dtype=torch.bfloat16),
-            S.TOPK_IDS: topk_ids,
-            S.TOPK_LOGPROBS: (logits.log_softmax(-1) - 0.1).to(torch.float16),
-        }
+        aux = torch.randn(tokens, len(AUX_LAYERS), HIDDEN, generator=gen, dtype=torch.bfloat16)
+        tensors = {S.AUX_HIDDEN: aux}
+        if hidden_dtype == S.HIDDEN_FP8:
+            tensors[S.AUX_HIDDEN], tensors[S.AUX_SCALE] = fp8.quantize(aux)
+        tensors.update({S.TOPK_IDS: topk_ids, S.TOPK_LOGPROBS: (logits.log_softmax(-1) - 0.1).to(torch.float16)})
         table = pa.table({
             "sample_id": [f"L{seq_len}-{index}-{i}" for i in range(count)],
             "source": [f"synthetic:{index * samples_per_shard + i}" for i in range(count)],
@@ -138,75 +149,120 @@ def evict(store_root: Path) -> None:
             os.close(fd)
 
 
-def loader_config(root: Path, seq_len: int, segments: int, attention: str, workers: int = 0) -> LoaderConfig:
+def loader_config(root: Path, seq_len: int, segments: int, attention: str, workers: int = 0,
+                  dequantize_in_workers: bool = False) -> LoaderConfig:
+    """The GPU trainer's stream by default: fp8 rows stay codes until the device."""
     return LoaderConfig(stores=(StoreSpec(str(root)),), seed=0, token_budget=seq_len,
                         cod=CodSettings(num_depths=8, down_sample_ratio=0.7, down_sample_ratio_min=0.2),
-                        sequence_partitions=segments, attention=attention, num_workers=workers)
+                        sequence_partitions=segments, attention=attention, num_workers=workers,
+                        dequantize_in_workers=dequantize_in_workers)
 
 
-def time_builds(loader: TrainLoader, root: Path, num_batches: int) -> dict:
-    """Per-batch timings of one worker's work, in this process (torch uses one thread, as in a worker),
-    and of the trainer-side read of the aux rows (what the pin thread does)."""
+def measure_batch(loader: TrainLoader, root: Path, b: int, buffers: dict) -> dict:
+    """Timings (seconds) of one batch ``b``: one worker's work, in this process (torch uses one thread,
+    as in a worker), and the trainer-side read of its aux rows (what the pin thread does)."""
     cfg = loader.config
-    build, cold, items_t, collate_t, transfer, elements, supervised = [], [], [], [], [], [], []
-    aux_warm, aux_cold, aux_fresh = [], [], []
-    reused_TAH = None
-    for b in range(num_batches):
-        epoch, batch = divmod(b, loader.num_batches)
-        plan = loader.plan(epoch)
-        refs = plan.refs_of_rank[0]
-        loc = np.stack([loader.index.store_of[refs], loader.index.shard_of[refs], loader.index.row_of[refs]])
-        stream = ShardStream(loader.stores, cfg, loc_3B=loc, bounds=plan.bounds_of_rank[0],
-                             num_batches=plan.num_batches, start=0, epoch=epoch,
-                             target_to_draft_V=loader.target_to_draft_V, mask_token_id=loader.mask_token_id)
-        for cold_cache, sink in ((True, cold), (False, build)):
-            if cold_cache:
-                evict(root)
-            t0 = time.perf_counter()
-            out = stream.build(ShardReader(loader.stores, capacity=8), batch)
-            sink.append(time.perf_counter() - t0)
-        elements.append(out.num_elements)
-        supervised.append(out.num_supervised)
-        t0 = time.perf_counter()  # what sending the batch to the trainer process costs (shared memory)
-        pickle.loads(ForkingPickler.dumps(out))
-        transfer.append(time.perf_counter() - t0)
-
-        # The trainer side: aux rows from the file into a reused buffer (as into cached pinned memory),
-        # page cache warm and cold, and into fresh memory (every page faulted in: the cost workers avoid).
-        src = out.aux_source
-        if reused_TAH is None or tuple(reused_TAH.shape) != tuple(src.shape):
-            reused_TAH = torch.zeros(src.shape, dtype=src.dtype)
-        for sink, fresh, evict_first in ((aux_cold, False, True), (aux_warm, False, False), (aux_fresh, True, False)):
-            if evict_first:
-                evict(root)
-            t0 = time.perf_counter()
-            src.read_into(torch.empty(src.shape, dtype=src.dtype) if fresh else reused_TAH)
-            sink.append(time.perf_counter() - t0)
-
-        # Breakdown of the worker's build (warm cache): items (shift + COD), then collate.
-        reader = ShardReader(loader.stores, capacity=8)
-        lo, hi = plan.bounds_of_rank[0][batch], plan.bounds_of_rank[0][batch + 1]
+    epoch, batch = divmod(b, loader.num_batches)
+    plan = loader.plan(epoch)
+    refs = plan.refs_of_rank[0]
+    loc = np.stack([loader.index.store_of[refs], loader.index.shard_of[refs], loader.index.row_of[refs]])
+    stream = ShardStream(loader.stores, cfg, loc_3B=loc, bounds=plan.bounds_of_rank[0],
+                         num_batches=plan.num_batches, start=0, epoch=epoch,
+                         target_to_draft_V=loader.target_to_draft_V, mask_token_id=loader.mask_token_id)
+    got: dict = {}
+    for name, cold_cache in (("build_cold", True), ("build", False)):
+        if cold_cache:
+            evict(root)
         t0 = time.perf_counter()
-        items = []
-        for i in range(lo, hi):
-            s, j, row = (int(v) for v in loc[:, i])
-            items.append(make_item(reader.sample(s, j, row), cod=cfg.cod, seed=cfg.seed, epoch=epoch))
-        t1 = time.perf_counter()
-        collate(items, target_to_draft_V=loader.target_to_draft_V, mask_token_id=loader.mask_token_id,
-                num_segments=cfg.sequence_partitions, block_size=cfg.block_size if cfg.attention == "flex" else None,
-                aux_reads=[("", 0, 0)] * len(items))
-        items_t.append(t1 - t0)
-        collate_t.append(time.perf_counter() - t1)
-    ms = lambda xs: round(1000 * statistics.median(xs), 1)  # noqa: E731
+        out = stream.build(ShardReader(loader.stores, capacity=8), batch)
+        got[name] = time.perf_counter() - t0
+    got["elements"], got["supervised"] = out.num_elements, out.num_supervised
+    t0 = time.perf_counter()  # what sending the batch to the trainer process costs (shared memory)
+    pickle.loads(ForkingPickler.dumps(out))
+    got["transfer"] = time.perf_counter() - t0
+
+    # The trainer side: aux rows from the file into a reused buffer (as into cached pinned memory),
+    # page cache warm and cold, and into fresh memory (every page faulted in: the cost workers avoid).
+    src = out.aux_source
+    if buffers.get("shape") != tuple(src.shape):
+        buffers.update(shape=tuple(src.shape), values=torch.zeros(src.shape, dtype=src.dtype),
+                       scales=torch.zeros(src.shape[:2], dtype=fp8.SCALE_DTYPE) if src.scale_reads else None)
+    for name, fresh, evict_first in (("aux_cold", False, True), ("aux_warm", False, False), ("aux_fresh", True, False)):
+        if evict_first:
+            evict(root)
+        t0 = time.perf_counter()
+        if fresh:
+            src.read()
+        else:
+            src.read_into(buffers["values"], buffers["scales"])
+        got[name] = time.perf_counter() - t0
+    got["aux_bytes"] = src.num_bytes
+
+    # Breakdown of the worker's build (warm cache): items (shift + COD), then collate.
+    reader = ShardReader(loader.stores, capacity=8)
+    lo, hi = plan.bounds_of_rank[0][batch], plan.bounds_of_rank[0][batch + 1]
+    t0 = time.perf_counter()
+    items = []
+    for i in range(lo, hi):
+        s, j, row = (int(v) for v in loc[:, i])
+        items.append(make_item(reader.sample(s, j, row), cod=cfg.cod, seed=cfg.seed, epoch=epoch))
+    t1 = time.perf_counter()
+    collate(items, target_to_draft_V=loader.target_to_draft_V, mask_token_id=loader.mask_token_id,
+            num_segments=cfg.sequence_partitions, block_size=cfg.block_size if cfg.attention == "flex" else None,
+            aux_reads=[(("", 0, 0), None)] * len(items))
+    got["items"], got["collate"] = t1 - t0, time.perf_counter() - t1
+    return got
+
+
+def summarize(batches: list[dict], token_budget: int) -> dict:
+    """Medians over measured batches, in ms (the keys the module docstring explains)."""
+    def ms(key: str) -> float:
+        return round(1000 * statistics.median(b[key] for b in batches), 1)
+
+    build = statistics.median(b["build"] for b in batches)
     return {
-        "build_ms": ms(build), "build_cold_ms": ms(cold), "items_ms": ms(items_t), "collate_ms": ms(collate_t),
-        "transfer_ms": ms(transfer), "worker_ms_per_batch": ms([a + b for a, b in zip(build, transfer)]),
-        "aux_read_ms": ms(aux_warm), "aux_read_cold_ms": ms(aux_cold), "aux_read_fresh_memory_ms": ms(aux_fresh),
-        "aux_mib": round(math.prod(src.shape) * 2 / 2**20, 1),
-        "cod_elements": int(statistics.median(elements)), "supervised_elements": int(statistics.median(supervised)),
-        "items_per_s": round(1 / statistics.median(build), 2),
-        "tokens_per_s": round(cfg.token_budget / statistics.median(build)),
+        "build_ms": ms("build"), "build_cold_ms": ms("build_cold"), "items_ms": ms("items"),
+        "collate_ms": ms("collate"), "transfer_ms": ms("transfer"),
+        "worker_ms_per_batch": round(1000 * statistics.median(b["build"] + b["transfer"] for b in batches), 1),
+        "aux_read_ms": ms("aux_warm"), "aux_read_cold_ms": ms("aux_cold"), "aux_read_fresh_memory_ms": ms("aux_fresh"),
+        "aux_mib": round(batches[0]["aux_bytes"] / 2**20, 1), "aux_bytes_per_batch": batches[0]["aux_bytes"],
+        "cod_elements": int(statistics.median(b["elements"] for b in batches)),
+        "supervised_elements": int(statistics.median(b["supervised"] for b in batches)),
+        "items_per_s": round(1 / build, 2), "tokens_per_s": round(token_budget / build),
     }
+
+
+def time_cpu_builds(loader: TrainLoader, num_batches: int) -> float:
+    """Median ms of one worker's build when it also reads and dequantises the aux rows (CPU training)."""
+    plan = loader.plan(0)
+    refs = plan.refs_of_rank[0]
+    loc = np.stack([loader.index.store_of[refs], loader.index.shard_of[refs], loader.index.row_of[refs]])
+    stream = ShardStream(loader.stores, loader.config, loc_3B=loc, bounds=plan.bounds_of_rank[0],
+                         num_batches=plan.num_batches, start=0, epoch=0,
+                         target_to_draft_V=loader.target_to_draft_V, mask_token_id=loader.mask_token_id)
+    times = []
+    for b in range(num_batches):
+        t0 = time.perf_counter()
+        out = stream.build(ShardReader(loader.stores, capacity=8), b % plan.num_batches)
+        times.append(time.perf_counter() - t0)
+        assert out.aux_TAH is not None and out.aux_scale_TA is None
+    return round(1000 * statistics.median(times), 1)
+
+
+def time_loader(config: LoaderConfig, vocab, num_batches: int) -> float:
+    """Samples/s out of ``TrainLoader`` (its workers, then the aux rows read in this process as the pin
+    thread would), over ``num_batches`` after a first warm-up batch."""
+    loader = TrainLoader(config, vocab=vocab)
+    got, items, t0 = 0, 0, None
+    for batch in loader.stream():
+        got += 1
+        if got == 1:
+            t0 = time.perf_counter()
+            continue
+        items += batch.num_samples
+        if got == num_batches + 1:
+            break
+    return round(items / (time.perf_counter() - t0), 3)
 
 
 def time_dataloader(loader: TrainLoader, workers: int, num_batches: int) -> float:
@@ -239,38 +295,60 @@ def main() -> None:
                         help="samples per store (default: ~400 MB per store: 8 at L=2048, 2 at L=8192)")
     parser.add_argument("--batches", type=int, default=6, help="timed batches per configuration")
     parser.add_argument("--workers", type=int, nargs="*", default=[1, 2], help="DataLoader runs with W workers")
+    parser.add_argument("--hidden-dtype", nargs="+", default=["bf16"], choices=S.HIDDEN_DTYPES,
+                        help="store encodings to measure (one store each)")
     args = parser.parse_args()
     torch.set_num_threads(1)  # a DataLoader worker runs with one thread
 
-    results = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
-               "bytes_per_token": raw_bytes_per_token(settings_for(2)), "num_depths": 8, "configs": []}
+    results = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+                           "load_average_at_start": os.getloadavg()},
+               "bytes_per_token": {d: raw_bytes_per_token(settings_for(2, d)) for d in args.hidden_dtype},
+               "num_depths": 8, "configs": []}
     for seq_len in args.lengths:
-        num_samples = args.samples or max(2, 16384 // seq_len)
-        root = Path(args.out) / f"store-L{seq_len}"
-        t0 = time.perf_counter()
-        build_store(root, seq_len, num_samples, samples_per_shard=max(1, 4096 // seq_len * 2))
-        store_gib = sum(p.stat().st_size for p in (root / S.SHARDS_DIR).iterdir()) / 2**30
-        t0 = time.perf_counter()
-        build_draft_vocab(root, DRAFT_VOCAB)
-        vocab_s = time.perf_counter() - t0
-        vocab = load_draft_vocab(root, DRAFT_VOCAB)
-        print(f"L={seq_len}: store {root} ({num_samples} samples, {store_gib:.2f} GiB); `peagle vocab` "
-              f"{vocab_s:.2f} s", flush=True)
+        roots, vocabs, gib = {}, {}, {}
+        for hidden_dtype in args.hidden_dtype:
+            num_samples = args.samples or max(2, 16384 // seq_len)
+            root = Path(args.out) / (f"store-L{seq_len}" + ("" if hidden_dtype == S.HIDDEN_BF16 else f"-{hidden_dtype}"))
+            build_store(root, seq_len, num_samples, samples_per_shard=max(1, 4096 // seq_len * 2),
+                        hidden_dtype=hidden_dtype)
+            gib[hidden_dtype] = sum(p.stat().st_size for p in (root / S.SHARDS_DIR).iterdir()) / 2**30
+            t0 = time.perf_counter()
+            build_draft_vocab(root, DRAFT_VOCAB)
+            vocab_s = time.perf_counter() - t0
+            roots[hidden_dtype], vocabs[hidden_dtype] = root, load_draft_vocab(root, DRAFT_VOCAB)
+            print(f"L={seq_len}: store {root} ({num_samples} samples, {gib[hidden_dtype]:.2f} GiB); `peagle vocab` "
+                  f"{vocab_s:.2f} s", flush=True)
         for segments in args.segments:
             for attention in args.attention:
-                loader = TrainLoader(loader_config(root, seq_len, segments, attention), vocab=vocab)
-                rec = {"seq_len": seq_len, "segments": segments, "attention": attention,
-                       "store_gib": round(store_gib, 3), **time_builds(loader, root, args.batches)}
+                # Encodings measured in turns, batch by batch: on a shared machine both see the same load.
+                loaders = {d: TrainLoader(loader_config(roots[d], seq_len, segments, attention), vocab=vocabs[d])
+                           for d in args.hidden_dtype}
+                measured: dict[str, list[dict]] = {d: [] for d in args.hidden_dtype}
+                buffers: dict[str, dict] = {d: {} for d in args.hidden_dtype}
+                for b in range(args.batches):
+                    for d in args.hidden_dtype:
+                        measured[d].append(measure_batch(loaders[d], roots[d], b, buffers[d]))
+                recs = {d: {"seq_len": seq_len, "hidden_dtype": d, "segments": segments, "attention": attention,
+                            "store_gib": round(gib[d], 3), **summarize(measured[d], seq_len)} for d in args.hidden_dtype}
                 for w in args.workers:
-                    rec[f"dataloader_batches_per_s_w{w}"] = time_dataloader(loader, w, args.batches)
-                if seq_len == 8192 and args.workers:
-                    for name, step_ms in REFERENCE_STEP_MS.items():
-                        need = max(1, math.ceil(rec["worker_ms_per_batch"] / step_ms))
-                        rec[f"workers_needed_{name}"] = need
-                        rec[f"recommended_workers_{name}"] = need + 1
-                        rec[f"pin_thread_share_of_step_{name}"] = round(rec["aux_read_cold_ms"] / step_ms, 3)
-                results["configs"].append(rec)
-                print(json.dumps(rec), flush=True)
+                    for d in args.hidden_dtype:
+                        recs[d][f"dataloader_batches_per_s_w{w}"] = time_dataloader(loaders[d], w, args.batches)
+                    for d in args.hidden_dtype:
+                        recs[d][f"loader_items_per_s_w{w}"] = time_loader(
+                            loader_config(roots[d], seq_len, segments, attention, workers=w), vocabs[d], args.batches)
+                if S.HIDDEN_FP8 in roots:  # CPU training: the worker reads and dequantises the rows itself
+                    cpu = TrainLoader(loader_config(roots[S.HIDDEN_FP8], seq_len, segments, attention,
+                                                    dequantize_in_workers=True), vocab=vocabs[S.HIDDEN_FP8])
+                    recs[S.HIDDEN_FP8]["cpu_path_build_ms"] = time_cpu_builds(cpu, args.batches)
+                for rec in recs.values():
+                    if seq_len == 8192 and args.workers:
+                        for name, step_ms in REFERENCE_STEP_MS.items():
+                            need = max(1, math.ceil(rec["worker_ms_per_batch"] / step_ms))
+                            rec[f"workers_needed_{name}"] = need
+                            rec[f"recommended_workers_{name}"] = need + 1
+                            rec[f"pin_thread_share_of_step_{name}"] = round(rec["aux_read_cold_ms"] / step_ms, 3)
+                    results["configs"].append(rec)
+                    print(json.dumps(rec), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
 

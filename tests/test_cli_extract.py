@@ -108,7 +108,9 @@ def test_store_layout_matches_design(baseline):
     assert set(manifest["shards"][0]) == {
         "index", "parquet", "safetensors", "num_samples", "num_tokens", "parquet_bytes", "safetensors_bytes",
         "parquet_sha256", "safetensors_sha256", "input_file", "first_record", "end_record", "num_records",
-        "skipped", "num_truncated", "backend"}
+        "skipped", "num_truncated", "backend", "stats"}
+    stats = manifest["shards"][0]["stats"]  # content statistics, one entry per aux layer (peagle store check)
+    assert len(stats["layers"]) == 3 and stats["layers"][0]["zero_rows"] == 0 and stats["topk"]["non_finite_rows"] == 0
     info = _ok(run_peagle("store", "info", baseline)).stdout
     assert f"tokens       {manifest['num_tokens']:,}" in info and "malformed_json 1" in info
     assert "on disk vs 816 raw tensor bytes" in info

@@ -82,6 +82,8 @@ def demo(
                                          help="Time budget for training the demo target (first run only)."),
     num_heldout: int = typer.Option(16, "--num-heldout", help="Chats held out as eval prompts."),
     seed: int = typer.Option(0, "--seed", help="Seed for data split, training and sampling."),
+    hidden_dtype: str = typer.Option("bf16", "--hidden-dtype", help="How the store keeps the aux hidden states: "
+                                     "bf16, or fp8 (about half the disk; docs/fp8.md).", metavar="bf16|fp8"),
     eval_modes: Optional[str] = typer.Option(None, "--eval-modes", help="Comma list of offline,online,vllm "
                                              "(default: all that can run here)."),
 ) -> None:
@@ -113,7 +115,8 @@ def demo(
     timings["extract"] = _run_stage(
         ["extract", "--data", str(train_data), "--target", str(target), "--out", str(store),
          "--backend", backend, "--regenerate", "--temperature", "0.7", "--max-new-tokens", "160",
-         "--max-seq-len", "512", "--samples-per-shard", "256", "--seed", str(seed)], "extract")
+         "--max-seq-len", "512", "--samples-per-shard", "256", "--seed", str(seed), "--hidden-dtype", hidden_dtype],
+        "extract")
     timings["vocab"] = _run_stage(["vocab", str(store), "--draft-vocab-size", "512", "--quiet"], "vocab")
     timings["train"] = _run_stage(
         ["train", "--store", str(store), "--target", str(target), "--out", str(run),

@@ -27,5 +27,5 @@ COMMAND = ConfigCommand(
     comma_lists=frozenset({"aux_layers"}),
     metavars={"data": "PATH", "target": "MODEL_DIR", "out": "STORE", "aux_layers": "IDS", "vllm_engine_args": "JSON",
               "backend": "|".join(X.BACKENDS), "loss_on": "|".join(X.LOSS_ON), "dtype": "|".join(X.DTYPES),
-              "logprob_dtype": "|".join(X.LOGPROB_DTYPES), "device": "|".join(X.DEVICES)})
+              "logprob_dtype": "|".join(X.LOGPROB_DTYPES), "hidden_dtype": "|".join(X.HIDDEN_DTYPES), "device": "|".join(X.DEVICES)})
 COMMAND.register(app)

@@ -20,7 +20,7 @@ from torch import Tensor
 
 DTYPES = {
     "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
-    "I32": torch.int32, "I64": torch.int64, "U8": torch.uint8, "BOOL": torch.bool,
+    "I32": torch.int32, "I64": torch.int64, "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
 }
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
 

@@ -61,19 +61,26 @@ def read_settings(root: str | os.PathLike) -> S.StoreSettings:
     if d.get("schema_version") != S.SCHEMA_VERSION:
         raise UserError(f"store {root} has schema_version {d.get('schema_version')}, this peagle reads "
                         f"schema_version {S.SCHEMA_VERSION}")
+    if d.get("hidden_dtype", S.HIDDEN_BF16) not in S.HIDDEN_DTYPES:
+        raise UserError(f"store {root} holds hidden states as {d['hidden_dtype']!r}, this peagle reads "
+                        f"{'|'.join(S.HIDDEN_DTYPES)}")
     return S.StoreSettings.from_dict(d)
 
 
 def check_same_settings(existing: S.StoreSettings, wanted: S.StoreSettings, root: Path) -> None:
     """One line naming the first field that differs, with both values."""
-    old, new = _flatten(existing.to_dict()), _flatten(wanted.to_dict())
+    # hidden_dtype in full: to_dict leaves out the default (bf16)
+    old = _flatten({**existing.to_dict(), "hidden_dtype": existing.hidden_dtype})
+    new = _flatten({**wanted.to_dict(), "hidden_dtype": wanted.hidden_dtype})
     # The target's identity first: with another target everything differs, and its path is the
     # value a user recognises.
     first = [f"target.{f}" for f in ("path", "content_hash", "architecture", "dtype")]
     for key in first + sorted((set(old) | set(new)) - set(first)):
         if old.get(key) != new.get(key):
+            hint = (f" (or convert it: `peagle store convert {root} --hidden-dtype {new[key]} --out NEW`)"
+                    if key == "hidden_dtype" else "")
             raise UserError(f"store {root} was made with {key}={old.get(key)!r}, this run asks for "
-                            f"{key}={new.get(key)!r}; use another --out or the store's settings")
+                            f"{key}={new.get(key)!r}; use another --out or the store's settings{hint}")
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -26,6 +26,11 @@ file holds, with shape and dtype (the writer in the extract stage writes exactly
 batch's aux rows from their byte ranges. A change of the aux representation (dtype, a scale
 tensor) lands in this file.
 
+**Two encodings of the aux states** (``StoreSettings.hidden_dtype``): bf16 rows, or fp8 rows
+(``float8_e4m3fn`` codes plus an ``aux_scale [T, A]`` float32 tensor, :mod:`peagle.pipeline.fp8`).
+Readers get them as :class:`StoredAux` (what the file holds); ``StoredAux.states()`` and
+``TrainingSample.aux_TAH`` are the states themselves (bf16), dequantised where needed.
+
 Shape letters: n a sample's tokens, T = n − 1 training positions, A aux layers, H hidden size,
 k stored top-k.
 """
@@ -43,13 +48,15 @@ import torch
 from torch import Tensor
 
 from peagle.pipeline.safetensors_file import TensorEntry, encode_header, map_tensors, read_header
+from peagle.pipeline import fp8
+from peagle.pipeline.aux_rows import AuxSource, ByteRange, StoredAux
 from peagle.pipeline.split import is_heldout
 from peagle.pipeline.store import Store, damaged
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 
-AUX_DTYPE = torch.bfloat16
-"""dtype of ``aux_hidden`` rows on disk and in memory."""
+AUX_DTYPES = {S.HIDDEN_BF16: torch.bfloat16, S.HIDDEN_FP8: fp8.FP8_DTYPE}
+"""dtype of ``aux_hidden`` rows on disk, by ``StoreSettings.hidden_dtype``."""
 TOPK_IDS_DTYPE = torch.int32
 LOGPROB_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 
@@ -61,17 +68,20 @@ PARQUET_READ_COLUMNS = ["sample_id", "input_ids", "loss_mask", "token_offset"]
 
 
 def tensor_layout(settings: S.StoreSettings, num_tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """The tensors of a shard holding ``num_tokens`` rows, in file order, with shape and dtype."""
-    return {
-        S.AUX_HIDDEN: ((num_tokens, len(settings.aux_layer_ids), settings.target.hidden_size), AUX_DTYPE),
-        S.TOPK_IDS: ((num_tokens, settings.topk), TOPK_IDS_DTYPE),
-        S.TOPK_LOGPROBS: ((num_tokens, settings.topk), LOGPROB_DTYPES[settings.logprob_dtype]),
-    }
+    """The tensors of a shard holding ``num_tokens`` rows, in file order, with shape and dtype
+    (``aux_scale`` only in fp8 stores)."""
+    num_aux = len(settings.aux_layer_ids)
+    layout = {S.AUX_HIDDEN: ((num_tokens, num_aux, settings.target.hidden_size), AUX_DTYPES[settings.hidden_dtype])}
+    if settings.hidden_dtype == S.HIDDEN_FP8:
+        layout[S.AUX_SCALE] = ((num_tokens, num_aux), fp8.SCALE_DTYPE)
+    layout[S.TOPK_IDS] = ((num_tokens, settings.topk), TOPK_IDS_DTYPE)
+    layout[S.TOPK_LOGPROBS] = ((num_tokens, settings.topk), LOGPROB_DTYPES[settings.logprob_dtype])
+    return layout
 
 
 def raw_bytes_per_token(settings: S.StoreSettings) -> int:
-    """Tensor bytes per token, A·H·2 (bf16 aux) + k·(4 + log-prob bytes): the store's size per token
-    before Parquet, and the unit of extract's size estimate."""
+    """Tensor bytes per token, A·H·2 (bf16) or A·(H + 4) (fp8) + k·(4 + log-prob bytes): the store's
+    size per token before Parquet, and the unit of extract's size estimate."""
     return sum(torch.Size(shape[1:]).numel() * dtype.itemsize for shape, dtype in tensor_layout(settings, 0).values())
 
 
@@ -171,12 +181,17 @@ def read_columns(store: Store, index: int) -> ShardColumns:
                          table.column("token_offset").to_numpy())
 
 
+def stored_aux(tensors: dict[str, Tensor]) -> StoredAux:
+    """The aux rows of a shard's (mapped) tensors, in whichever encoding the file holds."""
+    return StoredAux(tensors[S.AUX_HIDDEN], tensors.get(S.AUX_SCALE))
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainingSample:
     """One store sample in training coordinates: T = n − 1 positions p, every array indexed by p.
 
-    ``aux_TAH`` and ``topk_*_Tk`` may be views into a memory-mapped shard: nothing is copied until
-    someone writes them elsewhere.
+    ``aux`` and ``topk_*_Tk`` may be views into a memory-mapped shard: nothing is copied (or
+    dequantised) until someone asks for ``aux_TAH`` or writes them elsewhere.
     """
 
     sample_id: str
@@ -184,9 +199,14 @@ class TrainingSample:
     tokens_T: Tensor  # int64: x_{p+1}
     targets_T: Tensor  # int64: x_{p+2}, −1 at T−1
     supervised_T: Tensor  # bool: m[p] = loss_mask[p+2]
-    aux_TAH: Tensor  # aux[p]
+    aux: StoredAux  # aux[p], as stored
     topk_ids_Tk: Tensor  # int32: topk[p+1], the distribution of x_{p+2}
     topk_logprobs_Tk: Tensor  # float16/32: topk[p+1]
+
+    @property
+    def aux_TAH(self) -> Tensor:
+        """aux[p]: the states (bf16), dequantised for an fp8 store."""
+        return self.aux.states()
 
     @property
     def num_positions(self) -> int:
@@ -217,61 +237,23 @@ def sample_of(columns: ShardColumns, row: int, tensors: dict[str, Tensor]) -> Tr
         tokens_T=torch.from_numpy(columns.tokens[a:b]),
         targets_T=torch.from_numpy(columns.targets[a:b]),
         supervised_T=torch.from_numpy(columns.supervised[a:b]),
-        aux_TAH=tensors[S.AUX_HIDDEN][off:off + num_positions],
+        aux=stored_aux(tensors)[off:off + num_positions],
         topk_ids_Tk=tensors[S.TOPK_IDS][off + 1:off + 1 + num_positions],
         topk_logprobs_Tk=tensors[S.TOPK_LOGPROBS][off + 1:off + 1 + num_positions],
     )
 
 
 def training_sample(sample_id: str, input_ids_n: Tensor, loss_mask_n: Tensor, aux_nAH: Tensor,
-                    topk_ids_nk: Tensor, topk_logprobs_nk: Tensor) -> TrainingSample:
+                    topk_ids_nk: Tensor, topk_logprobs_nk: Tensor, aux_scale_nA: Tensor | None = None) -> TrainingSample:
     """One sample's raw rows (n tokens, as stored) in training coordinates, through the same shift."""
     n = int(torch.as_tensor(input_ids_n).numel())
     assert n >= 2 and aux_nAH.shape[0] == n and topk_ids_nk.shape[0] == n, "sample rows disagree"
     columns = shift_columns([sample_id], torch.as_tensor(input_ids_n).numpy(),
                             torch.as_tensor(loss_mask_n).numpy(), np.array([0, n]), np.array([0]))
     tensors = {S.AUX_HIDDEN: aux_nAH, S.TOPK_IDS: topk_ids_nk, S.TOPK_LOGPROBS: topk_logprobs_nk}
+    if aux_scale_nA is not None:
+        tensors[S.AUX_SCALE] = aux_scale_nA
     return sample_of(columns, 0, tensors)
-
-
-# --------------------------------------------------------------------------------------------------
-# Aux rows by byte range
-
-
-@dataclass(frozen=True)
-class AuxSource:
-    """Where a batch's ``aux_TAH`` rows lie on disk: one contiguous byte range per sample, in row order.
-
-    A DataLoader worker hands this over instead of the rows (peagle.stages.train.batch explains
-    why); :meth:`read_into` reads them in the trainer process straight into (pinned) memory.
-    """
-
-    shape: tuple[int, ...]  # (T, A, H)
-    dtype: torch.dtype
-    reads: tuple[tuple[str, int, int], ...]  # (safetensors path, byte offset, byte count)
-
-    def new_buffer(self, *, pin: bool = False) -> Tensor:
-        return torch.empty(self.shape, dtype=self.dtype, pin_memory=pin)
-
-    def read_into(self, out_TAH: Tensor) -> Tensor:
-        """Fill ``out_TAH`` (contiguous, CPU) with the rows; the GIL is released while the kernel copies."""
-        assert tuple(out_TAH.shape) == tuple(self.shape) and out_TAH.dtype == self.dtype and out_TAH.is_contiguous()
-        buffer = memoryview(out_TAH.view(-1).view(torch.uint8).numpy())
-        pos = 0
-        for path, offset, nbytes in self.reads:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                done = 0
-                while done < nbytes:
-                    got = os.preadv(fd, [buffer[pos + done:pos + nbytes]], offset + done)
-                    if got <= 0:
-                        raise OSError(f"{path}: file ended at byte {offset + done}, expected {offset + nbytes}")
-                    done += got
-            finally:
-                os.close(fd)
-            pos += nbytes
-        assert pos == buffer.nbytes, "aux reads do not cover the batch"
-        return out_TAH
 
 
 # --------------------------------------------------------------------------------------------------
@@ -286,7 +268,7 @@ class ShardReader:
         self.stores, self.capacity = stores, capacity
         self._columns: OrderedDict[tuple[int, int], ShardColumns] = OrderedDict()
         self._tensors: OrderedDict[tuple[int, int], dict[str, Tensor]] = OrderedDict()
-        self._aux: OrderedDict[tuple[int, int], tuple[str, TensorEntry]] = OrderedDict()
+        self._aux: OrderedDict[tuple[int, int], tuple[str, dict[str, TensorEntry]]] = OrderedDict()
 
     def _cached(self, cache: OrderedDict, key: tuple[int, int], load: Callable[[], Any]) -> Any:
         if key in cache:
@@ -308,16 +290,21 @@ class ShardReader:
     def sample(self, store: int, shard: int, row: int) -> TrainingSample:
         return sample_of(self.columns(store, shard), row, self.tensors(store, shard))
 
-    def aux_read(self, store: int, shard: int, row: int) -> tuple[str, int, int]:
-        """(absolute path, byte offset, byte count) of the sample's T aux rows ``aux[0 … n−2]``."""
-        def load() -> tuple[str, TensorEntry]:
+    def aux_read(self, store: int, shard: int, row: int) -> tuple[ByteRange, ByteRange | None]:
+        """Where the sample's T aux rows ``aux[0 … n−2]`` are: (absolute path, byte offset, byte count)
+        of the stored rows, and of their scales in an fp8 store (else None)."""
+        def load() -> tuple[str, dict[str, TensorEntry]]:
             path = (self.stores[store].root / self.stores[store].shards[shard].safetensors).resolve()
-            return str(path), read_header(path)[S.AUX_HIDDEN]
+            return str(path), read_header(path)
 
-        path, entry = self._cached(self._aux, (store, shard), load)
+        path, entries = self._cached(self._aux, (store, shard), load)
         columns = self.columns(store, shard)
-        return path, entry.offset + int(columns.token_offset[row]) * entry.row_bytes, \
-            columns.num_positions(row) * entry.row_bytes
+        first, count = int(columns.token_offset[row]), columns.num_positions(row)
+
+        def rows(entry: TensorEntry) -> ByteRange:
+            return path, entry.offset + first * entry.row_bytes, count * entry.row_bytes
+
+        return rows(entries[S.AUX_HIDDEN]), rows(entries[S.AUX_SCALE]) if S.AUX_SCALE in entries else None
 
 
 def iter_training_samples(store: Store, *, heldout_fraction: float | None = None,
@@ -340,3 +327,11 @@ def iter_shard_columns(store: Store) -> Iterator[tuple[int, ShardColumns]]:
     """(shard index, columns) of every committed shard, in order (Parquet only)."""
     for record in store.shards:
         yield record.index, read_columns(store, record.index)
+
+
+__all__ = [
+    "AUX_DTYPES", "AuxSource", "ByteRange", "ShardColumns", "ShardReader", "StoredAux", "TrainingSample",
+    "iter_shard_columns", "iter_training_samples", "open_shard_tensors", "raw_bytes_per_token", "read_columns",
+    "read_num_positions", "sample_of", "shift_columns", "stored_aux", "tensor_layout", "training_sample",
+    "PARQUET_READ_COLUMNS",
+]

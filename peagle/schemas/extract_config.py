@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from peagle.schemas.errors import UserError
+from peagle.schemas.store import HIDDEN_DTYPES
 
 BACKENDS = ("auto", "vllm", "hf")
 LOSS_ON = ("all", "last", "per_turn")
@@ -73,6 +74,11 @@ class ExtractConfig:
     logprob_dtype: str = "float16"
     """Storage dtype of the top-k log-probabilities: `float16` (k*6 bytes/token) or `float32`."""
 
+    hidden_dtype: str = "bf16"
+    """Storage of the aux hidden states: `bf16` (A*H*2 bytes/token) or `fp8` (float8_e4m3fn with a
+    float32 scale per token and layer, A*(H+4) bytes/token: about half the disk, and half the bytes
+    read per training batch). Part of the store's identity; docs/fp8.md has the error it costs."""
+
     device: str = "auto"
     """Where the hf backend runs the target: `cpu`, `cuda`, or `auto` (cuda when available)."""
 
@@ -128,6 +134,7 @@ class ExtractConfig:
         _choice("loss-on", self.loss_on, LOSS_ON)
         _choice("dtype", self.dtype, DTYPES)
         _choice("logprob-dtype", self.logprob_dtype, LOGPROB_DTYPES)
+        _choice("hidden-dtype", self.hidden_dtype, HIDDEN_DTYPES)
         _choice("device", self.device, DEVICES)
         for name in ("topk", "max_seq_len", "samples_per_shard", "num_shards", "batch_size",
                      "max_batch_tokens", "max_new_tokens"):

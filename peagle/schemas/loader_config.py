@@ -49,6 +49,8 @@ class LoaderConfig:
     prefetch_factor: int = 2
     pin_memory: bool = False
     verify: bool = False
+    dequantize_in_workers: bool = True  # fp8 stores: workers dequantise (CPU); False ships fp8 to the device
+    allow_bad_aux_rows: bool = False  # train on stores whose commit statistics show zero/non-finite rows
     mask_token_id: int | None = None  # default: the stores' StoreSettings.mask_token_id
     aux_layer_ids: tuple[int, ...] | None = None  # what the draft reads; None = whatever the stores hold
 

@@ -31,6 +31,7 @@ AUX_HIDDEN = "aux_hidden"  # [T, A, H]
 TOPK_IDS = "topk_ids"  # [T, k]
 TOPK_LOGPROBS = "topk_logprobs"  # [T, k]
 # (shapes and dtypes: peagle.pipeline.store_reader.tensor_layout, the one place that knows them)
+AUX_SCALE = "aux_scale"  # [T, A], fp8 stores only (peagle.pipeline.fp8)
 TENSOR_NAMES = (AUX_HIDDEN, TOPK_IDS, TOPK_LOGPROBS)
 
 PARQUET_COLUMNS = ("sample_id", "source", "input_ids", "loss_mask", "num_tokens", "token_offset")
@@ -65,6 +66,13 @@ class TargetIdentity:
     content_hash: str  # sha256 over the target's config + weight file names and sizes
 
 
+HIDDEN_BF16 = "bf16"
+HIDDEN_FP8 = "fp8"
+HIDDEN_DTYPES = (HIDDEN_BF16, HIDDEN_FP8)
+"""``aux_hidden`` encodings: bf16 states, or float8_e4m3fn codes with a float32 scale per
+(token, layer) row in ``aux_scale`` (docs/fp8.md). Readers refuse any other value."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class StoreSettings:
     """Everything that must be equal for two extraction runs to write into one store."""
@@ -82,10 +90,16 @@ class StoreSettings:
     # --regenerate and its sampling settings ({} when assistant turns are the data's own): a store
     # must not mix shards whose assistant turns came from different sources.
     regenerate: dict[str, Any] = field(default_factory=dict)
+    # --- How aux hidden states are encoded (HIDDEN_DTYPES) ---
+    hidden_dtype: str = HIDDEN_BF16
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["aux_layer_ids"] = list(self.aux_layer_ids)
+        if self.hidden_dtype == HIDDEN_BF16:
+            # Absent means bf16 (every store before fp8 existed): such stores keep their manifest
+            # bytes, hence their manifest hash, which checkpoints resume against.
+            del d["hidden_dtype"]
         return d
 
     @classmethod
@@ -116,12 +130,85 @@ class ShardRecord:
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> count
     num_truncated: int = 0
     backend: str = ""
+    # --- Content statistics computed at commit time (None in records written before them) ---
+    stats: ShardStats | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["skipped"] = dict(sorted(self.skipped.items()))
+        if self.stats is None:
+            del d["stats"]  # older records stay byte-identical (manifest hash)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ShardRecord":
+        d = dict(d)
+        if d.get("stats") is not None:
+            d["stats"] = ShardStats.from_dict(d["stats"])
         return cls(**d)
+
+
+# --------------------------------------------------------------------------------------------------
+# Commit-time content statistics (what `peagle store check` and `peagle train` judge a shard by)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerStats:
+    """One aux layer's rows in one shard, as stored (fp8: dequantised).
+
+    The norm statistics cover the rows that are finite, not all zero and not a sample's first token:
+    the first token carries the attention-sink "massive activations" of real LLMs, hundreds of times
+    the typical norm, and would drown the distribution that outliers are judged against.
+    """
+
+    num_rows: int
+    zero_rows: int  # every value exactly 0
+    non_finite_rows: int  # some value NaN or inf
+    norm_rows: int
+    norm_mean: float
+    norm_std: float
+    norm_min: float
+    norm_max: float
+    log_norm_mean: float  # natural log of the L2 norm: outliers are judged on this scale
+    log_norm_std: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class TopkStats:
+    """The shard's top-k rows: probability mass ``Σ exp(logprobs)`` and top-1 agreement."""
+
+    num_rows: int
+    non_finite_rows: int
+    mass_high_rows: int  # Σ exp > 1 + MASS_TOLERANCE: not a log-softmax
+    mass_low_rows: int  # Σ exp < k / (2V): below what any top-k of V probabilities can hold
+    mass_mean: float
+    mass_min: float
+    mass_max: float
+    agree_positions: int  # rows i whose next token x_{i+1} is supervised (loss_mask[i+1] = 1)
+    agree_count: int  # of which topk_ids[i, 0] == x_{i+1}: the data's token is the target's top-1
+
+
+MASS_TOLERANCE = 0.02
+"""How far above 1 a stored top-k mass may be (float16 log-probs round by up to ~0.1% each)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardStats:
+    """Per-shard content statistics, in the commit record (``ShardRecord.stats``)."""
+
+    version: int = 1
+    layers: tuple[LayerStats, ...]  # in aux_layer_ids order
+    topk: TopkStats
+
+    @property
+    def zero_rows(self) -> int:
+        return sum(layer.zero_rows for layer in self.layers)
+
+    @property
+    def non_finite_rows(self) -> int:
+        return sum(layer.non_finite_rows for layer in self.layers) + self.topk.non_finite_rows
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ShardStats":
+        return cls(version=d.get("version", 1), layers=tuple(LayerStats(**layer) for layer in d["layers"]),
+                   topk=TopkStats(**d["topk"]))

@@ -20,7 +20,7 @@ ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
 
 SAFE_TO_CHANGE = frozenset({
     "out", "max_steps", "epochs", "eval_every", "save_every", "keep_checkpoints", "log_every", "num_workers",
-    "verify", "eval_store",
+    "verify", "eval_store", "allow_bad_aux_rows",
 })
 """Fields a resumed run may change: they steer how long the run goes, what it reports and where it
 lives (a run directory may be moved), not what a step computes. (Changing the run length re-times
@@ -165,6 +165,10 @@ class TrainConfig:
 
     verify: bool = False
     """Check the sha256 of every shard when opening the stores (default: sizes only)."""
+
+    allow_bad_aux_rows: bool = False
+    """Train on stores whose commit statistics show all-zero or non-finite aux rows (by default such
+    a store is refused, naming the shard: `peagle store check STORE` finds the samples)."""
 
     def __post_init__(self) -> None:
         store = (self.store,) if isinstance(self.store, str) else tuple(self.store or ())

@@ -13,7 +13,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load_file
 
+from peagle.pipeline import fp8
 from peagle.pipeline import store_reader as R
 from peagle.pipeline.safetensors_file import encode_header
 from peagle.pipeline.split import is_heldout
@@ -33,9 +35,11 @@ class RawSample:
     sample_id: str
     input_ids: list[int]
     loss_mask: list[int]
-    aux_nAH: torch.Tensor
+    aux_nAH: torch.Tensor  # the states (bf16; dequantised for fp8)
     topk_ids_nk: torch.Tensor
     topk_logprobs_nk: torch.Tensor
+    stored_nAH: torch.Tensor  # aux_hidden as written (bf16 states or fp8 codes)
+    scale_nA: torch.Tensor | None  # aux_scale (fp8)
 
 
 @dataclass(frozen=True)
@@ -55,31 +59,36 @@ def write_parquet_rows(path: Path, rows: list[RawSample]) -> None:
     }), path)
 
 
-def write_raw_store(root: Path, lengths_of_shards: list[list[int]], seed: int = 0) -> RawStore:
+def write_raw_store(root: Path, lengths_of_shards: list[list[int]], seed: int = 0,
+                    hidden_dtype: str = S.HIDDEN_BF16) -> RawStore:
     """A store written through the commit protocol, with random rows shaped as extract writes them
-    (ragged samples, uint8 loss masks, bf16 aux, int32 top-k ids, fp16 log-probs)."""
+    (ragged samples, uint8 loss masks, bf16 or fp8 aux, int32 top-k ids, fp16 log-probs)."""
     g = torch.Generator().manual_seed(seed)
-    init_store(root, SETTINGS)
+    settings = replace(SETTINGS, hidden_dtype=hidden_dtype)
+    init_store(root, settings)
     samples, order = {}, []
     for index, lengths in enumerate(lengths_of_shards):
         rows = []
         for n in lengths:
             sid = f"{index}-{len(rows)}"
+            states = torch.randn(n, 3, 16, generator=g).to(torch.bfloat16)
+            stored, scale = fp8.quantize(states) if hidden_dtype == S.HIDDEN_FP8 else (states, None)
             rows.append(RawSample(sid, torch.randint(0, 64, (n,), generator=g).tolist(),
                                   (torch.rand(n, generator=g) < 0.6).int().tolist(),
-                                  torch.randn(n, 3, 16, generator=g).to(torch.bfloat16),
+                                  states if scale is None else fp8.dequantize(stored, scale),
                                   torch.randint(0, 64, (n, 4), generator=g, dtype=torch.int32),
-                                  (-torch.rand(n, 4, generator=g).sort(dim=1).values * 4).half()))
+                                  (-torch.rand(n, 4, generator=g).sort(dim=1).values * 4).half(), stored, scale))
             samples[sid] = rows[-1]
             order.append(sid)
-        layout = R.tensor_layout(SETTINGS, sum(lengths))
+        layout = R.tensor_layout(settings, sum(lengths))
 
         def write_tensors(tmp, rows=rows, layout=layout):
             with open(tmp, "wb") as f:
                 f.write(encode_header(layout))
                 for name in layout:
                     for r in rows:
-                        t = {S.AUX_HIDDEN: r.aux_nAH, S.TOPK_IDS: r.topk_ids_nk, S.TOPK_LOGPROBS: r.topk_logprobs_nk}[name]
+                        t = {S.AUX_HIDDEN: r.stored_nAH, S.AUX_SCALE: r.scale_nA, S.TOPK_IDS: r.topk_ids_nk,
+                             S.TOPK_LOGPROBS: r.topk_logprobs_nk}[name]
                         f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
 
         pq_bytes, pq_sha = write_shard_file(root, S.parquet_name(index), lambda tmp, rows=rows: write_parquet_rows(tmp, rows))
@@ -92,9 +101,9 @@ def write_raw_store(root: Path, lengths_of_shards: list[list[int]], seed: int = 
     return RawStore(root, samples, order)
 
 
-@pytest.fixture
-def raw_store(tmp_path) -> RawStore:
-    return write_raw_store(tmp_path / "store", [[5, 2, 9], [3], [12, 4, 2, 7]])
+@pytest.fixture(params=S.HIDDEN_DTYPES)
+def raw_store(tmp_path, request) -> RawStore:
+    return write_raw_store(tmp_path / "store", [[5, 2, 9], [3], [12, 4, 2, 7]], hidden_dtype=request.param)
 
 
 def shifted_by_definition(ids: list[int], mask: list[int]) -> dict[str, list]:
@@ -144,8 +153,8 @@ def test_samples_read_from_a_real_store_are_the_raw_rows_shifted(raw_store):
 
 def test_a_raw_sample_goes_through_the_same_shift(raw_store):
     raw = next(iter(raw_store.samples.values()))
-    one = R.training_sample(raw.sample_id, torch.tensor(raw.input_ids), torch.tensor(raw.loss_mask), raw.aux_nAH,
-                            raw.topk_ids_nk, raw.topk_logprobs_nk)
+    one = R.training_sample(raw.sample_id, torch.tensor(raw.input_ids), torch.tensor(raw.loss_mask), raw.stored_nAH,
+                            raw.topk_ids_nk, raw.topk_logprobs_nk, raw.scale_nA)
     from_store = next(s for s in R.iter_training_samples(open_store(raw_store.root)) if s.sample_id == raw.sample_id)
     for name in ("tokens_T", "targets_T", "supervised_T", "aux_TAH", "topk_ids_Tk", "topk_logprobs_Tk"):
         assert torch.equal(getattr(one, name), getattr(from_store, name)), name
@@ -166,10 +175,16 @@ def test_shard_reader_aux_byte_ranges_hold_exactly_the_training_rows(raw_store):
     for shard in range(len(store.shards)):
         for row in range(reader.columns(0, shard).num_samples):
             sample = reader.sample(0, shard, row)
-            path, offset, nbytes = reader.aux_read(0, shard, row)
-            source = R.AuxSource(tuple(sample.aux_TAH.shape), sample.aux_TAH.dtype, ((path, offset, nbytes),))
-            assert torch.equal(source.read_into(source.new_buffer()), sample.aux_TAH)
-            assert torch.equal(sample.aux_TAH, raw_store.samples[sample.sample_id].aux_nAH[:-1])
+            values, scales = reader.aux_read(0, shard, row)
+            raw = raw_store.samples[sample.sample_id]
+            assert (scales is None) == (raw.scale_nA is None)
+            source = R.AuxSource(tuple(sample.aux_TAH.shape), raw.stored_nAH.dtype, (values,),
+                                 None if scales is None else (scales,))
+            read = source.read()
+            assert read.values_TAH.dtype == raw.stored_nAH.dtype  # as stored: fp8 stays fp8
+            assert torch.equal(read.values_TAH.view(torch.uint8), raw.stored_nAH[:-1].view(torch.uint8))
+            assert torch.equal(read.states(), sample.aux_TAH)
+            assert torch.equal(sample.aux_TAH, raw.aux_nAH[:-1]) and sample.aux_TAH.dtype == torch.bfloat16
 
 
 def test_tensor_layout_and_bytes_per_token():
@@ -179,6 +194,42 @@ def test_tensor_layout_and_bytes_per_token():
     assert layout[S.TOPK_LOGPROBS][1] == torch.float16
     assert R.raw_bytes_per_token(SETTINGS) == 3 * 16 * 2 + 4 * (4 + 2)
     assert R.raw_bytes_per_token(replace(SETTINGS, logprob_dtype="float32")) == 3 * 16 * 2 + 4 * 8
+
+
+def test_fp8_layout_scales_and_safetensors_compatibility(tmp_path):
+    """An fp8 shard: codes in aux_hidden (F8_E4M3), one float32 scale per (token, layer) in aux_scale
+    right after it, top-k unchanged; loadable by safetensors itself."""
+    settings = replace(SETTINGS, hidden_dtype=S.HIDDEN_FP8)
+    layout = R.tensor_layout(settings, 7)
+    assert list(layout) == [S.AUX_HIDDEN, S.AUX_SCALE, S.TOPK_IDS, S.TOPK_LOGPROBS]
+    assert layout[S.AUX_HIDDEN] == ((7, 3, 16), torch.float8_e4m3fn) and layout[S.AUX_SCALE] == ((7, 3), torch.float32)
+    assert layout[S.TOPK_LOGPROBS] == R.tensor_layout(SETTINGS, 7)[S.TOPK_LOGPROBS]  # top-k keeps its dtype
+    assert R.raw_bytes_per_token(settings) == 3 * (16 + 4) + 4 * (4 + 2)
+    states = torch.randn(7, 3, 16).to(torch.bfloat16)
+    codes, scale = fp8.quantize(states)
+    tensors = {S.AUX_HIDDEN: codes, S.AUX_SCALE: scale, S.TOPK_IDS: torch.zeros(7, 4, dtype=torch.int32),
+               S.TOPK_LOGPROBS: torch.zeros(7, 4, dtype=torch.float16)}
+    path = tmp_path / "x.safetensors"
+    with open(path, "wb") as f:
+        f.write(encode_header(layout))
+        for t in tensors.values():
+            f.write(t.view(torch.uint8).numpy().tobytes())
+    loaded = load_file(str(path))
+    assert loaded[S.AUX_HIDDEN].dtype == torch.float8_e4m3fn and torch.equal(loaded[S.AUX_SCALE], scale)
+    mapped = R.map_tensors(path)
+    assert torch.equal(mapped[S.AUX_HIDDEN].view(torch.uint8), codes.view(torch.uint8))
+    assert R.read_header(path)[S.AUX_HIDDEN].row_bytes == 3 * 16
+    assert torch.equal(R.stored_aux(mapped).states(), fp8.dequantize(codes, scale))
+
+
+def test_an_unknown_hidden_dtype_is_refused_in_one_line(tmp_path):
+    import json
+
+    write_raw_store(tmp_path / "s", [[3]])
+    settings_file = tmp_path / "s" / S.STORE_SETTINGS_FILE
+    settings_file.write_text(json.dumps({**json.loads(settings_file.read_text()), "hidden_dtype": "int4"}))
+    with pytest.raises(UserError, match=r"holds hidden states as 'int4', this peagle reads bf16\|fp8$"):
+        open_store(tmp_path / "s")
 
 
 def test_ragged_columns_and_a_damaged_tensor_file_are_one_line(raw_store):

@@ -26,6 +26,18 @@ class StoreInfo:
     skipped: dict[str, int]
     total_bytes: int
     backends: tuple[str, ...]
+    stats: list[S.ShardStats]  # of the shards whose commit records have statistics
+
+    @property
+    def health(self) -> str:
+        """What the commit statistics say (``peagle store check`` reads the rows themselves)."""
+        if not self.stats:
+            return "no commit statistics (shards written before them): run `peagle store check`"
+        zero, bad = sum(s.zero_rows for s in self.stats), sum(s.non_finite_rows for s in self.stats)
+        positions = sum(s.topk.agree_positions for s in self.stats)
+        agree = sum(s.topk.agree_count for s in self.stats) / positions if positions else 0.0
+        return (f"{zero:,} all-zero and {bad:,} non-finite rows by the commit statistics of {len(self.stats)} of "
+                f"{self.num_shards} shards; stored top-1 = next supervised token for {agree:.1%}")
 
     @property
     def bytes_per_token(self) -> float:
@@ -59,6 +71,7 @@ def store_info(root: str | Path) -> StoreInfo:
         num_truncated=sum(r.num_truncated for r in records), skipped=dict(sorted(skipped.items())),
         total_bytes=sum(r.parquet_bytes + r.safetensors_bytes for r in records),
         backends=tuple(sorted({r.backend for r in records if r.backend})),
+        stats=[r.stats for r in records if r.stats is not None],
     )
 
 
@@ -70,7 +83,7 @@ def format_info(info: StoreInfo) -> str:
         f"schema       version {s.schema_version}",
         f"target       {t.path} ({t.architecture}, {t.num_hidden_layers} layers, hidden {t.hidden_size}, "
         f"vocab {t.vocab_size}, {t.dtype}, content {t.content_hash[:12]})",
-        f"settings     aux_layer_ids {list(s.aux_layer_ids)}, topk {s.topk} ({s.logprob_dtype}), "
+        f"settings     aux_layer_ids {list(s.aux_layer_ids)} ({s.hidden_dtype}), topk {s.topk} ({s.logprob_dtype}), "
         f"max_seq_len {s.max_seq_len}, loss_on {s.loss_on}, mask_token_id {s.mask_token_id}",
         f"tokenizer    {s.tokenizer_fingerprint[:12]}, chat template {s.chat_template_hash[:12]}",
         f"shards       {info.num_shards} committed" + (f" (backend {', '.join(info.backends)})" if info.backends else ""),
@@ -80,6 +93,7 @@ def format_info(info: StoreInfo) -> str:
         f"bytes/token  {info.bytes_per_token:,.1f} on disk vs {info.raw_bytes_per_token:,} raw tensor bytes "
         f"({ratio:.4f}x); {info.total_bytes:,} bytes in all",
     ]
+    lines.append(f"rows         {info.health}")
     if info.skipped:
         lines.append("skipped      " + ", ".join(f"{k} {v}" for k, v in info.skipped.items()))
     return "\n".join(lines)

@@ -150,7 +150,7 @@ def format_plan(plan: ExtractPlan, config: ExtractConfig, store: Path) -> str:
         f"  worker     {config.shard_index} of {config.num_shards}: {len(plan.mine)} shards, "
         f"{len(plan.mine) - len(plan.pending)} already committed, {len(plan.pending)} to do ({pending_records} records)",
         f"  settings   aux layers {','.join(map(str, s.aux_layer_ids))}, top-k {s.topk} ({s.logprob_dtype}), "
-        f"max len {s.max_seq_len}, loss on {s.loss_on}",
+        f"max len {s.max_seq_len}, loss on {s.loss_on}, hidden states {s.hidden_dtype}",
         f"  tokens     ~{plan.estimated_tokens:,} ({how})",
         f"  size       ~{_human(plan.estimated_bytes)} at {raw_bytes_per_token(s):,} bytes/token; "
         f"free disk {_human(plan.free_bytes)}",

@@ -94,5 +94,6 @@ def store_settings(config: ExtractConfig, target: Target) -> S.StoreSettings:
         chat_template_hash=hashlib.sha256((target.tokenizer.chat_template or "").encode()).hexdigest(),
         aux_layer_ids=aux_ids, topk=config.topk, max_seq_len=config.max_seq_len,
         logprob_dtype=config.logprob_dtype, loss_on=config.loss_on, mask_token_id=mask_token_id(target.tokenizer),
+        hidden_dtype=config.hidden_dtype,
         regenerate=({"temperature": config.temperature, "top_p": config.top_p,
                      "max_new_tokens": config.max_new_tokens, "seed": config.seed} if config.regenerate else {}))

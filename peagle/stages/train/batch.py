@@ -34,6 +34,12 @@ faults it in again before copying it into pinned memory: three passes over 200 M
 -- run by the DataLoader's pin thread in the trainer process, concurrently with the step -- reads
 the rows with ``preadv`` directly into a (cached) pinned buffer, one pass. ``TrainBatch.materialize()`` does the
 same into ordinary memory (CPU training; ``to()`` calls it when needed).
+
+**An fp8 store's rows stay fp8 until the device** (:mod:`peagle.pipeline.fp8`). The batch then
+carries the codes in ``aux_TAH`` (``float8_e4m3fn``) and a float32 scale per (row, layer) in
+``aux_scale_TA``: half the bytes of bf16 from disk, into pinned memory and over the host-to-device
+copy. The step dequantises on the device (``aux_states``), just before the draft's ``fc``. For CPU
+training the loader's workers dequantise instead (``dequantized``): there is no copy to save.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ import torch
 from torch import Tensor
 
 from peagle.model.mask import CodBlockIndices, cod_block_indices
-from peagle.pipeline.store_reader import AuxSource, TrainingSample
+from peagle.pipeline.store_reader import AuxSource, ByteRange, StoredAux, TrainingSample
 from peagle.schemas.loader_config import CodSettings
 from peagle.stages.train.cod import cod_generator, generate_cod_sample_indices, pack_cod
 from peagle.stages.train.segments import SegmentPlan, plan_segments
@@ -56,13 +62,13 @@ from peagle.stages.train.segments import SegmentPlan, plan_segments
 class TrainItem:
     """One sample in training coordinates (a ``TrainingSample``'s arrays) with its COD draw.
 
-    ``aux_TAH``, ``topk_*_Tk`` may be views into a memory-mapped shard: nothing is copied until
+    ``aux``, ``topk_*_Tk`` may be views into a memory-mapped shard: nothing is copied until
     :func:`collate` writes the batch.
     """
 
     sample_id: str
     tokens_T: Tensor  # int64, x_{p+1}: the depth-0 input token at p
-    aux_TAH: Tensor  # bfloat16, aux[p]
+    aux: StoredAux  # aux[p], as stored (bf16, or fp8 codes + scales)
     supervised_T: Tensor  # bool, m[p] = loss_mask[p+2]; m[T-1] = False
     topk_ids_Tk: Tensor  # int32, topk[p+1] (the distribution of x_{p+2})
     topk_logprobs_Tk: Tensor  # float16/32, topk[p+1]
@@ -87,7 +93,7 @@ def make_item(sample: TrainingSample, *, cod: CodSettings, seed: int, epoch: int
     return TrainItem(
         sample_id=sample.sample_id,
         tokens_T=sample.tokens_T,
-        aux_TAH=sample.aux_TAH,
+        aux=sample.aux,
         supervised_T=sample.supervised_T,
         topk_ids_Tk=sample.topk_ids_Tk,
         topk_logprobs_Tk=sample.topk_logprobs_Tk,
@@ -102,7 +108,9 @@ class TrainBatch:
 
     Row of T training positions (samples back to back; ``doc_starts_D``/``doc_lengths_D`` locate them):
         tokens_T        int64 [T]      x_{p+1} of every position: the depth-0 input tokens
-        aux_TAH         bf16 [T, A, H] aux[p]: the depth-0 input states; None until read (aux_source)
+        aux_TAH         bf16 [T, A, H] aux[p]: the depth-0 input states; None until read (aux_source);
+                        float8_e4m3fn codes when ``aux_scale_TA`` is set (``aux_states`` decodes)
+        aux_scale_TA    fp32 [T, A]    fp8 batches: the scale of each (row, layer); else None
         supervised_T    bool [T]       the shifted mask m[p]
         doc_starts_D, doc_lengths_D    int64 [D]
 
@@ -157,6 +165,7 @@ class TrainBatch:
     aux_source: AuxSource | None = None
     epoch: int = 0
     batch_index: int = 0
+    aux_scale_TA: Tensor | None = None
 
     @property
     def num_elements(self) -> int:
@@ -166,23 +175,39 @@ class TrainBatch:
     def num_samples(self) -> int:
         return len(self.sample_ids)
 
+    def aux_states(self, rows: Tensor | None = None) -> Tensor:
+        """The depth-0 input states ``aux_TAH[rows]`` (all rows for None) in bf16, dequantised here, on
+        the batch's device, for an fp8 batch."""
+        assert self.aux_TAH is not None, "read the aux rows first (materialize)"
+        stored = StoredAux(self.aux_TAH, self.aux_scale_TA)
+        return (stored if rows is None else stored[rows]).states()
+
+    def dequantized(self) -> "TrainBatch":
+        """The batch with bf16 ``aux_TAH`` (read first if needed); self if it holds bf16 states already."""
+        batch = self.materialize()
+        if batch.aux_scale_TA is None:
+            return batch
+        return dataclasses.replace(batch, aux_TAH=batch.aux_states(), aux_scale_TA=None)
+
     def materialize(self, *, pin: bool = False) -> "TrainBatch":
-        """The batch with ``aux_TAH`` read from disk (into pinned memory with ``pin``); self if it is."""
+        """The batch with its aux rows read from disk as stored (into pinned memory with ``pin``); self
+        if they are."""
         if self.aux_TAH is not None:
             return self
         src = self.aux_source
         assert src is not None, "a batch without aux_TAH must carry its aux_source"
-        out_TAH = src.read_into(src.new_buffer(pin=pin))
-        return dataclasses.replace(self, aux_TAH=out_TAH, aux_source=None)
+        stored = src.read(pin=pin)
+        return dataclasses.replace(self, aux_TAH=stored.values_TAH, aux_scale_TA=stored.scale_TA, aux_source=None)
 
     def pin_memory(self) -> "TrainBatch":
         """Page-locked copy (the DataLoader's pin thread calls this), so ``to(cuda, non_blocking)`` overlaps.
 
-        Unread aux rows go from the file straight into pinned memory (module docstring).
+        Unread aux rows (and scales) go from the file straight into pinned memory (module docstring).
         """
         fresh = self.aux_TAH is None
         batch = self.materialize(pin=True)
-        return _map_tensors(batch, lambda t: t if (fresh and t is batch.aux_TAH) else t.pin_memory())
+        read = (batch.aux_TAH, batch.aux_scale_TA) if fresh else ()
+        return _map_tensors(batch, lambda t: t if any(t is r for r in read) else t.pin_memory())
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "TrainBatch":
         return _map_tensors(self.materialize(), lambda t: t.to(device, non_blocking=non_blocking))
@@ -204,7 +229,7 @@ def _map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
 
 def collate(items: list[TrainItem], *, target_to_draft_V: Tensor, mask_token_id: int, num_segments: int = 1,
             block_size: int | None = None, epoch: int = 0, batch_index: int = 0,
-            aux_reads: list[tuple[str, int, int]] | None = None) -> TrainBatch:
+            aux_reads: list[tuple[ByteRange, ByteRange | None]] | None = None) -> TrainBatch:
     """Pack items into one flat row and gather the supervised targets (module docstring).
 
     Args:
@@ -212,9 +237,9 @@ def collate(items: list[TrainItem], *, target_to_draft_V: Tensor, mask_token_id:
         mask_token_id: input token of every depth >= 1 element.
         num_segments: S; > 1 adds the segment plans.
         block_size: flex attention block size; None (sdpa) computes no block indices.
-        aux_reads: per item, (safetensors path, byte offset, byte count) of its aux rows
+        aux_reads: per item, where its aux rows (and fp8 scales, else None) are on disk
             (``ShardReader.aux_read``): the batch then carries an ``AuxSource`` instead of copying
-            ``item.aux_TAH`` (DataLoader workers).
+            ``item.aux`` (DataLoader workers).
     """
     assert items, "collate needs at least one item"
     lengths = [it.num_positions for it in items]
@@ -222,12 +247,17 @@ def collate(items: list[TrainItem], *, target_to_draft_V: Tensor, mask_token_id:
     doc_starts_D = torch.cumsum(doc_lengths_D, 0) - doc_lengths_D
     num_tokens = int(doc_lengths_D.sum())
     tokens_T = torch.cat([it.tokens_T for it in items])
-    aux_TAH, aux_source = None, None
+    aux_TAH, aux_scale_TA, aux_source = None, None, None
+    fp8_rows = items[0].aux.scale_TA is not None
+    assert all((it.aux.scale_TA is not None) == fp8_rows for it in items), "one batch, one aux encoding"
     if aux_reads is None:
-        aux_TAH = torch.cat([it.aux_TAH for it in items])
+        aux_TAH = torch.cat([it.aux.values_TAH for it in items])
+        aux_scale_TA = torch.cat([it.aux.scale_TA for it in items]) if fp8_rows else None
     else:
         assert len(aux_reads) == len(items), "one aux read per item"
-        aux_source = AuxSource((num_tokens, *items[0].aux_TAH.shape[1:]), items[0].aux_TAH.dtype, tuple(aux_reads))
+        first = items[0].aux.values_TAH
+        aux_source = AuxSource((num_tokens, *first.shape[1:]), first.dtype, tuple(r for r, _ in aux_reads),
+                               tuple(s for _, s in aux_reads) if fp8_rows else None)
     supervised_T = torch.cat([it.supervised_T for it in items])
 
     anchor_N, depth_N, position_ids_N = pack_cod([(it.anchor_pos, it.depth) for it in items], doc_starts_D.tolist())
@@ -258,6 +288,7 @@ def collate(items: list[TrainItem], *, target_to_draft_V: Tensor, mask_token_id:
         num_tokens=num_tokens, num_supervised=int(keep.numel()),
         num_no_target=int(candidate_C.numel() - keep.numel()),
         sample_ids=tuple(it.sample_id for it in items), aux_source=aux_source, epoch=epoch, batch_index=batch_index,
+        aux_scale_TA=aux_scale_TA,
     )
     if num_segments > 1:
         batch.segments = plan_segments(anchor_N, depth_N, doc_starts_D, doc_lengths_D, num_segments)

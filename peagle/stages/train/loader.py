@@ -15,7 +15,12 @@ integers (epoch, batches handed out) plus what must not change; resume = re-plan
 (``peagle.pipeline.store_reader.ShardReader``: training coordinates, shard tensors memory-mapped,
 only the rows of a batch touched), draw COD, pack, gather top-k targets at supervised elements,
 and compute segment plans and flex block indices. The trainer receives finished ``TrainBatch``es
-(pinned when ``pin_memory``).
+(pinned when ``pin_memory``). Batches of an fp8 store keep their fp8 rows for the device
+(``dequantize_in_workers`` False) or are dequantised in the workers (CPU training).
+
+**A store whose commit statistics show broken rows is refused** (all-zero or non-finite aux rows,
+``ShardRecord.stats``), naming the shard and ``--allow-bad-aux-rows``; stores of different hidden
+encodings (bf16 + fp8) are refused in one line, with the conversion command.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from peagle.pipeline.split import is_heldout
 from peagle.pipeline.store import Store, manifest_hash, open_store
 from peagle.pipeline.store_reader import ShardReader, read_num_positions
+from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 from peagle.schemas.loader_config import LoaderConfig
 from peagle.stages.train.batch import TrainBatch, collate, make_item
@@ -67,12 +73,41 @@ def open_training_stores(config: LoaderConfig) -> list[Store]:
                             f"aux_layer_ids {_show(config.aux_layer_ids)}")
     first = _store_facts(stores[0])
     for store in stores[1:]:
+        encodings = (store.settings.hidden_dtype, stores[0].settings.hidden_dtype)
+        if encodings[0] != encodings[1]:
+            raise UserError(f"store {store.root} holds {encodings[0]} hidden states but store {stores[0].root} holds "
+                            f"{encodings[1]}; one run reads one encoding: `peagle store convert {store.root} "
+                            f"--hidden-dtype {encodings[1]} --out NEW` and train on NEW")
         held = _store_facts(store)
         for name, value in first.items():
             if held[name] != value:
                 raise UserError(f"store {store.root} has {name} {_show(held[name])} but store {stores[0].root} "
                                 f"has {_show(value)}; stores mixed in one run must come from one target")
+    if not config.allow_bad_aux_rows:
+        for store in stores:
+            check_commit_stats(store)
     return stores
+
+
+def check_commit_stats(store: Store) -> None:
+    """Refuse a store whose commit statistics show all-zero or non-finite rows (records written before
+    statistics existed have none, and pass).
+
+    Raises:
+        UserError: one line naming the store, the shard, the counts and the flag that overrides it.
+    """
+    for record in store.shards:
+        stats = record.stats
+        if stats is None or not (stats.zero_rows or stats.non_finite_rows):
+            continue
+        layers = [f"layer {layer_id}: {ls.zero_rows} all-zero, {ls.non_finite_rows} non-finite"
+                  for layer_id, ls in zip(store.settings.aux_layer_ids, stats.layers)
+                  if ls.zero_rows or ls.non_finite_rows]
+        if stats.topk.non_finite_rows:
+            layers.append(f"top-k: {stats.topk.non_finite_rows} non-finite")
+        raise UserError(f"store {store.root} shard {S.shard_stem(record.index)} holds broken rows by its commit "
+                        f"statistics ({'; '.join(layers)}): a draft trained on them learns garbage; "
+                        f"`peagle store check {store.root}` names the samples, --allow-bad-aux-rows trains anyway")
 
 
 def _store_facts(store: Store) -> dict[str, Any]:
@@ -145,10 +180,12 @@ class ShardStream(IterableDataset):
             aux_reads.append(reader.aux_read(store, shard, row))
             items.append(make_item(reader.sample(store, shard, row), cod=self.config.cod, seed=self.config.seed,
                                    epoch=self.epoch))
-        return collate(items, target_to_draft_V=self.target_to_draft_V, mask_token_id=self.mask_token_id,
-                       num_segments=self.config.sequence_partitions,
-                       block_size=self.config.block_size if self.config.attention == "flex" else None,
-                       epoch=self.epoch, batch_index=batch, aux_reads=aux_reads)
+        out = collate(items, target_to_draft_V=self.target_to_draft_V, mask_token_id=self.mask_token_id,
+                      num_segments=self.config.sequence_partitions,
+                      block_size=self.config.block_size if self.config.attention == "flex" else None,
+                      epoch=self.epoch, batch_index=batch, aux_reads=aux_reads)
+        fp8_rows = out.aux_source is not None and out.aux_source.scale_reads is not None
+        return out.dequantized() if fp8_rows and self.config.dequantize_in_workers else out
 
 
 # --------------------------------------------------------------------------------------------------

@@ -207,7 +207,8 @@ class Trainer:
             split=split, heldout_fraction=fraction, shuffle=not eval_split,
             sequence_partitions=c.sequence_partitions, attention=self.attention,
             num_workers=0 if eval_split else c.num_workers, pin_memory=self.device.type == "cuda",
-            verify=c.verify, aux_layer_ids=tuple(settings.aux_layer_ids))
+            verify=c.verify, dequantize_in_workers=self.device.type != "cuda", allow_bad_aux_rows=c.allow_bad_aux_rows,
+            aux_layer_ids=tuple(settings.aux_layer_ids))
 
     def _find_resume_point(self) -> Path | None:
         """Rank 0 picks the newest valid checkpoint (warning about damaged ones) and checks its config."""

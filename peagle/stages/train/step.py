@@ -109,7 +109,7 @@ def unit_forward(model: nn.Module, unit: Unit, *, attention: str, num_depths: in
         return t if unit.target_idx_E is None else t[unit.target_idx_E]
 
     anchor_M, depth_M = pick(b.anchor_N), pick(b.depth_N)
-    aux_RAH = b.aux_TAH if idx is None else b.aux_TAH[idx[: unit.num_real]]
+    aux_RAH = b.aux_states(None if idx is None else idx[: unit.num_real])  # fp8: dequantised here, on the device
     if attention == "flex":
         mask_mod = create_peagle_mask_mod(anchor_M, depth_M, b.doc_lengths_D, b.num_tokens)
         attn_mask = block_mask_from_indices(unit.block_indices, mask_mod, device=device)

@@ -26,6 +26,7 @@ from peagle.stages.extract.writer import (
     ShardContent,
     ShardWriter,
     drop_non_finite,
+    encode_sample,
     parquet_table,
     write_and_commit,
     write_parquet,
@@ -58,6 +59,10 @@ def _content(index: int = 0, lengths=(5, 3, 7)) -> ShardContent:
                         num_truncated=1, backend="hf")
 
 
+def _encoded(outputs: list[TargetOutput], settings: S.StoreSettings = SETTINGS) -> list[dict[str, torch.Tensor]]:
+    return [encode_sample(o.aux_TAH, o.topk_ids_TK, o.topk_logprobs_TK, settings) for o in outputs]
+
+
 def test_parquet_rows_follow_design_exactly(tmp_path):
     content = _content()
     write_parquet(parquet_table(content.samples), tmp_path / "x.parquet")
@@ -75,7 +80,7 @@ def test_parquet_rows_follow_design_exactly(tmp_path):
 def test_tensors_are_the_outputs_concatenated_in_sample_order(tmp_path):
     content = _content()
     path = tmp_path / "x.safetensors"
-    write_tensors(path, content.outputs, SETTINGS)
+    write_tensors(path, _encoded(content.outputs), SETTINGS)
     loaded = load_file(str(path))
     assert set(loaded) == set(S.TENSOR_NAMES)
     assert loaded[S.AUX_HIDDEN].shape == (15, A, H) and loaded[S.AUX_HIDDEN].dtype == torch.bfloat16
@@ -91,7 +96,8 @@ def test_tensors_are_the_outputs_concatenated_in_sample_order(tmp_path):
 
 
 def test_float32_logprobs_and_an_empty_shard(tmp_path):
-    write_tensors(tmp_path / "f.safetensors", _content().outputs, replace(SETTINGS, logprob_dtype="float32"))
+    f32 = replace(SETTINGS, logprob_dtype="float32")
+    write_tensors(tmp_path / "f.safetensors", _encoded(_content().outputs, f32), f32)
     assert load_file(str(tmp_path / "f.safetensors"))[S.TOPK_LOGPROBS].dtype == torch.float32
     write_tensors(tmp_path / "e.safetensors", [], SETTINGS)
     assert load_file(str(tmp_path / "e.safetensors"))[S.AUX_HIDDEN].shape == (0, A, H)

@@ -238,3 +238,82 @@ def test_workers_leave_aux_rows_on_disk_until_the_trainer_reads_them(tiny_store)
     assert torch.equal(lazy.materialize().aux_TAH, expected)
     assert torch.equal(lazy.to("cpu").aux_TAH, expected) and lazy.to("cpu").aux_source is None
     assert torch.equal(next(iter(loader)).aux_TAH, expected)  # the loader hands out read batches
+
+
+# ------------------------------------------------------------------------------------------------
+# FP8 stores: the same stream, half the aux bytes to the device, dequantised there or in the workers
+
+
+@pytest.fixture(scope="module")
+def fp8_store(tiny_store, tmp_path_factory):
+    """``tiny_store`` converted to fp8 (peagle store convert)."""
+    from peagle.stages.extract.convert import convert_store
+
+    out = tmp_path_factory.mktemp("fp8") / "store"
+    convert_store(tiny_store.root, out, "fp8", echo=lambda _: None, progress=False)
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_fp8_stream_is_the_bf16_stream_with_dequantised_rows(tiny_store, fp8_store, num_workers):
+    from peagle.pipeline import fp8
+
+    bf16_batches = list(TrainLoader(config(tiny_store)))
+    fp8_batches = list(TrainLoader(config(StoreSpec(str(fp8_store)), num_workers=num_workers)))
+    assert len(bf16_batches) == len(fp8_batches)
+    for a, b in zip(bf16_batches, fp8_batches):
+        assert fingerprint(a)[:-1] == fingerprint(b)[:-1]  # everything but the aux rows
+        assert b.aux_TAH.dtype == torch.bfloat16 and b.aux_scale_TA is None  # dequantised in the workers
+        assert torch.equal(b.aux_TAH, fp8.dequantize(*fp8.quantize(a.aux_TAH)))
+
+
+def test_fp8_batches_ship_codes_and_scales_for_the_device(fp8_store, tiny_store):
+    """``dequantize_in_workers=False`` (GPU training): the pin thread reads fp8 codes and their scales,
+    about half the bytes of the bf16 rows, and ``aux_states`` dequantises wherever the batch is."""
+    device_path = next(iter(TrainLoader(config(StoreSpec(str(fp8_store)), dequantize_in_workers=False))))
+    worker_path = next(iter(TrainLoader(config(StoreSpec(str(fp8_store))))))
+    bf16 = next(iter(TrainLoader(config(tiny_store))))
+    assert device_path.aux_TAH.dtype == torch.float8_e4m3fn
+    assert device_path.aux_scale_TA.shape == device_path.aux_TAH.shape[:2]
+    shipped = device_path.aux_TAH.nbytes + device_path.aux_scale_TA.nbytes
+    assert shipped / bf16.aux_TAH.nbytes == pytest.approx((128 + 4) / (2 * 128))  # A·(H+4) vs A·2H bytes
+    moved = device_path.to("cpu")
+    assert moved.aux_TAH.dtype == torch.float8_e4m3fn  # as stored until the step
+    assert torch.equal(moved.aux_states(), worker_path.aux_TAH)
+    rows = torch.tensor([3, 0, 5])
+    assert torch.equal(moved.aux_states(rows), worker_path.aux_TAH[rows])
+
+
+def test_the_step_on_fp8_rows_equals_the_step_on_rows_dequantised_in_workers(fp8_store, tiny_store):
+    from transformers import AutoConfig
+
+    from peagle.model.draft import PEagleDraft
+    from peagle.schemas.draft_config import DraftConfig
+    from peagle.stages.train.step import DraftStep, to_units, unit_forward
+
+    draft_config = DraftConfig.from_target_config(AutoConfig.from_pretrained(tiny_store.target_dir), num_layers=1,
+                                                  draft_vocab_size=tiny_store.vocab_size,
+                                                  mask_token_id=tiny_store.mask_token_id)
+    torch.manual_seed(0)
+    model = DraftStep(PEagleDraft(draft_config))
+    loss = []
+    for in_workers in (True, False):
+        batch = next(iter(TrainLoader(config(StoreSpec(str(fp8_store)), dequantize_in_workers=in_workers))))
+        (unit,) = to_units(batch, torch.device("cpu"))
+        loss.append(unit_forward(model, unit, attention="sdpa", num_depths=4, device=torch.device("cpu")).loss_sum)
+    assert torch.equal(loss[0], loss[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned host-to-device path needs a GPU")
+def test_fp8_rows_go_pinned_to_the_gpu_as_codes_and_are_dequantised_there(fp8_store):
+    cuda = torch.device("cuda")
+    worker_path = next(iter(TrainLoader(config(StoreSpec(str(fp8_store))))))
+    loader = TrainLoader(config(StoreSpec(str(fp8_store)), dequantize_in_workers=False, pin_memory=True,
+                                num_workers=1))
+    batch = next(iter(loader))
+    assert batch.aux_TAH.dtype == torch.float8_e4m3fn and batch.aux_TAH.is_pinned() and batch.aux_scale_TA.is_pinned()
+    on_gpu = batch.to(cuda, non_blocking=True)
+    assert on_gpu.aux_TAH.device.type == "cuda" and on_gpu.aux_TAH.dtype == torch.float8_e4m3fn
+    rows = torch.tensor([4, 1, 0], device=cuda)
+    assert torch.equal(on_gpu.aux_states(rows).cpu(), worker_path.aux_TAH[rows.cpu()])

@@ -1,0 +1,133 @@
+"""`peagle store convert STORE --hidden-dtype fp8 --out NEW`: rewrite a store's aux states in another
+encoding, shard by shard, resumably, under the extract commit protocol.
+
+Each committed shard of STORE becomes the same shard of NEW: its Parquet file is copied byte for
+byte, its tensors are re-encoded through the writer's own :func:`encode_sample` (so an fp8 store
+converted from bf16 is byte-identical to one extracted with ``--hidden-dtype fp8`` from the same
+run), its content statistics are computed from the new rows, and its commit record is the source's
+with the new file sizes, sha256 and statistics. A shard of NEW exists once its commit record does:
+a killed conversion re-run with the same command converts only what is missing, and converting
+into a directory made with other settings is refused in one line (``init_store``).
+
+The source shard's sha256 is checked before it is converted: a damaged shard must not come out
+with a fresh, valid checksum. NEW gets STORE's input registrations, so ``peagle extract --out NEW``
+continues it; draft vocabularies are not copied (``peagle vocab NEW`` rebuilds one in seconds,
+and it records NEW's own manifest hash).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from peagle.pipeline.atomic import remove_stale_temps
+from peagle.pipeline.store import (Store, check_shards, commit_shard, init_store, list_commits, open_store,
+                                   rebuild_manifest, write_bytes_atomic, write_shard_file)
+from peagle.pipeline.store_reader import open_shard_tensors, stored_aux
+from peagle.schemas import store as S
+from peagle.schemas.errors import UserError
+from peagle.stages.extract.stats import sample_rows, shard_stats
+from peagle.stages.extract.writer import encode_sample, write_tensors
+
+
+@dataclass(kw_only=True)
+class ConvertSummary:
+    source: Path
+    out: Path
+    hidden_dtype: str
+    converted: list[int] = field(default_factory=list)  # shard indices converted by this run
+    already: int = 0  # shards NEW held before this run
+
+
+def convert_shard(source: Store, record: S.ShardRecord, out: Path, settings: S.StoreSettings) -> S.ShardRecord:
+    """Convert and commit one shard of ``source`` into ``out`` (whose settings are ``settings``)."""
+    problems = check_shards(source.root, [record], verify=True)
+    if problems:
+        raise UserError(f"store {source.root} is damaged: {problems[0]}; not converting it (run "
+                        f"`peagle store verify {source.root}`)")
+    tensors = open_shard_tensors(source, record.index)
+    aux = stored_aux(tensors)
+    table = source.read_rows(record.index, ["input_ids", "loss_mask", "token_offset", "num_tokens"])
+    encoded, rows = [], []
+    for input_ids, loss_mask, first, n in zip(*(table.column(c).to_pylist() for c in table.column_names)):
+        parts = encode_sample(aux[first:first + n].states(), tensors[S.TOPK_IDS][first:first + n],
+                              tensors[S.TOPK_LOGPROBS][first:first + n], settings)
+        encoded.append(parts)
+        rows.append(sample_rows(stored_aux(parts).states(), parts[S.TOPK_IDS], parts[S.TOPK_LOGPROBS],
+                                np.asarray(input_ids), np.asarray(loss_mask)))
+    parquet_bytes, parquet_sha = write_shard_file(out, record.parquet,
+                                                  lambda tmp: shutil.copyfile(source.root / record.parquet, tmp))
+    try:
+        tensor_bytes, tensor_sha = write_shard_file(out, record.safetensors,
+                                                    lambda tmp: write_tensors(tmp, encoded, settings))
+    except Exception:
+        (out / record.parquet).unlink(missing_ok=True)
+        raise
+    new = replace(record, parquet_bytes=parquet_bytes, parquet_sha256=parquet_sha, safetensors_bytes=tensor_bytes,
+                  safetensors_sha256=tensor_sha, stats=shard_stats(rows, settings))
+    commit_shard(out, new)
+    return new
+
+
+def convert_store(source_root: str | Path, out_root: str | Path, hidden_dtype: str, *,
+                  echo: Callable[[str], None] = print, progress: bool | None = None) -> ConvertSummary:
+    """Convert every committed shard of ``source_root`` that ``out_root`` does not hold yet.
+
+    Raises:
+        UserError: unknown encoding, the source already in it, ``out_root`` the source itself, a store
+            made with other settings or holding shards of another store, a damaged source shard, a full disk.
+    """
+    from tqdm import tqdm
+
+    if hidden_dtype not in S.HIDDEN_DTYPES:
+        raise UserError(f"--hidden-dtype must be one of {'|'.join(S.HIDDEN_DTYPES)}, got {hidden_dtype!r}")
+    source = open_store(source_root)
+    out = Path(out_root)
+    if out.resolve() == source.root.resolve():
+        raise UserError(f"--out {out} is the store itself; convert into a new directory")
+    if source.settings.hidden_dtype == hidden_dtype:
+        raise UserError(f"store {source.root} holds {hidden_dtype} hidden states already; nothing to convert")
+    settings = replace(source.settings, hidden_dtype=hidden_dtype)
+    init_store(out, settings)  # refuses a directory holding a store made with other settings
+    for sub in (S.SHARDS_DIR, S.COMMITS_DIR, S.INPUTS_DIR, ""):
+        remove_stale_temps(out / sub)
+    for registration in sorted((source.root / S.INPUTS_DIR).glob("*.json")):
+        target = out / S.INPUTS_DIR / registration.name
+        if not target.exists():
+            write_bytes_atomic(out, f"{S.INPUTS_DIR}/{registration.name}", registration.read_bytes())
+    sources = {r.index: r for r in source.shards}
+    for record in list_commits(out):
+        if record.index not in sources or record.parquet_sha256 != sources[record.index].parquet_sha256:
+            raise UserError(f"{out} holds shard {S.shard_stem(record.index)} that is no conversion of {source.root}; "
+                            "convert into a new directory")
+    done = {r.index for r in list_commits(out)}
+    summary = ConvertSummary(source=source.root, out=out, hidden_dtype=hidden_dtype,
+                             already=sum(r.index in done for r in source.shards))
+    pending = [r for r in source.shards if r.index not in done]
+    echo(f"peagle store convert {source.root} ({source.settings.hidden_dtype}) -> {out} ({hidden_dtype}): "
+         f"{len(source.shards)} shards, {summary.already} converted already, {len(pending)} to do")
+    bar = tqdm(total=sum(r.num_tokens for r in pending), unit="tok", unit_scale=True, desc="convert",
+               file=sys.stderr, disable=None if progress is None else not progress)
+    try:
+        for record in pending:
+            convert_shard(source, record, out, settings)
+            summary.converted.append(record.index)
+            bar.update(record.num_tokens)
+    finally:
+        bar.close()
+    rebuild_manifest(out)  # also after a run that found nothing to do: a killed one may have left it stale
+    before = sum(r.safetensors_bytes + r.parquet_bytes for r in source.shards)
+    after = sum(r.safetensors_bytes + r.parquet_bytes for r in list_commits(out))
+    echo(f"converted {len(summary.converted)} shards; {after:,} bytes vs {before:,} in {source.root} "
+         f"({after / before if before else 0:.3f}x)")
+    if (source.root / S.VOCAB_DIR).is_dir():
+        echo(f"note: draft vocabularies are not copied; build one with `peagle vocab {out} --draft-vocab-size N`")
+    return summary
+
+
+__all__ = ["ConvertSummary", "convert_shard", "convert_store"]
