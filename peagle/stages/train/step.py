@@ -200,11 +200,13 @@ class TrainStep:
         Returns this rank's summed stats (detached, on the device) and the global (supervised,
         tokens, no-target) counts.
         """
-        counts = torch.tensor([sum(b.num_supervised for b in micro_batches), sum(b.num_tokens for b in micro_batches),
-                               sum(b.num_no_target for b in micro_batches)], dtype=torch.float64)
-        if self.world_size > 1:
-            dist.all_reduce(counts, group=self.cpu_group)  # BEFORE any backward: every unit's divisor
-        num_supervised, num_tokens, num_no_target = (float(x) for x in counts)
+        counts = [float(sum(b.num_supervised for b in micro_batches)), float(sum(b.num_tokens for b in micro_batches)),
+                  float(sum(b.num_no_target for b in micro_batches))]
+        if self.world_size > 1:  # BEFORE any backward: every unit's divisor (a CPU tensor on a gloo group)
+            reduced = torch.tensor(counts, dtype=torch.float64)
+            dist.all_reduce(reduced, group=self.cpu_group)
+            counts = reduced.tolist()
+        num_supervised, num_tokens, num_no_target = counts
         loss_scale = self.world_size / max(num_supervised, 1.0)
         units = [(batch, plan) for batch in self.to_device(micro_batches) for plan in batch.units]
         total = KLStats.zeros(self.config.num_depths, self.device)
