@@ -136,7 +136,6 @@ def run_one(args, d, trainer: Trainer, num_layers: int, seq_len: int, num_segmen
     device = trainer.device
     rec = dict(kind="train_step", layers=num_layers, seq_len=seq_len, partitions=num_segments, attention=attention,
                activation_checkpointing=args.activation_checkpointing, device=str(device), tiny=args.tiny)
-    trainer.attention = attention
     batch, collate_ms = make_batch(d, seq_len, num_segments, attention, trainer.draft)
     if device.type == "cuda":
         batch = batch.pin_memory()
