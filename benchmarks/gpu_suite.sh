@@ -141,7 +141,7 @@ if [ "$SMOKE" = 1 ]; then
   export OMP_NUM_THREADS=1
   rm -f "$OUT/parts/train_step.jsonl" "$OUT/parts/speculators.jsonl" "$OUT/parts/longest_context.jsonl"
   run_part train_step 60 "$PY" benchmarks/train_step.py --tiny --device cpu --layers 1 4 --seqlens 256 \
-    --partitions 1 --attention sdpa --warmup 1 --iters 2 --threads 1 --out "$OUT/parts/train_step.jsonl"
+    --partitions 1 --attention sdpa --warmup 1 --iters 2 --threads 1 --profile --out "$OUT/parts/train_step.jsonl"
   if [ -n "$ANCHOR" ]; then
     run_part speculators 120 "$PY" "$ANCHOR/bench.py" --mode model --tiny --device cpu --cpu-attn-shim --eager --loss-impl eager \
       --layers 1 4 --seqlens 256 --warmup 1 --iters 2 --variant smoke --out "$OUT/parts/speculators.jsonl"
@@ -161,7 +161,7 @@ else
   selected speculators && rm -f "$OUT/parts/speculators.jsonl"
   selected longest_context && rm -f "$OUT/parts/longest_context.jsonl"
   run_part train_step 100 "$PY" benchmarks/train_step.py --layers 1 4 --seqlens 8192 --partitions 1 \
-    --attention flex --warmup 2 --iters 5 --out "$OUT/parts/train_step.jsonl"
+    --attention flex --warmup 2 --iters 5 --profile --out "$OUT/parts/train_step.jsonl"
   if [ -n "$ANCHOR" ]; then
     run_part speculators 180 "$PY" "$ANCHOR/bench.py" --mode model --layers 1 4 --seqlens 8192 --warmup 2 \
       --iters 5 --patch-autotune-configs --variant compiled+configs-copy-patch \
@@ -169,7 +169,7 @@ else
   else
     skip_part speculators "no --speculators-anchor given"
   fi
-  run_part train_run 130 "$PY" benchmarks/train_run.py --steps 60 --work "$WORK/train_run" \
+  run_part train_run 150 "$PY" benchmarks/train_run.py --steps 60 --work "$WORK/train_run" \
     --out "$OUT/parts/train_run.json"
   run_part cuda_tests 130 "$PY" -m pytest -m cuda -q -p no:cacheprovider tests \
     --junitxml "$OUT/parts/cuda_tests.xml"

@@ -7,7 +7,8 @@
 ``--parts`` call can complete an earlier run) and writes ``OUT/summary.json`` with the issue's keys.
 A key is null when its part did not produce it, and ``null_reasons[key]`` then says why (the part
 was skipped, ran out of its budget, failed with this last log line, or ran but this record failed,
-e.g. out of memory). ``goals`` compares the figures with issue 14's goals; ``parts`` lists each
+e.g. out of memory). ``peagle_top_kernels`` holds the profile of one step per layer count (what
+limits the step), ``goals`` compares the figures with issue 14's goals; ``parts`` lists each
 part's status, time and finish date. With ``--smoke`` (toy shapes on CPU) the figures only prove
 the parts run: the keys keep their names, ``smoke`` is true and ``shapes`` says so.
 """
@@ -122,9 +123,11 @@ def build_summary(out_dir: Path, smoke: bool, suite_seconds: float | None) -> di
     length = None if smoke else 8192  # smoke: the toy length the part ran
     steps = s.train_step_records("train_step.jsonl", "train_step")
     reference = s.train_step_records("speculators.jsonl", "model_step")
+    top_kernels = {}
     for layers in (1, 4):
         rec, why = _pick(steps, layers, length, "peagle")
         s.put(f"peagle_tok_s_{layers}layer_L8192", rec and rec["tokens_per_s"], why)
+        top_kernels[f"{layers}layer"] = rec and rec.get("top_kernels")
         if layers == 1:
             s.put("matmul_tflops_1layer_L8192", rec and rec["matmul_tflops"], why)
         rec, why = _pick(reference, layers, length, "speculators")
@@ -162,7 +165,7 @@ def build_summary(out_dir: Path, smoke: bool, suite_seconds: float | None) -> di
     for layers in (1, 4):
         ours, theirs = summary[f"peagle_tok_s_{layers}layer_L8192"], summary[f"speculators_tok_s_{layers}layer_L8192"]
         ratios[f"peagle_over_speculators_{layers}layer"] = round(ours / theirs, 3) if ours and theirs else None
-    summary.update(ratios)
+    summary.update(ratios, peagle_top_kernels=top_kernels)
     summary["goals"] = {}
     for goal, (key, test) in GOALS.items():
         value = summary.get(key)

@@ -39,7 +39,7 @@ from loader_throughput import AUX_LAYERS, build_store, settings_for
 
 SHAPES = {  # 8B (Llama-3.1-8B-shaped draft, as the reference harness) and toy (CPU smoke run)
     "8b": dict(hidden=4096, heads=32, kv=8, inter=14336, vocab=128256, draft_vocab=32000, topk=32,
-               token_budget=8192, lengths=(256, 8192), num_samples=96),
+               token_budget=8192, lengths=(256, 8192), num_samples=40),
     "tiny": dict(hidden=64, heads=4, kv=2, inter=128, vocab=1000, draft_vocab=300, topk=8,
                  token_budget=512, lengths=(16, 400), num_samples=48),
 }

@@ -16,7 +16,8 @@ Shapes follow ../shared/anchors/speculators_gpu/bench.py: an 8B-shaped draft (hi
 Llama-3.1 RoPE), K = 8, r = 0.7, r_min = 0.2, one document per row, every position but the first
 supervised, random inputs; ``--tiny`` uses the reference's tiny shapes (hidden 64, vocab 1000/300).
 Each configuration: ``--warmup`` steps (the first includes compilation: ``first_step_s``), then the
-median of ``--iters`` steps, with a device sync before every clock read. Peak memory is
+median of ``--iters`` steps, with a device sync before every clock read; ``--profile`` adds the
+top kernels (self device time) of one more step under torch.profiler (``top_kernels``). Peak memory is
 ``torch.cuda.max_memory_allocated`` over the timed steps (on CPU: the process's peak RSS so far,
 which only grows). Lengths grow until one runs out of memory, then the next configuration starts.
 
@@ -171,11 +172,28 @@ def run_one(args, d, trainer: Trainer, num_layers: int, seq_len: int, num_segmen
         reference_equivalent_tflops=round(reference / median / 1e12, 3),
         new_graphs_in_timed_steps=after.get("unique_graphs", 0) - before.get("unique_graphs", 0),
         loss=round(loss, 4))
+    if args.profile:
+        rec["top_kernels"] = top_kernels(trainer, batch, device)
     if device.type == "cuda":
         rec["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     else:
         rec["peak_rss_gib_process"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
     return rec
+
+
+def top_kernels(trainer: Trainer, batch, device: torch.device, count: int = 12) -> list[dict]:
+    """One more step under torch.profiler: the kernels (CPU ops on CPU) with the most self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        trainer.train_step([batch])
+        sync(device)
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)
+    total = sum(getattr(e, key, 0) for e in events) or 1
+    return [{"name": e.key[:120], "ms": round(getattr(e, key) / 1e3, 2), "share": round(getattr(e, key) / total, 3),
+             "calls": e.count} for e in events[:count]]
 
 
 def main() -> None:
@@ -190,6 +208,7 @@ def main() -> None:
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--profile", action="store_true", help="record the top kernels of one extra profiled step")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     ap.add_argument("--out", default=None, help="jsonl file to append one object per configuration to")
     args = ap.parse_args()

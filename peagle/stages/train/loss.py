@@ -159,7 +159,8 @@ class _ChunkedKL(torch.autograd.Function):
     def forward(ctx, hidden_EH, weight_VH, ids_Ek, probs_Ek, depth_E, num_depths, chunk_rows):
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden_EH = torch.zeros_like(hidden_EH) if want_hidden else None
-        grad_weight_VH = torch.zeros_like(weight_VH) if want_weight else None
+        # The head's gradient adds up over chunks: in fp32, whatever the weight's (FSDP2: bf16) dtype.
+        grad_weight_VH = torch.zeros_like(weight_VH, dtype=torch.float32) if want_weight else None
         hidden_leaf = hidden_EH.detach().requires_grad_(want_hidden)
         weight_leaf = weight_VH.detach().requires_grad_(want_weight)
         offset = [0]
@@ -178,6 +179,7 @@ class _ChunkedKL(torch.autograd.Function):
             # Slices of the leaf keep each chunk's graph separate (nothing accumulates in .grad).
             total = _chunk_sums(hidden_leaf, weight_leaf, ids_Ek, probs_Ek, depth_E, num_depths, chunk_rows, on_chunk)
         ctx.save_for_backward(grad_hidden_EH, grad_weight_VH)
+        ctx.weight_dtype = weight_VH.dtype
         stats = (total.depth_loss_sum, total.depth_correct, total.depth_count, total.num_uncovered)
         ctx.mark_non_differentiable(*stats)
         return (total.loss_sum, *stats)
@@ -185,8 +187,9 @@ class _ChunkedKL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, *_):
         grad_hidden_EH, grad_weight_VH = ctx.saved_tensors
-        scale = (lambda g: None if g is None else g * grad_loss.to(g.dtype))
-        return scale(grad_hidden_EH), scale(grad_weight_VH), None, None, None, None, None
+        grad_weight = None if grad_weight_VH is None else (grad_weight_VH * grad_loss).to(ctx.weight_dtype)
+        grad_hidden = None if grad_hidden_EH is None else grad_hidden_EH * grad_loss.to(grad_hidden_EH.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def acceptance_length_estimate(per_depth_agreement: Sequence[float] | Tensor) -> float:

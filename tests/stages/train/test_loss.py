@@ -214,3 +214,23 @@ def test_stats_vector_round_trips_and_adds():
     assert vector.tolist() == [1.5, 4.0, 1.0, 0.5, 2.0, 1.0, 3.0, 2.0]
     assert (KLStats.from_vector(vector) + a.detach()).to_vector().tolist() == (2 * vector).tolist()
     assert KLStats.zeros(3).to_vector().tolist() == [0.0] * 11
+
+
+def test_a_bf16_head_alone_gets_its_gradient_summed_in_fp32():
+    """FSDP2's bf16 parameters, a trained head and a hidden state that needs no gradient."""
+    generator = torch.Generator().manual_seed(9)
+    ids, probs = random_targets(64, 30, 4, generator)
+    hidden = torch.randn(64, 16, generator=generator)
+    depth = torch.zeros(64, dtype=torch.long)
+    grads = []
+    for chunk_rows in (None, 4):
+        weight = torch.randn(30, 16, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).requires_grad_()
+        if chunk_rows is None:
+            stats = forward_kl_sum(hidden.to(torch.bfloat16) @ weight.T, ids, probs, torch.ones(64, dtype=torch.bool),
+                                   depth, 1)
+        else:
+            stats = chunked_kl_sum(hidden.to(torch.bfloat16), weight, ids, probs, depth, 1, chunk_rows=chunk_rows)
+        stats.loss_sum.backward()
+        grads.append(weight.grad)
+    assert grads[1].dtype == torch.bfloat16
+    torch.testing.assert_close(grads[1].float(), grads[0].float(), atol=2e-2, rtol=2e-2)

@@ -16,6 +16,8 @@ are caught by name. The CUDA tests (tests/stages/train/test_cuda.py) run the rea
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -113,9 +115,13 @@ def opaque_flex(q, k, v, *, block_mask, enable_gqa=True):
     """flex_attention outside the recorders: one kernel on a GPU (and Dynamo refuses to trace
     under a user dispatch mode, which eager flex does too)."""
     from torch.nn.attention.flex_attention import flex_attention
+    from torch.overrides import _get_current_function_mode, _pop_mode_temporarily
     from torch.utils._python_dispatch import _disable_current_modes
 
-    with _disable_current_modes():
+    with contextlib.ExitStack() as outside:
+        outside.enter_context(_disable_current_modes())
+        if isinstance(_get_current_function_mode(), HostReadRecorder):
+            outside.enter_context(_pop_mode_temporarily())
         return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
 
 
