@@ -60,14 +60,16 @@ def dims(tiny: bool) -> dict:
     return dict(hidden=4096, heads=32, kv=8, head_dim=128, inter=14336, vocab=128256, draft_vocab=32000)
 
 
-def build_draft(d: dict, num_layers: int, activation_checkpointing: bool) -> PEagleDraft:
+def build_draft(d: dict, num_layers: int, activation_checkpointing: bool, device: torch.device) -> PEagleDraft:
+    """The draft, initialised on ``device`` (an 8B-shaped one takes tens of seconds to fill on a CPU)."""
     config = DraftConfig(hidden_size=d["hidden"], num_heads=d["heads"], num_kv_heads=d["kv"], head_dim=d["head_dim"],
                          intermediate_size=d["inter"], rms_norm_eps=1e-5, rope_parameters=dict(LLAMA31_ROPE),
                          num_layers=num_layers, target_hidden_size=d["hidden"], num_aux=3,
                          target_vocab_size=d["vocab"], draft_vocab_size=d["draft_vocab"], mask_token_id=d["vocab"] - 1,
                          max_position_embeddings=131072, aux_layer_ids=[2, 16, 29])
     torch.manual_seed(0)
-    draft = PEagleDraft(config, activation_checkpointing=activation_checkpointing)
+    with torch.device(device):
+        draft = PEagleDraft(config, activation_checkpointing=activation_checkpointing)
     draft.set_vocab_map(torch.randperm(d["vocab"] - 1, generator=torch.Generator().manual_seed(0))[:d["draft_vocab"]]
                         .sort().values)
     return draft
@@ -232,7 +234,7 @@ def main() -> None:
                                          sequence_partitions=num_segments, attention=attention, max_steps=10**6,
                                          lr=1e-4, warmup_steps=0, grad_clip=1.0, weight_decay=0.01,
                                          activation_checkpointing=args.activation_checkpointing)
-                    draft = build_draft(d, num_layers, args.activation_checkpointing)
+                    draft = build_draft(d, num_layers, args.activation_checkpointing, device)
                     try:
                         trainer = Trainer.for_model(config, draft.to(device))
                         rec = run_one(args, d, trainer, num_layers, seq_len, num_segments, attention)
