@@ -75,50 +75,63 @@ HIDDEN, AUX_LAYERS, TOPK, TARGET_VOCAB, DRAFT_VOCAB = 4096, (2, 16, 29), 32, 128
 REFERENCE_STEP_MS = {"1_layer": 190.0, "4_layers": 491.0}  # one H100, L = 8192 (shared/anchors)
 
 
-def settings_for(max_len: int, hidden_dtype: str = S.HIDDEN_BF16) -> S.StoreSettings:
+def settings_for(max_len: int, *, hidden: int = HIDDEN, vocab: int = TARGET_VOCAB, topk: int = TOPK,
+                 content_hash: str = "synthetic", hidden_dtype: str = S.HIDDEN_BF16) -> S.StoreSettings:
+    """Store settings of a synthetic target (8B-shaped by default; the train-run benchmark passes toy
+    shapes, and the content hash of the target directory it writes)."""
     return S.StoreSettings(
         target=S.TargetIdentity(path="synthetic-8b", architecture="LlamaForCausalLM", num_hidden_layers=32,
-                                hidden_size=HIDDEN, vocab_size=TARGET_VOCAB, dtype="bfloat16",
-                                content_hash="synthetic"),
-        tokenizer_fingerprint="synthetic", chat_template_hash="synthetic", aux_layer_ids=AUX_LAYERS, topk=TOPK,
-        max_seq_len=max_len, logprob_dtype="float16", loss_on="all", mask_token_id=TARGET_VOCAB - 1,
+                                hidden_size=hidden, vocab_size=vocab, dtype="bfloat16",
+                                content_hash=content_hash),
+        tokenizer_fingerprint="synthetic", chat_template_hash="synthetic", aux_layer_ids=AUX_LAYERS, topk=topk,
+        max_seq_len=max_len, logprob_dtype="float16", loss_on="all", mask_token_id=vocab - 1,
         hidden_dtype=hidden_dtype)
 
 
-def build_store(root: Path, seq_len: int, num_samples: int, samples_per_shard: int,
+def build_store(root: Path, seq_len: int, num_samples: int, samples_per_shard: int, *,
+                sample_tokens: list[int] | None = None, settings: S.StoreSettings | None = None,
                 hidden_dtype: str = S.HIDDEN_BF16) -> Path:
-    """Write a synthetic store (skipped when one with these settings and sizes is committed already)."""
+    """Write a synthetic store (skipped when one with these settings and sizes is committed already).
+
+    Every sample has ``seq_len + 1`` tokens unless ``sample_tokens`` gives each sample's token count
+    (``num_samples`` is then its length). ``settings`` defaults to the 8B shapes (:func:`settings_for`)
+    in ``hidden_dtype``.
+    """
     import pyarrow as pa
     import pyarrow.parquet as pq
     from safetensors.torch import save
 
-    n = seq_len + 1
-    num_shards = -(-num_samples // samples_per_shard)
+    sizes = list(sample_tokens) if sample_tokens is not None else [seq_len + 1] * num_samples
+    settings = settings or settings_for(max(sizes), hidden_dtype=hidden_dtype)
+    hidden, vocab, topk = settings.target.hidden_size, settings.target.vocab_size, settings.topk
+    num_shards = -(-len(sizes) // samples_per_shard)
     if (root / S.MANIFEST_FILE).exists() and len(open_store(root).shards) == num_shards:
         return root
-    init_store(root, settings_for(n, hidden_dtype))
+    init_store(root, settings)
     gen = torch.Generator().manual_seed(seq_len)
     for index in range(num_shards):
-        count = min(samples_per_shard, num_samples - index * samples_per_shard)
-        tokens = count * n
-        ids = torch.randint(0, TARGET_VOCAB - 1, (count, n), generator=gen, dtype=torch.int32)
-        mask = np.ones((count, n), dtype=np.uint8)
-        mask[:, :3] = 0  # shifted mask m[p] = loss_mask[p+2]: every position but the first (and the last)
-        # Top-k ids skewed to low ids (so most fall in a 32k draft vocab), log-probs descending.
-        topk_ids = (torch.rand(tokens, TOPK, generator=gen) ** 3 * (TARGET_VOCAB - 1)).to(torch.int32)
-        logits = torch.randn(tokens, TOPK, generator=gen).sort(dim=-1, descending=True).values
-        aux = torch.randn(tokens, len(AUX_LAYERS), HIDDEN, generator=gen, dtype=torch.bfloat16)
+        first = index * samples_per_shard
+        shard_sizes = sizes[first:first + samples_per_shard]
+        count, tokens = len(shard_sizes), sum(shard_sizes)
+        ids = [torch.randint(0, vocab - 1, (n,), generator=gen, dtype=torch.int32).tolist() for n in shard_sizes]
+        # Shifted mask m[p] = loss_mask[p+2]: every position but the first (and the last) is supervised.
+        mask = [[0] * min(n, 3) + [1] * max(n - 3, 0) for n in shard_sizes]
+        # Top-k ids skewed to low ids (so most fall in the draft vocab), log-probs descending.
+        topk_ids = (torch.rand(tokens, topk, generator=gen) ** 3 * (vocab - 1)).to(torch.int32)
+        logits = torch.randn(tokens, topk, generator=gen).sort(dim=-1, descending=True).values
+        aux = torch.randn(tokens, len(settings.aux_layer_ids), hidden, generator=gen, dtype=torch.bfloat16)
         tensors = {S.AUX_HIDDEN: aux}
-        if hidden_dtype == S.HIDDEN_FP8:
+        if settings.hidden_dtype == S.HIDDEN_FP8:
             tensors[S.AUX_HIDDEN], tensors[S.AUX_SCALE] = fp8.quantize(aux)
         tensors.update({S.TOPK_IDS: topk_ids, S.TOPK_LOGPROBS: (logits.log_softmax(-1) - 0.1).to(torch.float16)})
+        offsets = [sum(shard_sizes[:i]) for i in range(count)]
         table = pa.table({
             "sample_id": [f"L{seq_len}-{index}-{i}" for i in range(count)],
-            "source": [f"synthetic:{index * samples_per_shard + i}" for i in range(count)],
-            "input_ids": pa.array(ids.tolist(), type=pa.list_(pa.int32())),
-            "loss_mask": pa.array(mask.tolist(), type=pa.list_(pa.uint8())),
-            "num_tokens": pa.array([n] * count, type=pa.int64()),
-            "token_offset": pa.array([i * n for i in range(count)], type=pa.int64()),
+            "source": [f"synthetic:{first + i}" for i in range(count)],
+            "input_ids": pa.array(ids, type=pa.list_(pa.int32())),
+            "loss_mask": pa.array(mask, type=pa.list_(pa.uint8())),
+            "num_tokens": pa.array(shard_sizes, type=pa.int64()),
+            "token_offset": pa.array(offsets, type=pa.int64()),
         })
 
         def write_parquet(path, table=table):
@@ -134,8 +147,8 @@ def build_store(root: Path, seq_len: int, num_samples: int, samples_per_shard: i
         commit_shard(root, S.ShardRecord(
             index=index, parquet=S.parquet_name(index), safetensors=S.tensors_name(index), num_samples=count,
             num_tokens=tokens, parquet_bytes=pq_bytes, safetensors_bytes=st_bytes, parquet_sha256=pq_sha,
-            safetensors_sha256=st_sha, input_file="synthetic", first_record=index * samples_per_shard,
-            end_record=index * samples_per_shard + count, num_records=count, backend="synthetic"))
+            safetensors_sha256=st_sha, input_file="synthetic", first_record=first, end_record=first + count,
+            num_records=count, backend="synthetic"))
     return root
 
 
@@ -302,7 +315,7 @@ def main() -> None:
 
     results = {"machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                            "load_average_at_start": os.getloadavg()},
-               "bytes_per_token": {d: raw_bytes_per_token(settings_for(2, d)) for d in args.hidden_dtype},
+               "bytes_per_token": {d: raw_bytes_per_token(settings_for(2, hidden_dtype=d)) for d in args.hidden_dtype},
                "num_depths": 8, "configs": []}
     for seq_len in args.lengths:
         roots, vocabs, gib = {}, {}, {}

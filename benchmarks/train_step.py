@@ -16,7 +16,8 @@ Shapes follow ../shared/anchors/speculators_gpu/bench.py: an 8B-shaped draft (hi
 Llama-3.1 RoPE), K = 8, r = 0.7, r_min = 0.2, one document per row, every position but the first
 supervised, random inputs; ``--tiny`` uses the reference's tiny shapes (hidden 64, vocab 1000/300).
 Each configuration: ``--warmup`` steps (the first includes compilation: ``first_step_s``), then the
-median of ``--iters`` steps, with a device sync before every clock read. Peak memory is
+median of ``--iters`` steps, with a device sync before every clock read; ``--profile`` adds the
+top kernels (self device time) of one more step under torch.profiler (``top_kernels``). Peak memory is
 ``torch.cuda.max_memory_allocated`` over the timed steps (on CPU: the process's peak RSS so far,
 which only grows). Lengths grow until one runs out of memory, then the next configuration starts.
 
@@ -61,14 +62,16 @@ def dims(tiny: bool) -> dict:
     return dict(hidden=4096, heads=32, kv=8, head_dim=128, inter=14336, vocab=128256, draft_vocab=32000)
 
 
-def build_draft(d: dict, num_layers: int, activation_checkpointing: bool) -> PEagleDraft:
+def build_draft(d: dict, num_layers: int, activation_checkpointing: bool, device: torch.device) -> PEagleDraft:
+    """The draft, initialised on ``device`` (an 8B-shaped one takes tens of seconds to fill on a CPU)."""
     config = DraftConfig(hidden_size=d["hidden"], num_heads=d["heads"], num_kv_heads=d["kv"], head_dim=d["head_dim"],
                          intermediate_size=d["inter"], rms_norm_eps=1e-5, rope_parameters=dict(LLAMA31_ROPE),
                          num_layers=num_layers, target_hidden_size=d["hidden"], num_aux=3,
                          target_vocab_size=d["vocab"], draft_vocab_size=d["draft_vocab"], mask_token_id=d["vocab"] - 1,
                          max_position_embeddings=131072, aux_layer_ids=[2, 16, 29])
     torch.manual_seed(0)
-    draft = PEagleDraft(config, activation_checkpointing=activation_checkpointing)
+    with torch.device(device):
+        draft = PEagleDraft(config, activation_checkpointing=activation_checkpointing)
     draft.set_vocab_map(torch.randperm(d["vocab"] - 1, generator=torch.Generator().manual_seed(0))[:d["draft_vocab"]]
                         .sort().values)
     return draft
@@ -138,7 +141,6 @@ def run_one(args, d, trainer: Trainer, num_layers: int, seq_len: int, num_segmen
     device = trainer.device
     rec = dict(kind="train_step", layers=num_layers, seq_len=seq_len, partitions=num_segments, attention=attention,
                activation_checkpointing=args.activation_checkpointing, device=str(device), tiny=args.tiny)
-    trainer.attention = attention
     batch, collate_ms = make_batch(d, seq_len, num_segments, attention, trainer.draft)
     if device.type == "cuda":
         batch = batch.pin_memory()
@@ -174,11 +176,28 @@ def run_one(args, d, trainer: Trainer, num_layers: int, seq_len: int, num_segmen
         reference_equivalent_tflops=round(reference / median / 1e12, 3),
         new_graphs_in_timed_steps=after.get("unique_graphs", 0) - before.get("unique_graphs", 0),
         loss=round(loss, 4))
+    if args.profile:
+        rec["top_kernels"] = top_kernels(trainer, batch, device)
     if device.type == "cuda":
         rec["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     else:
         rec["peak_rss_gib_process"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
     return rec
+
+
+def top_kernels(trainer: Trainer, batch, device: torch.device, count: int = 12) -> list[dict]:
+    """One more step under torch.profiler: the kernels (CPU ops on CPU) with the most self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        trainer.train_step([batch])
+        sync(device)
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)
+    total = sum(getattr(e, key, 0) for e in events) or 1
+    return [{"name": e.key[:120], "ms": round(getattr(e, key) / 1e3, 2), "share": round(getattr(e, key) / total, 3),
+             "calls": e.count} for e in events[:count]]
 
 
 def main() -> None:
@@ -193,6 +212,7 @@ def main() -> None:
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--profile", action="store_true", help="record the top kernels of one extra profiled step")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     ap.add_argument("--out", default=None, help="jsonl file to append one object per configuration to")
     args = ap.parse_args()
@@ -216,7 +236,7 @@ def main() -> None:
                                          sequence_partitions=num_segments, attention=attention, max_steps=10**6,
                                          lr=1e-4, warmup_steps=0, grad_clip=1.0, weight_decay=0.01,
                                          activation_checkpointing=args.activation_checkpointing)
-                    draft = build_draft(d, num_layers, args.activation_checkpointing)
+                    draft = build_draft(d, num_layers, args.activation_checkpointing, device)
                     try:
                         trainer = Trainer.for_model(config, draft.to(device))
                         rec = run_one(args, d, trainer, num_layers, seq_len, num_segments, attention)

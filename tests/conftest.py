@@ -15,6 +15,18 @@ from peagle.testing.tiny_target import TinyTargetSpec, build_tiny_target
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_collection_modifyitems(config, items):
+    """``cuda``-marked tests need a CUDA device: skipped, with the reason, where there is none."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run `pytest -m cuda` on a GPU machine)")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     """8-layer Llama target, hidden 128, head_dim 32, random weights, byte-level BPE tokenizer."""

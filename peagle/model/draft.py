@@ -18,7 +18,6 @@ V draft vocab, h/g query/kv heads, D head dim.
 
 from __future__ import annotations
 
-import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -29,11 +28,10 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
+from peagle.model.flex import FlexFn
 from peagle.model.target import TargetWeights
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.errors import UserError
-
-logger = logging.getLogger(__name__)
 
 AttnMask = Tensor | BlockMask  # bool [N, N] (True = may attend) selects SDPA, a BlockMask selects flex
 
@@ -77,48 +75,16 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-class FlexRunner:
-    """Runs flex_attention compiled where Inductor supports the device (CUDA), eager elsewhere.
-
-    Decided once per device type, on the first call, and logged. Eager flex is a correctness path
-    (CPU tests); if the first compiled call fails, the run falls back to eager with a warning.
-    """
-
-    def __init__(self) -> None:
-        self._fn_of_device: dict[str, Any] = {}
-
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask) -> Tensor:
-        device = q.device.type
-        fn = self._fn_of_device.get(device)
-        if fn is not None:
-            return fn(q, k, v, block_mask=block_mask, enable_gqa=True)
-        if device != "cuda":
-            logger.info("flex attention: eager flex_attention on %s (no Inductor flex lowering)", device)
-            self._fn_of_device[device] = flex_attention
-            return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
-        compiled = torch.compile(flex_attention, dynamic=True)
-        try:
-            out = compiled(q, k, v, block_mask=block_mask, enable_gqa=True)
-        except Exception as err:  # noqa: BLE001 - any Inductor failure on the first call means "use eager"
-            logger.warning("flex attention: compile failed on %s (%s); using eager flex_attention", device, err)
-            self._fn_of_device[device] = flex_attention
-            return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
-        logger.info("flex attention: torch.compile'd flex_attention on %s", device)
-        self._fn_of_device[device] = compiled
-        return out
-
-
-run_flex = FlexRunner()
-
-
-def attend(q_hND: Tensor, k_gND: Tensor, v_gND: Tensor, attn_mask: AttnMask) -> Tensor:
+def attend(q_hND: Tensor, k_gND: Tensor, v_gND: Tensor, attn_mask: AttnMask, flex: FlexFn | None = None) -> Tensor:
     """Masked attention with GQA; SDPA for a dense bool mask, flex for a BlockMask. Returns [N, h*D].
 
     With SDPA every query must see at least one key (true for COD masks: an element sees itself).
+    ``flex`` runs flex attention (the trainer's compiled ``FlexRunner``); None is eager
+    ``flex_attention``, which materialises ``[h, N, N]`` scores: for tests and short rows only.
     """
     q, k, v = q_hND[None], k_gND[None], v_gND[None]
     if isinstance(attn_mask, BlockMask):
-        out = run_flex(q, k, v, attn_mask)
+        out = (flex or flex_attention)(q, k, v, block_mask=attn_mask, enable_gqa=True)
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=True)
     return out[0].transpose(0, 1).reshape(q_hND.shape[1], -1)
@@ -136,7 +102,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
 
     def attend_projected(self, q_N: Tensor, k_N: Tensor, v_N: Tensor, cos_ND: Tensor, sin_ND: Tensor,
-                         attn_mask: AttnMask) -> Tensor:
+                         attn_mask: AttnMask, flex: FlexFn | None = None) -> Tensor:
         """RoPE, attention and o_proj on already projected q/k/v rows."""
         n = q_N.shape[0]
         q = q_N.view(n, self.num_heads, self.head_dim).transpose(0, 1)
@@ -145,11 +111,12 @@ class Attention(nn.Module):
         cos, sin = cos_ND.to(q.dtype), sin_ND.to(q.dtype)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        return self.o_proj(attend(q, k, v, attn_mask))
+        return self.o_proj(attend(q, k, v, attn_mask, flex))
 
-    def forward(self, x_NH: Tensor, cos_ND: Tensor, sin_ND: Tensor, attn_mask: AttnMask) -> Tensor:
+    def forward(self, x_NH: Tensor, cos_ND: Tensor, sin_ND: Tensor, attn_mask: AttnMask,
+                flex: FlexFn | None = None) -> Tensor:
         q, k, v = self.q_proj(x_NH), self.k_proj(x_NH), self.v_proj(x_NH)
-        return self.attend_projected(q, k, v, cos_ND, sin_ND, attn_mask)
+        return self.attend_projected(q, k, v, cos_ND, sin_ND, attn_mask, flex)
 
 
 class MLP(nn.Module):
@@ -173,8 +140,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x_NH: Tensor, cos_ND: Tensor, sin_ND: Tensor, attn_mask: AttnMask) -> Tensor:
-        h = x_NH + self.self_attn(self.input_layernorm(x_NH), cos_ND, sin_ND, attn_mask)
+    def forward(self, x_NH: Tensor, cos_ND: Tensor, sin_ND: Tensor, attn_mask: AttnMask,
+                flex: FlexFn | None = None) -> Tensor:
+        h = x_NH + self.self_attn(self.input_layernorm(x_NH), cos_ND, sin_ND, attn_mask, flex)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -189,14 +157,15 @@ class FirstLayer(DecoderLayer):
         self.norm_before_residual = config.norm_before_residual
 
     def forward(self, embeds_RH: Tensor, hidden_RH: Tensor, mask_embed_1H: Tensor, mask_hidden_1H: Tensor,
-                num_mask: int, cos_ND: Tensor, sin_ND: Tensor, attn_mask: AttnMask) -> Tensor:
+                num_mask: int, cos_ND: Tensor, sin_ND: Tensor, attn_mask: AttnMask,
+                flex: FlexFn | None = None) -> Tensor:
         # Real rows and the one shared mask row go through the norms and projections together.
         normed_hidden = self.hidden_norm(torch.cat([hidden_RH, mask_hidden_1H]))
         x = torch.cat([self.input_layernorm(torch.cat([embeds_RH, mask_embed_1H])), normed_hidden], dim=-1)
         residual = normed_hidden if self.norm_before_residual else torch.cat([hidden_RH, mask_hidden_1H])
         attn = self.self_attn
         q, k, v = (_expand_last_row(proj(x), num_mask) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
-        h = _expand_last_row(residual, num_mask) + attn.attend_projected(q, k, v, cos_ND, sin_ND, attn_mask)
+        h = _expand_last_row(residual, num_mask) + attn.attend_projected(q, k, v, cos_ND, sin_ND, attn_mask, flex)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -269,14 +238,16 @@ class PEagleDraft(nn.Module):
         angles_ND = torch.cat([freqs_N, freqs_N], dim=-1)
         return angles_ND.cos(), angles_ND.sin()
 
-    def forward(self, token_ids_N: Tensor, aux_RAH: Tensor, position_ids_N: Tensor, attn_mask: AttnMask) -> Tensor:
+    def forward(self, token_ids_N: Tensor, aux_RAH: Tensor, position_ids_N: Tensor, attn_mask: AttnMask,
+                flex: FlexFn | None = None) -> Tensor:
         """Final-normed hidden ``[N, H]`` of a flat sequence: R = len(aux_RAH) real rows, then mask slots.
 
         ``token_ids_N`` holds the real tokens in its first R entries; entries R.. must be
         ``config.mask_token_id`` (they are not read: every mask slot's layer-0 input is computed once
         from it). ``aux_RAH`` is ``[R, A, T]`` (or ``[R, A*T]``, aux layers in ``aux_layer_ids`` order).
         ``position_ids_N`` are RoPE positions (reference positions, DESIGN §3). A leading batch dim of
-        1 is accepted on every argument.
+        1 is accepted on every argument. ``flex`` runs flex attention when ``attn_mask`` is a
+        BlockMask (see :func:`attend`); the compile decision is the caller's.
         """
         token_ids_N, position_ids_N = token_ids_N.reshape(-1), position_ids_N.reshape(-1)
         aux_R = aux_RAH.reshape(-1, self.fc.in_features)
@@ -293,9 +264,9 @@ class PEagleDraft(nn.Module):
         cos_ND, sin_ND = self.rope(position_ids_N)
 
         h = self._run(self.layers[0], embeds_RH, hidden_RH, mask_embed_1H, mask_hidden_1H, num_mask,
-                      cos_ND, sin_ND, attn_mask)
+                      cos_ND, sin_ND, attn_mask, flex)
         for layer in self.layers[1:]:
-            h = self._run(layer, h, cos_ND, sin_ND, attn_mask)
+            h = self._run(layer, h, cos_ND, sin_ND, attn_mask, flex)
         return self.norm(h)
 
     def _run(self, layer: nn.Module, *args: Any) -> Tensor:

@@ -16,8 +16,9 @@ anchors at or after ``sum(lengths)`` (up to ``total_seq_len``) are padding (docu
 
 Three consumers, one rule:
 
-* :func:`create_peagle_mask_mod` -- the ``mask_mod`` closure that flex_attention evaluates;
-* :func:`dense_peagle_mask` -- ``[N, N]`` bool for SDPA on CPU (training has no flex backward there);
+* :func:`peagle_mask_mod` -- the ``mask_mod`` closure that flex_attention evaluates
+  (:func:`create_peagle_mask_mod` builds it from document lengths);
+* :func:`dense_mask` -- ``[N, N]`` bool for SDPA (:func:`dense_peagle_mask` from lengths);
 * :func:`cod_block_mask` -- a BlockMask built from metadata in O(N·K + blocks²) instead of evaluating
   the mask_mod on every block pair (DESIGN §8); :func:`cod_block_indices` is its CPU half, for
   DataLoader workers, and :func:`block_mask_from_indices` the device half, for the trainer.
@@ -58,18 +59,13 @@ def document_ids(anchor_pos_N: Tensor, lengths_D: Tensor, total_seq_len: int) ->
     return doc_of_pos_L.to(anchor_pos_N.device)[anchor_pos_N]
 
 
-def create_peagle_mask_mod(anchor_pos: Tensor, depth: Tensor, lengths: Tensor, total_seq_len: int) -> MaskMod:
-    """Build the flex_attention ``mask_mod(b, h, q_idx, kv_idx)`` of the P-EAGLE rule (module docstring).
+def peagle_mask_mod(anchor_N: Tensor, depth_N: Tensor, doc_N: Tensor) -> MaskMod:
+    """The flex_attention ``mask_mod(b, h, q_idx, kv_idx)`` of the P-EAGLE rule from per-element metadata.
 
-    ``anchor_pos``/``depth`` are ``[N]`` per flat element (anchors are row offsets), ``lengths`` is
-    ``[D]`` document lengths in the same coordinates, ``total_seq_len`` the padded row length. The
-    closure reads tensors on ``anchor_pos``'s device, so build it where attention runs. The rule does
-    not depend on the element order; only :func:`cod_block_mask` needs the flat COD layout.
+    ``doc_N`` is each element's document id (-1: padding), as :func:`document_ids` computes it; the
+    trainer receives it with the batch from the loader workers, so building this closure on the GPU
+    reads nothing back to the host. All three tensors must live where attention runs.
     """
-    anchor_N = torch.as_tensor(anchor_pos, dtype=torch.long)
-    depth_N = torch.as_tensor(depth, dtype=torch.long).to(anchor_N.device)
-    # Resolve documents once per element so the kernel does two gathers, not four.
-    doc_N = document_ids(anchor_N, lengths, total_seq_len)
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         doc_q, doc_k = doc_N[q_idx], doc_N[kv_idx]
@@ -82,13 +78,35 @@ def create_peagle_mask_mod(anchor_pos: Tensor, depth: Tensor, lengths: Tensor, t
     return mask_mod
 
 
+def dense_mask(anchor_N: Tensor, depth_N: Tensor, doc_N: Tensor) -> Tensor:
+    """The rule as ``[N, N]`` bool (True = may attend) for SDPA; equals evaluating :func:`peagle_mask_mod`.
+
+    Device ops only (no host read), so the trainer can build it from shipped metadata without a sync.
+    """
+    idx_N = torch.arange(anchor_N.numel(), device=anchor_N.device)
+    return peagle_mask_mod(anchor_N, depth_N, doc_N)(None, None, idx_N[:, None], idx_N[None, :])
+
+
+def create_peagle_mask_mod(anchor_pos: Tensor, depth: Tensor, lengths: Tensor, total_seq_len: int) -> MaskMod:
+    """Build the flex_attention ``mask_mod`` of the P-EAGLE rule (module docstring) from document lengths.
+
+    ``anchor_pos``/``depth`` are ``[N]`` per flat element (anchors are row offsets), ``lengths`` is
+    ``[D]`` document lengths in the same coordinates, ``total_seq_len`` the padded row length. The
+    closure reads tensors on ``anchor_pos``'s device, so build it where attention runs. The rule does
+    not depend on the element order; only :func:`cod_block_mask` needs the flat COD layout. (This
+    resolves documents on the host; the trainer uses :func:`peagle_mask_mod` with shipped doc ids.)
+    """
+    anchor_N = torch.as_tensor(anchor_pos, dtype=torch.long)
+    depth_N = torch.as_tensor(depth, dtype=torch.long).to(anchor_N.device)
+    return peagle_mask_mod(anchor_N, depth_N, document_ids(anchor_N, lengths, total_seq_len))
+
+
 def dense_peagle_mask(anchor_pos: Tensor, depth: Tensor, lengths: Tensor, total_seq_len: int) -> Tensor:
     """The same rule as ``[N, N]`` bool (True = may attend), for SDPA: the mask_mod itself, evaluated on
     every (query, key) pair at once by broadcasting."""
     anchor_N = torch.as_tensor(anchor_pos, dtype=torch.long)
-    mask_mod = create_peagle_mask_mod(anchor_N, depth, lengths, total_seq_len)
-    idx = torch.arange(anchor_N.numel(), device=anchor_N.device)
-    return mask_mod(0, 0, idx[:, None], idx[None, :])
+    depth_N = torch.as_tensor(depth, dtype=torch.long).to(anchor_N.device)
+    return dense_mask(anchor_N, depth_N, document_ids(anchor_N, lengths, total_seq_len))
 
 
 class CodBlockIndices(NamedTuple):
@@ -219,7 +237,9 @@ def block_mask_from_indices(indices: CodBlockIndices, mask_mod: MaskMod, *,
                             device: torch.device | str | None = None) -> BlockMask:
     """Wrap precomputed indices (e.g. from a DataLoader worker) into a BlockMask on ``device``.
 
-    ``mask_mod`` must be the row's :func:`create_peagle_mask_mod`, built on the same device.
+    ``mask_mod`` must be the row's :func:`peagle_mask_mod`, built on the same device. The trainer
+    passes indices that are already on the device (copied non-blocking with the batch), so the
+    ``.to`` calls here are no-ops there; given CPU indices they copy (and wait).
     """
     return BlockMask.from_kv_blocks(
         indices.kv_num_blocks.to(device),

@@ -37,7 +37,6 @@ k stored top-k.
 
 from __future__ import annotations
 
-import os
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -47,7 +46,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from peagle.pipeline.safetensors_file import TensorEntry, encode_header, map_tensors, read_header
+from peagle.pipeline.safetensors_file import TensorEntry, map_tensors, read_header
 from peagle.pipeline import fp8
 from peagle.pipeline.aux_rows import AuxSource, ByteRange, StoredAux
 from peagle.pipeline.split import is_heldout

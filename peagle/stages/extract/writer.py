@@ -18,7 +18,6 @@ Shape legend: T tokens of the shard, A aux layers, H hidden size, K top-k.
 from __future__ import annotations
 
 import itertools
-import json
 import queue
 import sys
 import threading

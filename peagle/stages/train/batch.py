@@ -51,11 +51,11 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from peagle.model.mask import CodBlockIndices, cod_block_indices
+from peagle.model.mask import document_ids
 from peagle.pipeline.store_reader import AuxSource, ByteRange, StoredAux, TrainingSample
 from peagle.schemas.loader_config import CodSettings
 from peagle.stages.train.cod import cod_generator, generate_cod_sample_indices, pack_cod
-from peagle.stages.train.segments import SegmentPlan, plan_segments
+from peagle.stages.train.segments import UnitPlan, plan_units
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,6 +121,7 @@ class TrainBatch:
         depth_N         int64 [N]
         position_ids_N  int64 [N]      RoPE position: anchor + depth, counted from the sample's start
         input_ids_N     int64 [N]      tokens_T for depth 0, ``mask_token_id`` for depth >= 1
+        doc_N           int64 [N]      the sample (document) each element belongs to
 
     Supervision, for the E supervised elements that have a target:
         supervised_idx_E   int64 [E]     indices into the flat sequence, ascending
@@ -134,12 +135,10 @@ class TrainBatch:
     ``aux_source`` says where the aux rows are while ``aux_TAH`` is None (module docstring);
     ``pin_memory()``, ``materialize()`` and ``to()`` read them.
 
-    Optional parts:
-        segments               ``sequence_partitions > 1``: one SegmentPlan per segment (carried
-                               element indices, ascending, and which of them the segment owns)
-        block_indices          flex attention, S = 1: the row's BlockMask index arrays
-        segment_block_indices  flex attention, S > 1: one per segment, over its carried elements
-    The GPU side only wraps these (``peagle.model.mask.block_mask_from_indices``).
+    ``units``: the row's forward+backward units (``segments.plan_units``: the whole row for S = 1,
+    one per segment otherwise), with their BlockMask indices under flex attention. Workers plan
+    them, so the trainer only gathers with them on the device and wraps the indices
+    (``peagle.model.mask.block_mask_from_indices``): a step never reads anything back to the host.
     """
 
     tokens_T: Tensor
@@ -159,9 +158,8 @@ class TrainBatch:
     num_supervised: int
     num_no_target: int
     sample_ids: tuple[str, ...]
-    segments: list[SegmentPlan] | None = None
-    block_indices: CodBlockIndices | None = None
-    segment_block_indices: list[CodBlockIndices] | None = None
+    doc_N: Tensor
+    units: list[UnitPlan]
     aux_source: AuxSource | None = None
     epoch: int = 0
     batch_index: int = 0
@@ -235,7 +233,7 @@ def collate(items: list[TrainItem], *, target_to_draft_V: Tensor, mask_token_id:
     Args:
         target_to_draft_V: int64 ``[V]``, the draft id of each target id (−1 outside the draft vocab).
         mask_token_id: input token of every depth >= 1 element.
-        num_segments: S; > 1 adds the segment plans.
+        num_segments: S; > 1 plans one unit per segment.
         block_size: flex attention block size; None (sdpa) computes no block indices.
         aux_reads: per item, where its aux rows (and fp8 scales, else None) are on disk
             (``ShardReader.aux_read``): the batch then carries an ``AuxSource`` instead of copying
@@ -279,7 +277,7 @@ def collate(items: list[TrainItem], *, target_to_draft_V: Tensor, mask_token_id:
     keep = torch.nonzero(has_target_C).flatten()
     supervised_idx_E = candidate_C[keep]
 
-    batch = TrainBatch(
+    return TrainBatch(
         tokens_T=tokens_T, aux_TAH=aux_TAH, supervised_T=supervised_T,
         doc_starts_D=doc_starts_D, doc_lengths_D=doc_lengths_D,
         anchor_N=anchor_N, depth_N=depth_N, position_ids_N=position_ids_N, input_ids_N=input_ids_N,
@@ -287,22 +285,11 @@ def collate(items: list[TrainItem], *, target_to_draft_V: Tensor, mask_token_id:
         target_probs_Ek=probs_Ck[keep] / mass_C[keep, None], depth_E=depth_N[supervised_idx_E],
         num_tokens=num_tokens, num_supervised=int(keep.numel()),
         num_no_target=int(candidate_C.numel() - keep.numel()),
-        sample_ids=tuple(it.sample_id for it in items), aux_source=aux_source, epoch=epoch, batch_index=batch_index,
-        aux_scale_TA=aux_scale_TA,
+        sample_ids=tuple(it.sample_id for it in items), doc_N=document_ids(anchor_N, doc_lengths_D, num_tokens),
+        units=plan_units(anchor_N, depth_N, doc_starts_D, doc_lengths_D, supervised_idx_E, num_segments,
+                         block_size=block_size),
+        aux_source=aux_source, epoch=epoch, batch_index=batch_index, aux_scale_TA=aux_scale_TA,
     )
-    if num_segments > 1:
-        batch.segments = plan_segments(anchor_N, depth_N, doc_starts_D, doc_lengths_D, num_segments)
-    if block_size is not None:
-        if batch.segments is None:
-            batch.block_indices = cod_block_indices(anchor_N, depth_N, doc_lengths_D, num_tokens,
-                                                    block_size=block_size)
-        else:
-            batch.segment_block_indices = [
-                cod_block_indices(anchor_N[seg.indices], depth_N[seg.indices], doc_lengths_D, num_tokens,
-                                  block_size=block_size)
-                for seg in batch.segments
-            ]
-    return batch
 
 
 __all__ = ["TrainItem", "TrainBatch", "make_item", "collate"]

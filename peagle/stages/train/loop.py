@@ -1,18 +1,14 @@
 """The trainer: named verbs over one training run (STYLE: torchtitan's trainer, nanoGPT's readability).
 
-``run_training(config)`` = build, train, close. One optimizer step (``train_step``):
-
-1. take ``grad_accum`` micro-batches from the loader (time spent waiting is the *data-wait share*);
-2. sum their supervised counts and all-reduce it: ONE global count for the step (DESIGN §5), known
-   before any backward, so every unit charges ``loss_sum · world / count`` (DDP/FSDP average
-   gradients over ranks; the factor ``world`` undoes that) and nothing is averaged per micro-batch;
-3. one forward+backward per (micro-batch, segment) unit (``forward_backward_step``, step.py);
-   gradients sync only in the last unit's backward (DDP ``no_sync`` / FSDP2 gradient-sync flag);
-4. clip, AdamW (fp32 master weights; bf16 autocast on CUDA), LR schedule (warmup, cosine).
+``run_training(config)`` = build, train, close. Each step takes ``grad_accum`` micro-batches from the
+loader (time spent waiting is the *data-wait share*) and hands them to the step (step.py: the global
+count, the units' forward+backward, clip, AdamW, schedule); the trainer keeps the run's state (step,
+tokens seen, the logging window, checkpoints).
 
 World size 1 is the same code: torch.distributed starts only when ``WORLD_SIZE > 1`` (gloo on CPU,
-nccl on CUDA). The per-step counts are reduced over a gloo group on the CPU: no host-GPU sync.
-Metrics are sums over a logging window, kept on the device and read once per logged step.
+nccl on CUDA). Metrics are sums over a logging window, kept on the device and read once per logged
+step; each line also says how many graphs torch.compile built in its window (``graphs_compiled``:
+after the first steps it must stay 0, or every new COD length pays a recompile).
 """
 
 from __future__ import annotations
@@ -20,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -28,7 +23,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from peagle.model.draft import PEagleDraft, build_draft_from_target
 from peagle.model.speculators_format import load_weights_into
@@ -46,35 +41,14 @@ from peagle.schemas.train_config import TrainConfig, config_mismatch, parse_stor
 from peagle.stages.train import checkpoint as ckpt
 from peagle.stages.train.batch import TrainBatch
 from peagle.stages.train.loader import TrainLoader
-from peagle.stages.train.step import (DraftStep, Unit, build_optimizer, lr_factor, stats_vector, summarise,
-                                      to_units, unit_forward)
+from peagle.stages.train.loss import KLStats
+from peagle.stages.train.step import (StepResult, TrainStep, all_reduce_stats, compiled_graph_count, init_distributed,
+                                      resolve_attention, summarise)
 from peagle.stages.train.vocab import load_draft_vocab
 
 METRICS_FILE = "metrics.jsonl"
 RUN_FILE = "run.json"
 DEFAULT_DRAFT_VOCAB = 32000
-
-
-def init_distributed() -> tuple[int, int, torch.device]:
-    """(rank, world size, device) from torchrun's environment; a process group only when WORLD_SIZE > 1."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    return (dist.get_rank() if world > 1 else 0), world, device
-
-
-def resolve_attention(attention: str, device: torch.device) -> str:
-    """``auto`` is flex on CUDA and sdpa elsewhere; flex training off CUDA is refused (no CPU backward)."""
-    if attention == "auto":
-        return "flex" if device.type == "cuda" else "sdpa"
-    if attention == "flex" and device.type != "cuda":
-        raise UserError("--attention flex needs a CUDA device for training (flex_attention has no CPU "
-                        "backward); use --attention sdpa or auto on CPU")
-    return attention
 
 
 class Trainer:
@@ -90,6 +64,7 @@ class Trainer:
         self.checkpointer = ckpt.Checkpointer(self.run_dir, keep=config.keep_checkpoints)
         self.extra: dict[str, Any] = {}  # what the config part records besides the configs
         self.lr_used, self.data_wait_s = 0.0, 0.0
+        self.compute_dtype: torch.dtype | None = None  # None: the device's default (step.py)
 
     # ---------------------------------------------------------------------------------------- build
 
@@ -148,13 +123,16 @@ class Trainer:
         num_trainable = sum(p.numel() for p in self.draft.parameters() if p.requires_grad)
         self._say(f"draft: {c.num_layers} layers, {num_params / 1e6:.1f}M params ({num_trainable / 1e6:.1f}M "
                   f"trainable), vocab {draft_vocab_size}; world {self.world_size} on {self.device.type}, "
-                  f"attention {self.attention}; {self.loader.num_batches} batches/epoch/rank, {total_steps} steps")
+                  f"{self.step_fn.describe()}; {self.loader.num_batches} batches/epoch/rank, {total_steps} steps")
 
     @classmethod
-    def for_model(cls, config: TrainConfig, draft: PEagleDraft) -> "Trainer":
+    def for_model(cls, config: TrainConfig, draft: PEagleDraft, *,
+                  compute_dtype: torch.dtype | None = None) -> "Trainer":
         """A trainer around a given draft, without stores or checkpoints (tests and benchmarks feed
-        their own batches to ``train_step`` / ``accumulate_gradients``); the config's paths are unused."""
+        their own batches to ``train_step`` / ``step_fn.forward_backward``); the config's paths are
+        unused. ``compute_dtype`` overrides the device's default (bf16 autocast on CPU, in tests)."""
         self = cls(config)
+        self.compute_dtype = compute_dtype
         self._setup_world()
         self.draft_config = draft.config
         self._build_optimization(draft, config.max_steps or 1)
@@ -167,28 +145,16 @@ class Trainer:
         self.attention = resolve_attention(self.config.attention, self.device)
 
     def _build_optimization(self, draft: PEagleDraft, total_steps: int) -> None:
-        """Device placement, the DDP/FSDP2 wrapper, AdamW and the LR schedule."""
-        c = self.config
+        """The step: device placement, the DDP/FSDP2 wrapper, flex compile, AdamW, the LR schedule."""
         self.total_steps = total_steps
-        self.draft = draft.to(self.device)
-        self.model = self._parallelize(DraftStep(self.draft))
-        self.optimizer = build_optimizer(self.draft, c, self.device)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, c.warmup_steps, total_steps))
+        self.step_fn = TrainStep(draft, self.config, device=self.device, attention=self.attention,
+                                 total_steps=total_steps, world_size=self.world_size, cpu_group=self.cpu_group,
+                                 compute_dtype=self.compute_dtype)
         self._reset_window()
 
-    def _parallelize(self, module: DraftStep) -> nn.Module:
-        if self.world_size == 1:
-            return module
-        if self.config.fsdp:  # FSDP2: one unit per decoder layer, the rest (embeddings, heads) in the root
-            from torch.distributed.fsdp import fully_shard
-
-            for layer in module.draft.layers:
-                fully_shard(layer)
-            return fully_shard(module)
-        from torch.nn.parallel import DistributedDataParallel
-
-        return DistributedDataParallel(module, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+    @property
+    def draft(self) -> PEagleDraft:
+        return self.step_fn.draft
 
     def _loader_config(self, target_cfg: Any, settings: Any, *, eval_split: bool) -> LoaderConfig | None:
         """The training stream, or the evaluation stream (eval store, else the held-out split; None if neither)."""
@@ -238,50 +204,19 @@ class Trainer:
             self.data_wait_s += time.perf_counter() - start
             yield micro_batches
 
-    def forward_backward_step(self, unit: Unit, loss_scale: float, *, backward: bool = True) -> Tensor:
-        """Forward one unit, backward ``loss_sum · loss_scale``; returns its detached stats vector."""
-        stats = unit_forward(self.model, unit, attention=self.attention, num_depths=self.config.num_depths,
-                             device=self.device)
-        if backward:
-            (stats.loss_sum * loss_scale).backward()
-        return stats_vector(stats)
-
-    def accumulate_gradients(self, micro_batches: list[TrainBatch]) -> tuple[Tensor, float, float, float]:
-        """Steps 2-3 (module docstring): one global count, then every unit's forward+backward.
-
-        Returns this rank's summed stats vector and the global (supervised, tokens, no-target) counts.
-        """
-        counts = torch.tensor([sum(b.num_supervised for b in micro_batches), sum(b.num_tokens for b in micro_batches),
-                               sum(b.num_no_target for b in micro_batches)], dtype=torch.float64)
-        if self.world_size > 1:
-            dist.all_reduce(counts, group=self.cpu_group)  # BEFORE any backward: every unit's divisor
-        global_count, num_tokens, num_no_target = (float(x) for x in counts)
-        loss_scale = self.world_size / max(global_count, 1.0)
-        units = [unit for batch in micro_batches for unit in to_units(batch, self.device)]
-        stats = torch.zeros(2 + 3 * self.config.num_depths, device=self.device)
-        for i, unit in enumerate(units):
-            with self._gradient_sync(i == len(units) - 1):
-                stats += self.forward_backward_step(unit, loss_scale)
-        return stats, global_count, num_tokens, num_no_target
-
-    def train_step(self, micro_batches: list[TrainBatch]) -> None:
-        """One optimizer step over this rank's micro-batches (module docstring, steps 2-4)."""
+    def train_step(self, micro_batches: list[TrainBatch]) -> StepResult:
+        """One optimizer step (step.py), added to the logging window."""
         failpoint("train.step")
-        self.optimizer.zero_grad(set_to_none=True)
-        stats, global_count, num_tokens, num_no_target = self.accumulate_gradients(micro_batches)
-        if self.config.grad_clip > 0:
-            params = [p for p in self.draft.parameters() if p.requires_grad]
-            self.window["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip).detach()
-        self.optimizer.step()
-        self.lr_used = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+        result = self.step_fn(micro_batches)
         self.step += 1
-        self.tokens_seen += int(num_tokens)
-        if self.world_size > 1:
-            dist.all_reduce(stats)  # a few floats; asynchronous for the host on a GPU
-        self.window["stats"] += stats
-        self.window["tokens"] += num_tokens
-        self.window["no_target"] += num_no_target
+        self.tokens_seen += int(result.num_tokens)
+        self.lr_used = result.lr
+        w = self.window
+        w["stats"] = w["stats"] + (all_reduce_stats(result.stats) if self.world_size > 1 else result.stats)
+        w["tokens"] += result.num_tokens
+        w["no_target"] += result.num_no_target
+        w["grad_norm"] = result.grad_norm
+        return result
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any] | None:
@@ -289,15 +224,7 @@ class Trainer:
         the same COD draws each time, so evaluations compare across steps)."""
         if self.eval_loader is None:
             return None
-        self.model.eval()
-        stats = torch.zeros(2 + 3 * self.config.num_depths, device=self.device)
-        for batch in self.eval_loader.batches(epoch=0):
-            for unit in to_units(batch, self.device):
-                stats += self.forward_backward_step(unit, 0.0, backward=False)
-        self.model.train()
-        if self.world_size > 1:
-            dist.all_reduce(stats)
-        return {"kind": "eval", "step": self.step, **summarise(stats, self.config.num_depths)}
+        return {"kind": "eval", "step": self.step, **summarise(self.step_fn.evaluate(self.eval_loader.batches(epoch=0)))}
 
     def train(self) -> None:
         """Steps until ``total_steps``, logging, evaluating and checkpointing on the way."""
@@ -310,11 +237,16 @@ class Trainer:
             from tqdm import tqdm
 
             bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
-        self.model.train()
         batches = self.batch_generator()
         self.data_wait_s, window_start = 0.0, time.perf_counter()
         while self.step < self.total_steps:
-            self.train_step(next(batches))
+            micro_batches = next(batches)
+            try:
+                self.train_step(micro_batches)
+            except torch.OutOfMemoryError as err:
+                raise UserError(f"out of {self.device.type} memory in step {self.step + 1} (micro-batches of "
+                                f"{max(b.num_elements for b in micro_batches)} COD elements): lower --token-budget, "
+                                "raise --sequence-partitions or turn on --activation-checkpointing") from err
             last = self.step == self.total_steps
             if self.step % c.log_every == 0 or last:  # the one host read of the window's device sums
                 record = {**self.window_metrics(time.perf_counter() - window_start), "epoch": self.loader.epoch}
@@ -335,11 +267,13 @@ class Trainer:
     def window_metrics(self, seconds: float) -> dict[str, Any]:
         """The metrics of the steps since the last call (one metrics.jsonl line); resets the window."""
         w = self.window
-        record = {"kind": "train", "step": self.step, **summarise(w["stats"], self.config.num_depths),
+        graphs = compiled_graph_count()
+        record = {"kind": "train", "step": self.step, **summarise(w["stats"]),
                   "lr": self.lr_used, "grad_norm": None if w["grad_norm"] is None else float(w["grad_norm"]),
                   "tokens_seen": self.tokens_seen, "num_no_target": int(w["no_target"]),
                   "tokens_per_s": w["tokens"] / max(seconds, 1e-9),
-                  "data_wait_share": min(1.0, self.data_wait_s / max(seconds, 1e-9)), "step_time_s": seconds}
+                  "data_wait_share": min(1.0, self.data_wait_s / max(seconds, 1e-9)), "step_time_s": seconds,
+                  "graphs_compiled": graphs - w["graphs_at_start"]}
         self._reset_window()
         return record
 
@@ -351,11 +285,13 @@ class Trainer:
             StateDictOptions, get_model_state_dict, get_optimizer_state_dict)
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # FSDP2: gathered full tensors
-        window = {k: (v.cpu() if isinstance(v, Tensor) else v) for k, v in self.window.items() if v is not None}
+        window = {**self.window, "stats": self.window["stats"].to_vector()}
+        window = {k: (v.cpu() if isinstance(v, Tensor) else v) for k, v in window.items()
+                  if v is not None and k != "graphs_at_start"}
         return {
             ckpt.MODEL: get_model_state_dict(self.draft, options=options),
-            ckpt.OPTIMIZER: get_optimizer_state_dict(self.draft, self.optimizer, options=options),
-            ckpt.LR_SCHEDULER: self.scheduler.state_dict(),
+            ckpt.OPTIMIZER: get_optimizer_state_dict(self.draft, self.step_fn.optimizer, options=options),
+            ckpt.LR_SCHEDULER: self.step_fn.scheduler.state_dict(),
             ckpt.TRAIN_STATE: {"step": self.step, "tokens_seen": self.tokens_seen, "window": window},
             ckpt.CONFIG: self._config_part(),
             ckpt.DATALOADER: self.loader.state_dict() if self.loader is not None else {},
@@ -368,13 +304,13 @@ class Trainer:
 
         options = StateDictOptions(full_state_dict=True)
         set_model_state_dict(self.draft, state[ckpt.MODEL], options=options)
-        set_optimizer_state_dict(self.draft, self.optimizer, state[ckpt.OPTIMIZER], options=options)
-        self.scheduler.load_state_dict(state[ckpt.LR_SCHEDULER])
+        set_optimizer_state_dict(self.draft, self.step_fn.optimizer, state[ckpt.OPTIMIZER], options=options)
+        self.step_fn.scheduler.load_state_dict(state[ckpt.LR_SCHEDULER])
         train_state = state[ckpt.TRAIN_STATE]
         self.step, self.tokens_seen = int(train_state["step"]), int(train_state["tokens_seen"])
         # The logging window in flight at the checkpoint: the next metrics line covers the same steps.
-        self.window.update({k: (v.to(self.device) if isinstance(v, Tensor) else v)
-                            for k, v in train_state["window"].items()})
+        saved = {k: (v.to(self.device) if isinstance(v, Tensor) else v) for k, v in train_state["window"].items()}
+        self.window.update({**saved, "stats": KLStats.from_vector(saved["stats"])})
         if self.loader is not None:
             self.loader.load_state_dict(state[ckpt.DATALOADER])
         ckpt.set_rng_state(state[ckpt.RNG])
@@ -385,18 +321,9 @@ class Trainer:
 
     # ---------------------------------------------------------------------------------------- helpers
 
-    def _gradient_sync(self, sync: bool) -> contextlib.AbstractContextManager:
-        """Sync gradients only in the step's last backward (DDP ``no_sync`` / the FSDP2 flag)."""
-        if self.world_size == 1:
-            return contextlib.nullcontext()
-        if hasattr(self.model, "set_requires_gradient_sync"):
-            self.model.set_requires_gradient_sync(sync)
-            return contextlib.nullcontext()
-        return contextlib.nullcontext() if sync else self.model.no_sync()
-
     def _reset_window(self) -> None:
-        self.window = {"stats": torch.zeros(2 + 3 * self.config.num_depths, device=self.device), "tokens": 0.0,
-                       "no_target": 0.0, "grad_norm": None}
+        self.window = {"stats": KLStats.zeros(self.config.num_depths, self.device), "tokens": 0.0,
+                       "no_target": 0.0, "grad_norm": None, "graphs_at_start": compiled_graph_count()}
 
     def _write_metrics(self, record: dict[str, Any]) -> None:
         if self.rank == 0:

@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
 class KLStats:
-    """Sums for one forward; every field is a tensor so that nothing syncs with the host here.
+    """Sums for one forward (or, added up, a step, a logging window); every field is a tensor so that
+    nothing syncs with the host. It is the train step's stats record (step.py).
 
     ``loss_sum`` carries the gradient. Per depth (``[K]``): ``depth_loss_sum`` (detached),
     ``depth_correct`` (draft argmax == target argmax, supervised elements only) and
@@ -37,6 +38,34 @@ class KLStats:
     depth_correct: Tensor
     depth_count: Tensor
     num_uncovered: Tensor
+
+    @classmethod
+    def zeros(cls, num_depths: int, device: torch.device | str | None = None) -> "KLStats":
+        return cls(torch.zeros((), device=device), *(torch.zeros(num_depths, device=device) for _ in range(3)),
+                   torch.zeros((), device=device))
+
+    def __add__(self, other: "KLStats") -> "KLStats":
+        return KLStats(*(a + b for a, b in zip(self._fields(), other._fields())))
+
+    def detach(self) -> "KLStats":
+        """Detached float32 copy: the form sums over units, steps and ranks take."""
+        return KLStats(*(t.detach().float() for t in self._fields()))
+
+    def to_vector(self) -> Tensor:
+        """``[loss_sum, num_uncovered, depth_loss_sum[K], depth_correct[K], depth_count[K]]`` (detached,
+        float32): one tensor, so that a rank sum is one ``all_reduce`` and a checkpoint holds one entry."""
+        d = self.detach()
+        return torch.cat([d.loss_sum[None], d.num_uncovered[None], d.depth_loss_sum, d.depth_correct, d.depth_count])
+
+    @classmethod
+    def from_vector(cls, vector: Tensor) -> "KLStats":
+        """Inverse of :meth:`to_vector` (the one place that knows the layout)."""
+        K = (vector.numel() - 2) // 3
+        assert vector.numel() == 2 + 3 * K, "not a stats vector"
+        return cls(vector[0], vector[2:2 + K], vector[2 + K:2 + 2 * K], vector[2 + 2 * K:], vector[1])
+
+    def _fields(self) -> tuple[Tensor, ...]:
+        return (self.loss_sum, self.depth_loss_sum, self.depth_correct, self.depth_count, self.num_uncovered)
 
 
 def forward_kl_sum(draft_logits_NV: Tensor, target_draft_ids_Nk: Tensor, target_probs_Nk: Tensor,
@@ -80,30 +109,87 @@ def forward_kl_sum(draft_logits_NV: Tensor, target_draft_ids_Nk: Tensor, target_
     )
 
 
-def forward_kl_sum_chunked(compute_logits: Callable[[Tensor], Tensor], hidden_NH: Tensor,
-                           target_draft_ids_Nk: Tensor, target_probs_Nk: Tensor, supervised_N: Tensor,
-                           depth_N: Tensor, num_depths: int, *, chunk_size: int = 4096) -> KLStats:
-    """`forward_kl_sum` of ``compute_logits(hidden_NH)``, ``chunk_size`` rows at a time.
+DEFAULT_CHUNK_ROWS = 4096
+"""Rows per loss chunk: ``[4096, 32000]`` logits are 0.5 GiB in fp32, and lm_head still runs as big matmuls."""
 
-    Each chunk's logits (and their fp32 copy) are dropped after its forward and recomputed in the
-    backward (activation checkpointing), so the peak holds one chunk of ``[chunk, V]`` instead of
-    ``[N, V]`` -- about 5 GiB less at N = 27k, V = 32k. Sums, and so gradients, equal the unchunked
-    call to float tolerance. Pass only the rows that need a loss (supervised elements).
+
+def chunked_kl_sum(hidden_EH: Tensor, head_weight_VH: Tensor, target_draft_ids_Ek: Tensor, target_probs_Ek: Tensor,
+                   depth_E: Tensor, num_depths: int, *, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> KLStats:
+    """`forward_kl_sum` of ``hidden_EH @ head_weight_VHᵀ`` (every row supervised), ``chunk_rows`` rows at a time.
+
+    Peak memory holds one chunk's ``[chunk, V]`` logits, their fp32 copy and gradient, never
+    ``[E, V]`` (~20 GB at E = 55k, V = 32k): each chunk's gradient with respect to ``hidden_EH``
+    (and to the head, when it trains) is computed right after its forward and the chunk's graph
+    is dropped; what backward keeps is ``[E, H]`` (plus ``[V, H]`` for a trained head). The loss
+    is linear in those gradients, so backward only scales them by the incoming gradient. The sums
+    and gradients are the unchunked ones (the same ops per row; only the head's gradient adds
+    chunk partial sums in another order). Autocast applies inside as it would outside.
+
+    Call it where the head's gradient must reach DDP/FSDP: inside the wrapped module's forward
+    (``step.DraftStep``); its weight gradient is returned through autograd like any other.
     """
+    if not (torch.is_grad_enabled() and (hidden_EH.requires_grad or head_weight_VH.requires_grad)):
+        with torch.no_grad():
+            return _chunk_sums(hidden_EH, head_weight_VH, target_draft_ids_Ek, target_probs_Ek, depth_E, num_depths,
+                               chunk_rows)
+    loss_sum, *stats = _ChunkedKL.apply(hidden_EH, head_weight_VH, target_draft_ids_Ek, target_probs_Ek, depth_E,
+                                        num_depths, chunk_rows)
+    return KLStats(loss_sum, *stats)
 
-    def chunk_stats(hidden, ids, probs, supervised, depth):
-        return forward_kl_sum(compute_logits(hidden), ids, probs, supervised, depth, num_depths)
 
-    parts = []
-    for start in range(0, hidden_NH.shape[0], chunk_size):
-        rows = slice(start, start + chunk_size)
-        args = (hidden_NH[rows], target_draft_ids_Nk[rows], target_probs_Nk[rows], supervised_N[rows], depth_N[rows])
-        parts.append(checkpoint(chunk_stats, *args, use_reentrant=False) if torch.is_grad_enabled()
-                     else chunk_stats(*args))
-    if not parts:
-        return forward_kl_sum(compute_logits(hidden_NH), target_draft_ids_Nk, target_probs_Nk,
-                              supervised_N, depth_N, num_depths)
-    return KLStats(*(torch.stack([getattr(p, f) for p in parts]).sum(0) for f in KLStats.__dataclass_fields__))
+def _chunk_sums(hidden_EH, weight_VH, ids_Ek, probs_Ek, depth_E, num_depths, chunk_rows,
+                on_chunk: Callable[[KLStats, Tensor, Tensor], None] | None = None) -> KLStats:
+    """Per-chunk `forward_kl_sum`, summed; ``on_chunk(stats, hidden_chunk, weight)`` sees each graph."""
+    total = KLStats.zeros(num_depths, hidden_EH.device)
+    for start in range(0, hidden_EH.shape[0], chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        hidden_cH = hidden_EH[rows]
+        stats = forward_kl_sum(F.linear(hidden_cH, weight_VH), ids_Ek[rows], probs_Ek[rows],
+                               torch.ones_like(depth_E[rows], dtype=torch.bool), depth_E[rows], num_depths)
+        if on_chunk is not None:
+            on_chunk(stats, hidden_cH, weight_VH)
+        total = total + stats.detach()
+    return total
+
+
+class _ChunkedKL(torch.autograd.Function):
+    """Forward computes the sums and, chunk by chunk, d(loss_sum)/d(hidden, weight); backward scales them."""
+
+    @staticmethod
+    def forward(ctx, hidden_EH, weight_VH, ids_Ek, probs_Ek, depth_E, num_depths, chunk_rows):
+        want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden_EH = torch.zeros_like(hidden_EH) if want_hidden else None
+        # The head's gradient adds up over chunks: in fp32, whatever the weight's (FSDP2: bf16) dtype.
+        grad_weight_VH = torch.zeros_like(weight_VH, dtype=torch.float32) if want_weight else None
+        hidden_leaf = hidden_EH.detach().requires_grad_(want_hidden)
+        weight_leaf = weight_VH.detach().requires_grad_(want_weight)
+        offset = [0]
+
+        def on_chunk(stats: KLStats, hidden_cH: Tensor, weight: Tensor) -> None:
+            wanted = [t for t, want in ((hidden_cH, want_hidden), (weight, want_weight)) if want]
+            grads = list(torch.autograd.grad(stats.loss_sum, wanted))
+            rows = slice(offset[0], offset[0] + hidden_cH.shape[0])
+            if want_hidden:
+                grad_hidden_EH[rows] = grads.pop(0)
+            if want_weight:
+                grad_weight_VH.add_(grads.pop(0))
+            offset[0] = rows.stop
+
+        with torch.enable_grad():
+            # Slices of the leaf keep each chunk's graph separate (nothing accumulates in .grad).
+            total = _chunk_sums(hidden_leaf, weight_leaf, ids_Ek, probs_Ek, depth_E, num_depths, chunk_rows, on_chunk)
+        ctx.save_for_backward(grad_hidden_EH, grad_weight_VH)
+        ctx.weight_dtype = weight_VH.dtype
+        stats = (total.depth_loss_sum, total.depth_correct, total.depth_count, total.num_uncovered)
+        ctx.mark_non_differentiable(*stats)
+        return (total.loss_sum, *stats)
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_):
+        grad_hidden_EH, grad_weight_VH = ctx.saved_tensors
+        grad_weight = None if grad_weight_VH is None else (grad_weight_VH * grad_loss).to(ctx.weight_dtype)
+        grad_hidden = None if grad_hidden_EH is None else grad_hidden_EH * grad_loss.to(grad_hidden_EH.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def acceptance_length_estimate(per_depth_agreement: Sequence[float] | Tensor) -> float:

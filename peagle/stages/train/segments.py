@@ -13,8 +13,15 @@ segments whose losses (and gradients) add up to the flat forward's exactly (DESI
   exactly the keys it sees in the flat sequence; loss is charged on owned elements only.
 
 Positions are per sample (L = the sample's training length); with packing, segment s of a row is
-segment s of every sample in it. Shape letters: N = flat elements of the row, M = a segment's
-carried elements, D = samples packed in the row.
+segment s of every sample in it.
+
+:func:`plan_units` turns a row into its *units* (one forward+backward each: the whole row for S = 1,
+else one per non-empty segment) with every index the trainer needs, BlockMask indices included. It
+runs in the DataLoader workers (``collate``), so the training step only gathers with these indices
+on the device and never plans, sorts or reads back anything.
+
+Shape letters: N = flat elements of the row, M = a segment's carried elements, D = samples packed in
+the row, E = the row's supervised elements (``supervised_idx_E``), e = those a unit charges.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from peagle.model.mask import CodBlockIndices, cod_block_indices
 
 
 @dataclass(frozen=True)
@@ -103,3 +112,55 @@ def plan_segments(anchor_pos: Tensor, depth: Tensor, doc_starts: list[int] | Ten
         indices_M = torch.nonzero(owned_N | context_N).flatten()
         plans.append(SegmentPlan(segment=s, indices=indices_M, owned=owned_N[indices_M]))
     return plans
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """One forward+backward of a row, as index tensors (CPU in the worker, moved with the batch).
+
+    Attributes:
+        element_idx_M: the unit's elements in the row's flat sequence, ascending (None: all of them).
+            The first ``num_real`` are depth-0 elements, whose flat index is their row position, so
+            they also index the batch's ``aux_TAH``.
+        num_real: R, the unit's depth-0 elements (a host int: it sizes the draft's inputs).
+        supervised_idx_e: rows inside the unit whose loss the unit charges.
+        target_idx_e: which of the row's E supervised targets those rows are (None: all E, in order).
+        block_indices: the unit's BlockMask index arrays (flex attention only).
+    """
+
+    element_idx_M: Tensor | None
+    num_real: int
+    supervised_idx_e: Tensor
+    target_idx_e: Tensor | None
+    block_indices: CodBlockIndices | None
+
+
+def plan_units(anchor_N: Tensor, depth_N: Tensor, doc_starts_D: Tensor, doc_lengths_D: Tensor,
+               supervised_idx_E: Tensor, num_segments: int, *, block_size: int | None) -> list[UnitPlan]:
+    """The units of one packed row (module docstring); segments that carry nothing are skipped.
+
+    ``supervised_idx_E`` are the row's supervised flat indices (ascending); ``block_size`` None
+    (SDPA) computes no BlockMask indices. Every supervised element is charged by exactly one unit.
+    """
+    num_tokens = int(doc_lengths_D.sum())
+
+    def block_indices(idx_M: Tensor | None) -> CodBlockIndices | None:
+        if block_size is None:
+            return None
+        anchor, depth = (anchor_N, depth_N) if idx_M is None else (anchor_N[idx_M], depth_N[idx_M])
+        return cod_block_indices(anchor, depth, doc_lengths_D, num_tokens, block_size=block_size)
+
+    if num_segments == 1:
+        return [UnitPlan(None, num_tokens, supervised_idx_E, None, block_indices(None))]
+    units = []
+    for seg in plan_segments(anchor_N, depth_N, doc_starts_D, doc_lengths_D, num_segments):
+        idx_M = seg.indices
+        if idx_M.numel() == 0:
+            continue
+        # Where each supervised element sits in the segment, and whether the segment owns it.
+        pos_E = torch.searchsorted(idx_M, supervised_idx_E).clamp(max=idx_M.numel() - 1)
+        charged_E = (idx_M[pos_E] == supervised_idx_E) & seg.owned[pos_E]
+        target_idx_e = torch.nonzero(charged_E).flatten()
+        units.append(UnitPlan(idx_M, int(torch.searchsorted(idx_M, num_tokens)), pos_E[target_idx_e],
+                              target_idx_e, block_indices(idx_M)))
+    return units

@@ -1,146 +1,281 @@
-"""The parts of one training step that hold no run state: units, the unit forward, stats, optimizer.
+"""One optimizer step, all of it: the compute the trainer (loop.py) runs once per step.
 
-A *unit* is one forward+backward: a whole micro-batch (S = 1) or one segment of it (S > 1, DESIGN §4).
-Segment bookkeeping (which elements a segment carries, which supervised targets it charges) is done
-on the CPU batch, before the copy to the device; the device only gathers with those indices.
+:class:`TrainStep` owns what a step touches: the draft, its DDP/FSDP2 wrapper, flex attention
+(compiled or not: decided here, once per run), AdamW and the LR schedule. One call:
 
-The stats of a unit are one flat vector, so that summing units, steps and ranks is one ``+=`` or
-one ``all_reduce``: ``[loss_sum, num_uncovered, depth_loss_sum[K], depth_correct[K], depth_count[K]]``.
+1. sums the micro-batches' supervised counts and all-reduces them: ONE global count for the step
+   (DESIGN §5), known before any backward, so every unit charges ``loss_sum · world / count``
+   (DDP/FSDP average gradients over ranks; the factor ``world`` undoes that) and nothing is
+   averaged per micro-batch. The counts are host ints reduced over a gloo group: no GPU sync;
+2. runs one forward+backward per *unit* (a micro-batch, or one of its segments, DESIGN §4; planned
+   by the loader workers, ``segments.plan_units``); gradients sync in the last unit's backward only
+   (DDP ``no_sync`` / the FSDP2 flag);
+3. clips, steps AdamW (fp32 master weights; bf16 autocast on CUDA, FSDP2 gathering bf16 parameters
+   and reducing fp32 gradients) and the LR schedule (warmup, cosine).
+
+**No host sync before the clip.** Batches arrive pinned with every index a unit needs (document ids,
+unit plans, BlockMask indices) and are copied ``non_blocking``; masks are built from them with
+device ops; the loss is a chunked KL inside the wrapped forward; the stats stay on the device
+(:class:`KLStats`, read by the trainer once per logged step). tests/stages/train/test_step.py
+holds the forward+backward to that on the CPU (no op that would sync on a GPU), and the CUDA
+tests run it under ``torch.cuda.set_sync_debug_mode("error")``.
 
 Shape letters as in batch.py: T positions, N flat elements, M a unit's elements, R its real (depth-0)
-rows, E supervised elements, K depths, V draft vocab.
+rows, E supervised elements, e those a unit charges, K depths, V draft vocab.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from peagle.model.draft import PEagleDraft
-from peagle.model.mask import block_mask_from_indices, create_peagle_mask_mod, dense_peagle_mask
+from peagle.model.flex import FlexRunner, is_compile_failure
+from peagle.model.mask import block_mask_from_indices, dense_mask, peagle_mask_mod
+from peagle.schemas.errors import UserError
 from peagle.schemas.train_config import TrainConfig
 from peagle.stages.train.batch import TrainBatch
-from peagle.stages.train.loss import acceptance_length_estimate, agreement_rates, forward_kl_sum
+from peagle.stages.train.loss import KLStats, acceptance_length_estimate, agreement_rates, chunked_kl_sum
+from peagle.stages.train.segments import UnitPlan
 
 MIN_LR_RATIO = 0.1
 
 
-class DraftStep(nn.Module):
-    """Draft forward + logits at the supervised rows only, as ONE module forward.
+def init_distributed() -> tuple[int, int, torch.device]:
+    """(rank, world size, device) from torchrun's environment; a process group only when WORLD_SIZE > 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return (dist.get_rank() if world > 1 else 0), world, device
 
-    DDP and FSDP2 hook into ``forward``: logits computed outside it would miss their gradient sync.
-    Only the E supervised rows reach ``lm_head`` (the big matmul): DESIGN §8.
+
+def resolve_attention(attention: str, device: torch.device) -> str:
+    """``auto`` is flex on CUDA and sdpa elsewhere; flex training off CUDA is refused (no CPU backward)."""
+    if attention == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    if attention == "flex" and device.type != "cuda":
+        raise UserError("--attention flex needs a CUDA device for training (flex_attention has no CPU "
+                        "backward); use --attention sdpa or auto on CPU")
+    return attention
+
+
+def default_compute_dtype(device: torch.device) -> torch.dtype:
+    """bf16 autocast (and bf16 FSDP2 all-gathers) on CUDA; plain fp32 elsewhere."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def compiled_graph_count() -> int:
+    """Graphs Dynamo has compiled in this process so far (torch's own counter; metrics diff it)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"].get("unique_graphs", 0))
+
+
+class DraftStep(nn.Module):
+    """Draft forward + the chunked KL at the charged rows, as ONE module forward.
+
+    DDP and FSDP2 hook into ``forward``: the lm_head matmul (and its gradient, when the head trains)
+    must happen inside it. Only the e charged rows reach ``lm_head`` (DESIGN §8), a chunk at a time
+    (``chunked_kl_sum``): peak memory does not grow with e × V. Returns the KLStats fields as a
+    tuple, which the wrappers' output hooks traverse.
     """
 
-    def __init__(self, draft: PEagleDraft):
+    def __init__(self, draft: PEagleDraft, num_depths: int, flex: FlexRunner | None = None):
         super().__init__()
-        self.draft = draft
+        self.draft, self.num_depths, self.flex = draft, num_depths, flex
 
     def forward(self, token_ids_M: Tensor, aux_RAH: Tensor, position_ids_M: Tensor, attn_mask: Any,
-                supervised_idx_E: Tensor) -> Tensor:
-        hidden_MH = self.draft(token_ids_M, aux_RAH, position_ids_M, attn_mask)
-        return self.draft.compute_logits(hidden_MH[supervised_idx_E])
+                supervised_idx_e: Tensor, target_ids_ek: Tensor, target_probs_ek: Tensor,
+                depth_e: Tensor) -> tuple[Tensor, ...]:
+        hidden_MH = self.draft(token_ids_M, aux_RAH, position_ids_M, attn_mask, self.flex)
+        stats = chunked_kl_sum(hidden_MH[supervised_idx_e], self.draft.lm_head.weight, target_ids_ek,
+                               target_probs_ek, depth_e, self.num_depths)
+        return stats.loss_sum, stats.depth_loss_sum, stats.depth_correct, stats.depth_count, stats.num_uncovered
 
 
-@dataclass
-class Unit:
-    """One forward+backward's inputs (tensors on the training device).
-
-    ``element_idx_M`` selects the unit's elements from the batch's flat sequence (None: all of them);
-    its first ``num_real`` are depth-0 elements, whose flat index is their row position (batch.py), so
-    they also index ``aux_TAH``. ``target_idx_E`` selects the batch's supervised targets this unit
-    charges (None: all); ``supervised_idx_E`` are their rows inside the unit.
-    """
-
-    batch: TrainBatch
-    element_idx_M: Tensor | None
-    num_real: int
-    supervised_idx_E: Tensor
-    target_idx_E: Tensor | None
-    block_indices: Any
-
-
-def plan_units(batch: TrainBatch) -> list[dict[str, Any]]:
-    """The units of one CPU batch as index tensors; segments that carry nothing are skipped."""
-    if batch.segments is None:
-        return [dict(element_idx_M=None, num_real=batch.num_tokens, supervised_idx_E=batch.supervised_idx_E,
-                     target_idx_E=None, block_indices=batch.block_indices)]
-    units = []
-    for s, seg in enumerate(batch.segments):
-        idx_M = seg.indices
-        if idx_M.numel() == 0:
-            continue
-        # Where each supervised element sits in the segment, and whether the segment owns it.
-        pos_E = torch.searchsorted(idx_M, batch.supervised_idx_E).clamp(max=idx_M.numel() - 1)
-        charged_E = (idx_M[pos_E] == batch.supervised_idx_E) & seg.owned[pos_E]
-        target_idx_E = torch.nonzero(charged_E).flatten()
-        units.append(dict(
-            element_idx_M=idx_M, num_real=int(torch.searchsorted(idx_M, batch.num_tokens)),
-            supervised_idx_E=pos_E[target_idx_E], target_idx_E=target_idx_E,
-            block_indices=None if batch.segment_block_indices is None else batch.segment_block_indices[s]))
-    return units
-
-
-def to_units(batch: TrainBatch, device: torch.device) -> list[Unit]:
-    """Plan on the CPU, then copy the batch and the index tensors to ``device`` (non-blocking)."""
-    plans = plan_units(batch)
-    on_device = batch.to(device, non_blocking=True)
-
-    def move(t: Tensor | None) -> Tensor | None:
-        return None if t is None else t.to(device, non_blocking=True)
-
-    return [Unit(batch=on_device, element_idx_M=move(p["element_idx_M"]), num_real=p["num_real"],
-                 supervised_idx_E=move(p["supervised_idx_E"]), target_idx_E=move(p["target_idx_E"]),
-                 block_indices=p["block_indices"]) for p in plans]
-
-
-def unit_forward(model: nn.Module, unit: Unit, *, attention: str, num_depths: int, device: torch.device):
-    """The unit's logits at its charged elements and their KL sums (``KLStats``; ``loss_sum`` has grad)."""
-    b, idx = unit.batch, unit.element_idx_M
+def unit_forward(model: nn.Module, batch: TrainBatch, plan: UnitPlan, *, attention: str,
+                 compute_dtype: torch.dtype) -> KLStats:
+    """One unit's KL sums (``loss_sum`` has grad) from a batch already on the device: gathers only."""
+    idx = plan.element_idx_M
 
     def pick(t: Tensor) -> Tensor:
         return t if idx is None else t[idx]
 
     def charged(t: Tensor) -> Tensor:
-        return t if unit.target_idx_E is None else t[unit.target_idx_E]
+        return t if plan.target_idx_e is None else t[plan.target_idx_e]
 
-    anchor_M, depth_M = pick(b.anchor_N), pick(b.depth_N)
-    aux_RAH = b.aux_states(None if idx is None else idx[: unit.num_real])  # fp8: dequantised here, on the device
+    b = batch
+    anchor_M, depth_M, doc_M = pick(b.anchor_N), pick(b.depth_N), pick(b.doc_N)
+    aux_RAH = b.aux_states(None if idx is None else idx[: plan.num_real])  # fp8: dequantised here, on the device
     if attention == "flex":
-        mask_mod = create_peagle_mask_mod(anchor_M, depth_M, b.doc_lengths_D, b.num_tokens)
-        attn_mask = block_mask_from_indices(unit.block_indices, mask_mod, device=device)
+        attn_mask = block_mask_from_indices(plan.block_indices, peagle_mask_mod(anchor_M, depth_M, doc_M),
+                                            device=anchor_M.device)
     else:
-        attn_mask = dense_peagle_mask(anchor_M, depth_M, b.doc_lengths_D, b.num_tokens)
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        logits_EV = model(pick(b.input_ids_N), aux_RAH, pick(b.position_ids_N), attn_mask, unit.supervised_idx_E)
-        depth_E = charged(b.depth_E)
-        return forward_kl_sum(logits_EV, charged(b.target_ids_Ek), charged(b.target_probs_Ek),
-                              torch.ones_like(depth_E, dtype=torch.bool), depth_E, num_depths)
+        attn_mask = dense_mask(anchor_M, depth_M, doc_M)
+    device_type = anchor_M.device.type
+    with torch.autocast(device_type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
+        out = model(pick(b.input_ids_N), aux_RAH, pick(b.position_ids_N), attn_mask, plan.supervised_idx_e,
+                    charged(b.target_ids_Ek), charged(b.target_probs_Ek), charged(b.depth_E))
+    return KLStats(*out)
 
 
-def stats_vector(stats) -> Tensor:
-    """A unit's KLStats as the flat stats vector (module docstring), detached."""
-    return torch.cat([stats.loss_sum.detach().float()[None], stats.num_uncovered.float()[None],
-                      stats.depth_loss_sum, stats.depth_correct, stats.depth_count])
+@dataclass(frozen=True)
+class StepResult:
+    """What one step reports: this rank's summed stats (on the device) and the global counts."""
+
+    stats: KLStats
+    num_supervised: float  # global, all ranks
+    num_tokens: float
+    num_no_target: float
+    grad_norm: Tensor | None  # on the device; None without clipping
+    lr: float
 
 
-def summarise(stats: Tensor, num_depths: int) -> dict[str, Any]:
-    """Loss over the supervised count, per-depth loss / agreement / count, and the AL estimate."""
-    stats = stats.detach().double().cpu()
-    K = num_depths
-    loss_K, correct_K, count_K = stats[2:2 + K], stats[2 + K:2 + 2 * K], stats[2 + 2 * K:]
-    agreement = agreement_rates(correct_K, count_K)
+class TrainStep:
+    """The compute of a step (module docstring) and everything it touches; the trainer owns the rest."""
+
+    def __init__(self, draft: PEagleDraft, config: TrainConfig, *, device: torch.device, attention: str,
+                 total_steps: int, world_size: int = 1, cpu_group: Any = None,
+                 compute_dtype: torch.dtype | None = None):
+        self.config, self.device, self.attention = config, device, attention
+        self.world_size, self.cpu_group = world_size, cpu_group
+        self.compute_dtype = compute_dtype or default_compute_dtype(device)
+        self.draft = draft.to(device)
+        # The compile decision, once per run: Inductor's flex kernels on CUDA, eager flex elsewhere.
+        self.flex = FlexRunner(compile=device.type == "cuda") if attention == "flex" else None
+        self.model = self._parallelize(DraftStep(self.draft, config.num_depths, self.flex))
+        self.optimizer = build_optimizer(self.draft, config, device)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, config.warmup_steps, total_steps))
+
+    def describe(self) -> str:
+        flex = "" if self.flex is None else (" (torch.compile'd)" if self.flex.compiled else " (eager)")
+        return f"attention {self.attention}{flex}, compute {str(self.compute_dtype).removeprefix('torch.')}"
+
+    def _parallelize(self, module: DraftStep) -> nn.Module:
+        if self.world_size == 1:
+            return module
+        if self.config.fsdp:  # FSDP2: one unit per decoder layer, the rest (embeddings, heads) in the root
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            # Gather parameters in the compute dtype (half the all-gather bytes under bf16), reduce
+            # gradients in fp32 into the fp32 master shards (as the reference trainers do).
+            policy = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+            for layer in module.draft.layers:
+                fully_shard(layer, mp_policy=policy)
+            return fully_shard(module, mp_policy=policy)
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(module, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+    # ------------------------------------------------------------------------------------------- the step
+
+    def __call__(self, micro_batches: list[TrainBatch]) -> StepResult:
+        """One optimizer step over this rank's micro-batches (module docstring, steps 1-3)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        stats, counts = self.forward_backward(micro_batches)
+        grad_norm = None
+        if self.config.grad_clip > 0:  # the step's first host sync may follow (the optimizer's own)
+            params = [p for p in self.draft.parameters() if p.requires_grad]
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip).detach()
+        self.optimizer.step()
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        return StepResult(stats, *counts, grad_norm=grad_norm, lr=lr)
+
+    def forward_backward(self, micro_batches: list[TrainBatch]) -> tuple[KLStats, tuple[float, float, float]]:
+        """Steps 1-2: one global count, then every unit's forward+backward.
+
+        Returns this rank's summed stats (detached, on the device) and the global (supervised,
+        tokens, no-target) counts.
+        """
+        counts = [float(sum(b.num_supervised for b in micro_batches)), float(sum(b.num_tokens for b in micro_batches)),
+                  float(sum(b.num_no_target for b in micro_batches))]
+        if self.world_size > 1:  # BEFORE any backward: every unit's divisor (a CPU tensor on a gloo group)
+            reduced = torch.tensor(counts, dtype=torch.float64)
+            dist.all_reduce(reduced, group=self.cpu_group)
+            counts = reduced.tolist()
+        num_supervised, num_tokens, num_no_target = counts
+        loss_scale = self.world_size / max(num_supervised, 1.0)
+        units = [(batch, plan) for batch in self.to_device(micro_batches) for plan in batch.units]
+        total = KLStats.zeros(self.config.num_depths, self.device)
+        for i, (batch, plan) in enumerate(units):
+            with self._gradient_sync(i == len(units) - 1):
+                stats = unit_forward(self.model, batch, plan, attention=self.attention,
+                                     compute_dtype=self.compute_dtype)
+                _backward(stats.loss_sum * loss_scale)
+            total = total + stats.detach()
+        return total, (num_supervised, num_tokens, num_no_target)
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable[TrainBatch]) -> KLStats:
+        """Summed stats over ``batches`` (no gradients), reduced over ranks."""
+        self.model.eval()
+        total = KLStats.zeros(self.config.num_depths, self.device)
+        for batch in self.to_device_each(batches):
+            for plan in batch.units:
+                total = total + unit_forward(self.model, batch, plan, attention=self.attention,
+                                             compute_dtype=self.compute_dtype).detach()
+        self.model.train()
+        return all_reduce_stats(total) if self.world_size > 1 else total
+
+    def to_device(self, batches: list[TrainBatch]) -> list[TrainBatch]:
+        """Copy pinned batches (indices, unit plans and BlockMask indices included) without waiting."""
+        return list(self.to_device_each(batches))
+
+    def to_device_each(self, batches: Iterable[TrainBatch]) -> Iterable[TrainBatch]:
+        return (batch.to(self.device, non_blocking=True) for batch in batches)
+
+    def _gradient_sync(self, sync: bool) -> contextlib.AbstractContextManager:
+        """Sync gradients only in the step's last backward (DDP ``no_sync`` / the FSDP2 flag)."""
+        if self.world_size == 1:
+            return contextlib.nullcontext()
+        if hasattr(self.model, "set_requires_gradient_sync"):
+            self.model.set_requires_gradient_sync(sync)
+            return contextlib.nullcontext()
+        return contextlib.nullcontext() if sync else self.model.no_sync()
+
+
+def _backward(loss: Tensor) -> None:
+    """``loss.backward()``; a compile failure surfacing here (a backward graph compiled late) is one line."""
+    try:
+        loss.backward()
+    except Exception as err:  # noqa: BLE001 - only compile failures are rewritten
+        if not is_compile_failure(err):
+            raise
+        raise UserError(f"torch.compile failed while compiling the backward ({type(err).__name__}: "
+                        f"{' '.join(str(err).split())[:240]}); train with --attention sdpa") from err
+
+
+def all_reduce_stats(stats: KLStats) -> KLStats:
+    """Sum a stats record over ranks: one ``all_reduce`` of its vector (asynchronous for the host on a GPU)."""
+    vector = stats.to_vector()
+    dist.all_reduce(vector)
+    return KLStats.from_vector(vector)
+
+
+def summarise(stats: KLStats) -> dict[str, Any]:
+    """Loss over the supervised count, per-depth loss / agreement / count, and the AL estimate (host read)."""
+    s = KLStats.from_vector(stats.to_vector().double().cpu())
+    agreement = agreement_rates(s.depth_correct, s.depth_count)
     return {
-        "loss": float(stats[0]) / max(float(count_K.sum()), 1.0),
-        "depth_loss": [float(l / c) if c > 0 else None for l, c in zip(loss_K, count_K)],
+        "loss": float(s.loss_sum) / max(float(s.depth_count.sum()), 1.0),
+        "depth_loss": [float(l / c) if c > 0 else None for l, c in zip(s.depth_loss_sum, s.depth_count)],
         "depth_agreement": [None if math.isnan(a) else float(a) for a in agreement],
-        "depth_count": [int(c) for c in count_K],
+        "depth_count": [int(c) for c in s.depth_count],
         "acceptance_length_estimate": acceptance_length_estimate(agreement),
-        "num_uncovered": int(stats[1]),
+        "num_uncovered": int(s.num_uncovered),
     }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from peagle.model.mask import dense_peagle_mask
+from peagle.model.mask import dense_mask, dense_peagle_mask
 from peagle.pipeline.store_reader import training_sample
 from peagle.schemas.loader_config import CodSettings
 from peagle.stages.train.batch import TrainBatch, collate, make_item
@@ -102,7 +102,11 @@ def test_packing_isolates_documents_and_block_indices_cover_the_mask(tiny_store)
     batch = collate([item_of(r) for r in raws], target_to_draft_V=torch.arange(tiny_store.vocab_size),
                     mask_token_id=tiny_store.mask_token_id, block_size=16)
     dense = dense_peagle_mask(batch.anchor_N, batch.depth_N, batch.doc_lengths_D, batch.num_tokens)
-    idx = batch.block_indices
+    assert torch.equal(dense_mask(batch.anchor_N, batch.depth_N, batch.doc_N), dense)  # shipped doc ids
+    (unit,) = batch.units
+    assert unit.element_idx_M is None and unit.num_real == batch.num_tokens and unit.target_idx_e is None
+    assert torch.equal(unit.supervised_idx_e, batch.supervised_idx_E)
+    idx = unit.block_indices
     nb = idx.kv_num_blocks.shape[-1]
     allowed = torch.zeros(nb, nb, dtype=torch.bool)
     for q in range(nb):
@@ -118,11 +122,18 @@ def test_segments_partition_the_elements(tiny_store):
     raws = supervised_samples(tiny_store, 2)
     batch = collate([item_of(r) for r in raws], target_to_draft_V=torch.arange(tiny_store.vocab_size),
                     mask_token_id=tiny_store.mask_token_id, num_segments=3, block_size=16)
-    owned = torch.cat([seg.indices[seg.owned] for seg in batch.segments]).sort().values
-    assert torch.equal(owned, torch.arange(batch.num_elements))
-    assert batch.block_indices is None and len(batch.segment_block_indices) == 3
-    for seg, idx in zip(batch.segments, batch.segment_block_indices):
-        assert idx.seq_len == seg.indices.numel()
+    assert len(batch.units) == 3
+    for unit in batch.units:
+        assert unit.block_indices.seq_len == unit.element_idx_M.numel()
+        assert bool((batch.depth_N[unit.element_idx_M[:unit.num_real]] == 0).all())
+        assert bool((batch.depth_N[unit.element_idx_M[unit.num_real:]] > 0).all())
+    # Every supervised element is charged by exactly one unit, at its own row.
+    charged = torch.cat([u.element_idx_M[u.supervised_idx_e] for u in batch.units])
+    assert sorted(charged.tolist()) == batch.supervised_idx_E.tolist()
+    targets = torch.cat([u.target_idx_e for u in batch.units])
+    assert sorted(targets.tolist()) == list(range(batch.num_supervised))
+    for u in batch.units:
+        assert torch.equal(u.element_idx_M[u.supervised_idx_e], batch.supervised_idx_E[u.target_idx_e])
 
 
 def test_to_and_pin_memory_keep_every_field(tiny_store):
@@ -131,9 +142,9 @@ def test_to_and_pin_memory_keep_every_field(tiny_store):
                     mask_token_id=tiny_store.mask_token_id, num_segments=2, block_size=16)
     moved = batch.to("cpu")
     assert isinstance(moved, TrainBatch) and torch.equal(moved.aux_TAH, batch.aux_TAH)
-    assert moved.sample_ids == batch.sample_ids and moved.segment_block_indices[1].block_size == 16
+    assert moved.sample_ids == batch.sample_ids and moved.units[1].block_indices.block_size == 16
     if not torch.cuda.is_available():
         pytest.skip("pin_memory needs an accelerator")
     pinned = batch.pin_memory()
-    assert pinned.aux_TAH.is_pinned() and pinned.segments[0].indices.is_pinned()
-    assert pinned.segment_block_indices[0].kv_indices.is_pinned()
+    assert pinned.aux_TAH.is_pinned() and pinned.units[0].element_idx_M.is_pinned() and pinned.doc_N.is_pinned()
+    assert pinned.units[0].block_indices.kv_indices.is_pinned()

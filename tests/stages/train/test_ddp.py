@@ -1,5 +1,7 @@
 """torchrun --nproc-per-node 2 on CPU (gloo) trains exactly like one process with the same global batch,
-with DDP and with FSDP2 (whose checkpoint also resumes exactly).
+with DDP and with FSDP2 (whose checkpoint also resumes exactly); FSDP2 with the bf16 mixed-precision
+policy (what CUDA runs use) gathers bf16 parameters, keeps fp32 master weights and gradients, and
+trains like one process under bf16 autocast, within bf16 tolerance.
 
 This file is also the torchrun script: ``python -m torch.distributed.run --nproc-per-node 2 test_ddp.py
 OUT`` runs ``_worker`` on each rank (rank r takes micro-batch r of every step); the test runs it and
@@ -43,11 +45,11 @@ def _micro_batches(step: int, rank: int):
     return batch_of(random_items(1000 * step + rank, lengths), 2)
 
 
-def _trainer(world_size: int, *, fsdp: bool = False) -> Trainer:
+def _trainer(world_size: int, *, fsdp: bool = False, compute_dtype: torch.dtype | None = None) -> Trainer:
     config = TrainConfig(store=("unused",), target="unused", out="unused", num_depths=5, sequence_partitions=2,
                          attention="sdpa", max_steps=NUM_STEPS + 1, grad_accum=2 // world_size, lr=3e-3,
                          warmup_steps=1, fsdp=fsdp)
-    return Trainer.for_model(config, tiny_draft(num_layers=2))
+    return Trainer.for_model(config, tiny_draft(num_layers=2), compute_dtype=compute_dtype)
 
 
 def _steps(trainer, world_size: int, rank: int, steps: range) -> list[float]:
@@ -65,8 +67,8 @@ def _weights(trainer) -> dict[str, torch.Tensor]:
     return get_model_state_dict(trainer.draft, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def _run(world_size: int, rank: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    trainer = _trainer(world_size)
+def _run(world_size: int, rank: int, compute_dtype: torch.dtype | None = None):
+    trainer = _trainer(world_size, compute_dtype=compute_dtype)
     losses = _steps(trainer, world_size, rank, range(NUM_STEPS))
     return losses, {k: v.detach().clone() for k, v in _weights(trainer).items()}
 
@@ -84,10 +86,20 @@ def _worker(out: str) -> None:
     fresh.load_state_dict(ckpt.load_checkpoint(cf.latest_valid_checkpoint(Path(out).parent / "fsdp_run")))
     resumed_weights = _weights(fresh)
     next_losses = [_steps(t, 2, rank, range(NUM_STEPS, NUM_STEPS + 1))[0] for t in (fsdp, fresh)]
+    # Mixed precision: the dtypes a layer computes with, the master shards' and gradients' dtypes.
+    mixed = _trainer(2, fsdp=True, compute_dtype=torch.bfloat16)
+    gathered = []
+    mixed.draft.layers[1].register_forward_pre_hook(
+        lambda layer, args: gathered.append({p.dtype for p in layer.parameters()}))
+    mixed_losses = _steps(mixed, 2, rank, range(NUM_STEPS))
+    mixed_dtypes = {"gathered": gathered, "master": {p.dtype for p in mixed.draft.parameters()},
+                    "grads": {p.grad.dtype for p in mixed.draft.parameters() if p.grad is not None}}
+    mixed_weights = _weights(mixed)
     if rank == 0:
         assert path is not None
         torch.save({"losses": ddp_losses, "weights": ddp_weights, "fsdp_losses": fsdp_losses,
-                    "fsdp_weights": fsdp_weights, "resumed_weights": resumed_weights, "next_losses": next_losses},
+                    "fsdp_weights": fsdp_weights, "resumed_weights": resumed_weights, "next_losses": next_losses,
+                    "mixed_losses": mixed_losses, "mixed_dtypes": mixed_dtypes, "mixed_weights": mixed_weights},
                    out)
     fresh.close()
 
@@ -112,6 +124,19 @@ def test_torchrun_two_processes_equal_one_process_with_the_same_global_batch(tmp
         torch.testing.assert_close(ddp["fsdp_weights"][name], value, rtol=1e-4, atol=1e-6, msg=name)
         assert torch.equal(ddp["resumed_weights"][name], ddp["fsdp_weights"][name]), name
     assert ddp["next_losses"][0] == ddp["next_losses"][1]
+    # FSDP2 with the bf16 policy: bf16 all-gathers, fp32 master weights and reduced gradients, and the
+    # training of one process under bf16 autocast (weights cast per op instead), to bf16 tolerance.
+    dtypes = ddp["mixed_dtypes"]
+    assert dtypes["gathered"] and all(d == {torch.bfloat16} for d in dtypes["gathered"])
+    assert dtypes["master"] == {torch.float32} and dtypes["grads"] == {torch.float32}
+    bf16_losses, bf16_weights = _run(1, 0, compute_dtype=torch.bfloat16)
+    assert ddp["mixed_losses"] == pytest.approx(bf16_losses, rel=2e-2)
+    assert ddp["mixed_losses"] != pytest.approx(losses, rel=1e-5)  # bf16 did change the arithmetic
+    initial = tiny_draft(num_layers=2).state_dict()
+    floats = {n: v for n, v in bf16_weights.items() if v.is_floating_point()}
+    for name, value in floats.items():  # the 3 steps' updates agree to bf16 noise (a few %)
+        update, mixed_update = value - initial[name], ddp["mixed_weights"][name] - initial[name]
+        assert float(update.norm()) > 0 and float((mixed_update - update).norm() / update.norm()) < 0.25, name
 
 
 @pytest.mark.slow

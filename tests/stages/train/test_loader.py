@@ -290,18 +290,18 @@ def test_the_step_on_fp8_rows_equals_the_step_on_rows_dequantised_in_workers(fp8
 
     from peagle.model.draft import PEagleDraft
     from peagle.schemas.draft_config import DraftConfig
-    from peagle.stages.train.step import DraftStep, to_units, unit_forward
+    from peagle.stages.train.step import DraftStep, unit_forward
 
     draft_config = DraftConfig.from_target_config(AutoConfig.from_pretrained(tiny_store.target_dir), num_layers=1,
                                                   draft_vocab_size=tiny_store.vocab_size,
                                                   mask_token_id=tiny_store.mask_token_id)
     torch.manual_seed(0)
-    model = DraftStep(PEagleDraft(draft_config))
+    model = DraftStep(PEagleDraft(draft_config), num_depths=4)
     loss = []
     for in_workers in (True, False):
         batch = next(iter(TrainLoader(config(StoreSpec(str(fp8_store)), dequantize_in_workers=in_workers))))
-        (unit,) = to_units(batch, torch.device("cpu"))
-        loss.append(unit_forward(model, unit, attention="sdpa", num_depths=4, device=torch.device("cpu")).loss_sum)
+        (plan,) = batch.units
+        loss.append(unit_forward(model, batch, plan, attention="sdpa", compute_dtype=torch.float32).loss_sum)
     assert torch.equal(loss[0], loss[1])
 
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 
 import pytest
 import torch
 
-from peagle.stages.train.loss import (acceptance_length_estimate, agreement_rates, forward_kl_sum,
-                                      forward_kl_sum_chunked)
+from peagle.stages.train.loss import (KLStats, acceptance_length_estimate, agreement_rates, chunked_kl_sum,
+                                      forward_kl_sum)
 
 
 def random_targets(num: int, vocab: int, topk: int, generator: torch.Generator):
@@ -100,27 +102,135 @@ def test_acceptance_length_estimate_is_the_chain_product():
     assert rates[:2].tolist() == [0.75, 0.5] and math.isnan(float(rates[2]))
 
 
-def test_chunked_equals_unchunked_with_gradients():
-    generator = torch.Generator().manual_seed(5)
-    num, hidden_size, vocab, topk = 37, 16, 30, 4
-    ids, probs = random_targets(num, vocab, topk, generator)
-    hidden = torch.randn(num, hidden_size, generator=generator)
-    head = torch.nn.Linear(hidden_size, vocab, bias=False)
-    supervised = torch.rand(num, generator=generator) < 0.7
-    depth = torch.randint(0, 3, (num,), generator=generator)
+def _chunked_or_not(chunk_rows, hidden, weight, ids, probs, depth, num_depths, *, train_head, scale=2.5):
+    """Sums and gradients of ``scale · loss_sum`` (the trainer scales by world / global count)."""
+    h = hidden.clone().requires_grad_()
+    w = weight.clone().requires_grad_(train_head)
+    if chunk_rows is None:
+        stats = forward_kl_sum(torch.nn.functional.linear(h, w), ids, probs, torch.ones_like(depth, dtype=torch.bool),
+                               depth, num_depths)
+    else:
+        stats = chunked_kl_sum(h, w, ids, probs, depth, num_depths, chunk_rows=chunk_rows)
+    (stats.loss_sum * scale).backward()
+    return stats, h.grad, w.grad
 
-    results = []
-    for chunked in (False, True):
-        h = hidden.clone().requires_grad_()
-        head.zero_grad()
-        if chunked:
-            stats = forward_kl_sum_chunked(head, h, ids, probs, supervised, depth, 3, chunk_size=8)
-        else:
-            stats = forward_kl_sum(head(h), ids, probs, supervised, depth, 3)
+
+@pytest.mark.parametrize("train_head", [False, True])
+@pytest.mark.parametrize("chunk_rows", [1, 8, 37, 100])
+def test_chunked_equals_unchunked_with_gradients(chunk_rows, train_head):
+    generator = torch.Generator().manual_seed(5)
+    num, hidden_size, vocab, topk, num_depths = 37, 16, 30, 4, 3
+    ids, probs = random_targets(num, vocab, topk, generator)
+    hidden, weight = torch.randn(num, hidden_size, generator=generator), torch.randn(vocab, hidden_size, generator=generator)
+    depth = torch.randint(0, num_depths, (num,), generator=generator)
+    full, h_grad, w_grad = _chunked_or_not(None, hidden, weight, ids, probs, depth, num_depths, train_head=train_head)
+    part, h_grad_c, w_grad_c = _chunked_or_not(chunk_rows, hidden, weight, ids, probs, depth, num_depths,
+                                               train_head=train_head)
+    torch.testing.assert_close(part.to_vector(), full.to_vector(), atol=1e-5, rtol=1e-5)
+    assert int(part.num_uncovered) == 3 and float(part.depth_correct.sum()) >= 0
+    torch.testing.assert_close(h_grad_c, h_grad, atol=1e-5, rtol=1e-5)
+    if train_head:
+        torch.testing.assert_close(w_grad_c, w_grad, atol=1e-5, rtol=1e-5)
+    else:
+        assert w_grad is None and w_grad_c is None
+
+
+def test_chunked_under_bf16_autocast_matches_unchunked():
+    """The trainer's CUDA setting (autocast bf16, fp32 hidden and weights), here on the CPU.
+
+    With a unit loss scale the gradients are bitwise the unchunked ones (the same bf16 ops per row);
+    with another scale they differ by bf16 rounding only: the unchunked backward rounds
+    ``scale · dlogits`` to bf16, the chunked one ``dlogits`` and scales the result in fp32.
+    """
+    generator = torch.Generator().manual_seed(6)
+    ids, probs = random_targets(50, 40, 5, generator)
+    hidden, weight = torch.randn(50, 24, generator=generator), torch.randn(40, 24, generator=generator)
+    depth = torch.randint(0, 2, (50,), generator=generator)
+    for scale, tol in ((1.0, dict(atol=0, rtol=0)), (2.5, dict(atol=0.02, rtol=0.02))):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            full, h_grad, _ = _chunked_or_not(None, hidden, weight, ids, probs, depth, 2, train_head=False, scale=scale)
+            part, h_grad_c, _ = _chunked_or_not(16, hidden, weight, ids, probs, depth, 2, train_head=False, scale=scale)
+        torch.testing.assert_close(part.to_vector(), full.to_vector(), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(h_grad_c, h_grad, **tol)
+
+
+def test_chunked_without_grad_and_with_no_rows():
+    generator = torch.Generator().manual_seed(7)
+    ids, probs = random_targets(20, 30, 4, generator)
+    hidden, weight = torch.randn(20, 8, generator=generator), torch.randn(30, 8, generator=generator)
+    depth = torch.zeros(20, dtype=torch.long)
+    with torch.no_grad():
+        stats = chunked_kl_sum(hidden, weight, ids, probs, depth, 1, chunk_rows=6)
+    want = forward_kl_sum(hidden @ weight.T, ids, probs, torch.ones(20, dtype=torch.bool), depth, 1)
+    torch.testing.assert_close(stats.to_vector(), want.to_vector())
+    h = hidden[:0].clone().requires_grad_()
+    empty = chunked_kl_sum(h, weight, ids[:0], probs[:0], depth[:0], 1)
+    empty.loss_sum.backward()
+    assert float(empty.loss_sum.detach()) == 0 and h.grad.shape == (0, 8)
+
+
+def test_chunked_loss_memory_does_not_grow_with_rows_times_vocab():
+    """What autograd keeps for backward: [E, H] (the hidden gradient), never [E, V] logits.
+
+    Counted with saved-tensor hooks over the whole loss graph; the unchunked loss keeps logits
+    sized E × V, the chunked one nothing that scales with V (the head is frozen here, as by default).
+    """
+    generator = torch.Generator().manual_seed(8)
+    num, hidden_size, vocab = 512, 8, 2048
+    ids, probs = random_targets(num, vocab, 4, generator)
+    weight = torch.randn(vocab, hidden_size, generator=generator)
+    depth = torch.zeros(num, dtype=torch.long)
+
+    def kept_for_backward(chunk_rows) -> list[int]:
+        """Sizes of the saved tensors still alive when the forward has returned (chunk graphs are gone)."""
+        saved = []
+
+        def pack(t):
+            saved.append(weakref.ref(t))
+            return t
+
+        h = torch.randn(num, hidden_size, generator=generator).requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            hidden = h * 1.0  # a non-leaf, as the draft's output is
+            if chunk_rows is None:
+                stats = forward_kl_sum(hidden @ weight.T, ids, probs, torch.ones(num, dtype=torch.bool), depth, 1)
+            else:
+                stats = chunked_kl_sum(hidden, weight, ids, probs, depth, 1, chunk_rows=chunk_rows)
+        gc.collect()
+        alive = {id(t): t.numel() * t.element_size() for ref in saved if (t := ref()) is not None}
         stats.loss_sum.backward()
-        results.append((stats, h.grad.clone(), head.weight.grad.clone()))
-    (full, h_grad, w_grad), (part, h_grad_c, w_grad_c) = results
-    for field in ("loss_sum", "depth_loss_sum", "depth_correct", "depth_count", "num_uncovered"):
-        torch.testing.assert_close(getattr(part, field).float(), getattr(full, field).float(), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(h_grad_c, h_grad, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(w_grad_c, w_grad, atol=1e-6, rtol=1e-5)
+        return sorted(alive.values())
+
+    unchunked, chunked = kept_for_backward(None), kept_for_backward(64)
+    assert max(unchunked) >= num * vocab * 4  # the E × V logits are kept for backward
+    assert max(chunked) <= num * hidden_size * 4  # the E × H hidden gradient at most
+    assert sum(chunked) * 50 < sum(unchunked)
+
+
+def test_stats_vector_round_trips_and_adds():
+    a = KLStats(torch.tensor(1.5), torch.tensor([1.0, 0.5]), torch.tensor([2.0, 1.0]), torch.tensor([3.0, 2.0]),
+                torch.tensor(4))
+    vector = a.to_vector()
+    assert vector.tolist() == [1.5, 4.0, 1.0, 0.5, 2.0, 1.0, 3.0, 2.0]
+    assert (KLStats.from_vector(vector) + a.detach()).to_vector().tolist() == (2 * vector).tolist()
+    assert KLStats.zeros(3).to_vector().tolist() == [0.0] * 11
+
+
+def test_a_bf16_head_alone_gets_its_gradient_summed_in_fp32():
+    """FSDP2's bf16 parameters, a trained head and a hidden state that needs no gradient."""
+    generator = torch.Generator().manual_seed(9)
+    ids, probs = random_targets(64, 30, 4, generator)
+    hidden = torch.randn(64, 16, generator=generator)
+    depth = torch.zeros(64, dtype=torch.long)
+    grads = []
+    for chunk_rows in (None, 4):
+        weight = torch.randn(30, 16, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).requires_grad_()
+        if chunk_rows is None:
+            stats = forward_kl_sum(hidden.to(torch.bfloat16) @ weight.T, ids, probs, torch.ones(64, dtype=torch.bool),
+                                   depth, 1)
+        else:
+            stats = chunked_kl_sum(hidden.to(torch.bfloat16), weight, ids, probs, depth, 1, chunk_rows=chunk_rows)
+        stats.loss_sum.backward()
+        grads.append(weight.grad)
+    assert grads[1].dtype == torch.bfloat16
+    torch.testing.assert_close(grads[1].float(), grads[0].float(), atol=2e-2, rtol=2e-2)

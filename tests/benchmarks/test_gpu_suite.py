@@ -1,0 +1,120 @@
+"""benchmarks/gpu_suite.sh: its CPU smoke run (every part at toy shapes) and its summary's rules.
+
+The smoke run is the suite's GPU command exercised end to end, so it cannot rot between GPU runs:
+the same script, the same parts (train_step.py, train_run.py with a real `peagle train`,
+extract_throughput.py, gpu_summary.py), toy shapes on CPU, CUDA-only parts null with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SUITE = REPO / "benchmarks" / "gpu_suite.sh"
+COMMITTED = REPO / "benchmarks" / "results" / "gpu"
+sys.path.insert(0, str(REPO / "benchmarks"))
+from gpu_summary import KEYS, build_summary  # noqa: E402
+
+
+def run_suite(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(["bash", str(SUITE), *args], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def snapshot(folder: Path) -> dict[str, float]:
+    return {str(p): p.stat().st_mtime for p in folder.rglob("*")} if folder.exists() else {}
+
+
+@pytest.mark.slow
+def test_smoke_run_writes_every_key_and_never_touches_the_committed_results(tmp_path):
+    before = snapshot(COMMITTED)
+    out = tmp_path / "out"
+    proc = run_suite("--smoke", "--out", str(out), "--work", str(tmp_path / "work"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(KEYS) <= set(summary) and summary["smoke"] is True
+    numbers = ("peagle_tok_s_1layer_L8192", "peagle_tok_s_4layer_L8192", "matmul_tflops_1layer_L8192",
+               "longest_context_4layer", "longest_context_4layer_peak_gib", "first_step_s", "data_wait_share",
+               "extract_vs_prefill")
+    for key in numbers:
+        assert isinstance(summary[key], (int, float)) and summary[key] >= 0, (key, summary["null_reasons"])
+    assert summary["recompiles_after_warmup"] == 0 and summary["longest_context_4layer"] == 512
+    assert summary["device"].startswith("cpu") and summary["torch"] and summary["date"]
+    # CUDA-only and absent parts: null, each with its reason.
+    for key in ("cuda_tests", "speculators_tok_s_1layer_L8192", "speculators_tok_s_4layer_L8192"):
+        assert summary[key] is None and summary["null_reasons"][key]
+    assert "CUDA-only" in summary["null_reasons"]["cuda_tests"]
+    assert "no --speculators-anchor" in summary["null_reasons"]["speculators_tok_s_1layer_L8192"]
+    assert all(v is None for v in summary["goals"].values())  # toy figures judge no goal
+    parts = {p.name for p in (out / "parts").iterdir()}
+    assert {"env.json", "train_step.jsonl", "train_run.json", "extract.json", "longest_context.jsonl"} <= parts
+    run = json.loads((out / "parts" / "train_run.json").read_text())
+    assert run["steps"] == 12 and run["distinct_lengths"] > 10 and run["returncode"] == 0
+    assert "key" in proc.stdout and "first_step_s" in proc.stdout  # the table
+    assert snapshot(COMMITTED) == before
+
+
+def test_usage_errors_and_the_committed_results_are_refused(tmp_path):
+    proc = run_suite("--smoke", "--out", str(COMMITTED / "sub"), timeout=60)
+    assert proc.returncode == 2 and "never writes over the committed GPU results" in proc.stderr
+    proc = run_suite("--frobnicate", timeout=60)
+    assert proc.returncode == 2 and "unknown option --frobnicate" in proc.stderr
+    proc = run_suite("--parts", "train_step warp", timeout=60)
+    assert proc.returncode == 2 and "unknown part warp" in proc.stderr
+    proc = run_suite("--speculators-anchor", str(tmp_path), timeout=60)
+    assert proc.returncode == 2 and "has no bench.py" in proc.stderr
+    assert "--speculators-anchor DIR" in run_suite("--help", timeout=60).stdout
+
+
+def _write(parts: Path, name: str, records) -> None:
+    text = "\n".join(json.dumps(r) for r in records) if isinstance(records, list) else json.dumps(records)
+    (parts / name).write_text(text + "\n")
+
+
+def _status(parts: Path, name: str, status: str, reason: str = "") -> None:
+    _write(parts, f"{name}.status.json", {"part": name, "status": status, "seconds": 1, "budget_s": 100,
+                                          "reason": reason, "finished": "2026-11-23T00:00:00Z"})
+
+
+def test_summary_of_a_gpu_run_with_an_oom_a_timeout_and_failing_tests(tmp_path):
+    """Records shaped like the parts' real output (train_step.py, the anchor's bench.py, junit)."""
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    _write(parts, "env.json", {"device": "NVIDIA H100 80GB HBM3", "date": "2026-11-23T00:00:00Z", "torch": "2.11.0+cu130"})
+    _write(parts, "train_step.jsonl", [
+        {"kind": "env", "torch": "2.11.0+cu130"},
+        {"kind": "train_step", "layers": 1, "seq_len": 8192, "status": "ok", "tokens_per_s": 70000.0,
+         "matmul_tflops": 420.5, "peak_mem_gib": 20.1},
+        {"kind": "train_step", "layers": 4, "seq_len": 8192, "status": "oom", "error": "OutOfMemoryError: CUDA out"}])
+    _write(parts, "speculators.jsonl", [
+        {"kind": "env"}, {"kind": "model_step", "layers": 1, "seq_len": 8192, "status": "ok", "tokens_per_s": 43100.0},
+        {"kind": "model_step", "layers": 4, "seq_len": 8192, "status": "ok", "tokens_per_s": 16700.0}])
+    _write(parts, "longest_context.jsonl", [
+        {"kind": "train_step", "layers": 4, "seq_len": 16384, "status": "ok", "peak_mem_gib": 30.0},
+        {"kind": "train_step", "layers": 4, "seq_len": 32768, "status": "ok", "peak_mem_gib": 51.5},
+        {"kind": "train_step", "layers": 4, "seq_len": 65536, "status": "oom", "error": "OutOfMemoryError"}])
+    (parts / "cuda_tests.xml").write_text(
+        '<?xml version="1.0"?><testsuites><testsuite name="pytest" errors="0" failures="1" skipped="0" '
+        'tests="5" time="80"></testsuite></testsuites>')
+    for name in ("env", "train_step", "speculators", "longest_context"):
+        _status(parts, name, "ok")
+    _status(parts, "cuda_tests", "error", "exit 1: 1 failed, 4 passed")
+    _status(parts, "train_run", "timeout", "ran out of its 130s budget")
+    summary = build_summary(tmp_path, smoke=False, suite_seconds=570)
+    assert summary["peagle_tok_s_1layer_L8192"] == 70000.0 and summary["matmul_tflops_1layer_L8192"] == 420.5
+    assert summary["peagle_over_speculators_1layer"] == round(70000 / 43100, 3)
+    assert summary["peagle_tok_s_4layer_L8192"] is None
+    assert "oom" in summary["null_reasons"]["peagle_tok_s_4layer_L8192"]
+    assert (summary["longest_context_4layer"], summary["longest_context_4layer_peak_gib"]) == (32768, 51.5)
+    assert summary["cuda_tests"] == {"passed": 4, "failed": 1, "errors": 0, "skipped": 0}
+    assert "timeout" in summary["null_reasons"]["first_step_s"] and summary["first_step_s"] is None
+    assert "has not run" in summary["null_reasons"]["extract_vs_prefill"]
+    goals = summary["goals"]
+    assert goals["tok_s_1layer >= 1.5 x speculators"] is True and goals["cuda_tests all pass"] is False
+    assert goals["longest_context_4layer >= 65536"] is False and goals["first_step_s < 30"] is None

@@ -1,0 +1,137 @@
+"""torch.compile in steady state: one compiled flex_attention serves every COD length.
+
+The trainer compiles flex attention once per run (``FlexRunner(compile=True)``, ``dynamic=True``).
+Batches change their COD length N, their block counts and their document layout every step; if any
+of that were baked into the graph, each new shape would recompile (the reference trainer pays
+20-40 s per new COD length on an H100). Here the compiled flex *forward* (Inductor's CPU lowering;
+flex has no CPU backward) runs the draft over real loader batches of a real store, with the
+BlockMasks built from the indices the loader workers ship, and Dynamo's own counters must show at
+most two compiles (the first graph, and at most one re-trace that marks sizes dynamic).
+
+Also here: what the runner does when compiling fails (a compile function that fails on purpose).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from peagle.model.draft import build_draft_from_target
+from peagle.model.flex import FlexRunner
+from peagle.model.mask import block_mask_from_indices, cod_block_mask, peagle_mask_mod
+from peagle.schemas.draft_config import DraftConfig
+from peagle.schemas.errors import UserError
+from peagle.schemas.train_config import StoreSpec
+from peagle.stages.train.batch import CodSettings
+from peagle.stages.train.loader import LoaderConfig, TrainLoader
+from peagle.stages.train.step import compiled_graph_count
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+NUM_BATCHES = 12
+
+
+@pytest.fixture(scope="module")
+def flex_batches(tiny_store):
+    """Real loader batches (flex: the workers ship block indices), of pairwise different COD lengths."""
+    config = LoaderConfig(stores=(StoreSpec(str(tiny_store.root)),), token_budget=160, attention="flex",
+                          block_size=32, cod=CodSettings(num_depths=4), num_workers=1)
+    loader = TrainLoader(config)
+    batches, lengths = [], set()
+    for epoch in range(4):
+        for batch in loader.batches(epoch):
+            if batch.num_elements not in lengths:
+                lengths.add(batch.num_elements)
+                batches.append(batch)
+    assert len(batches) >= NUM_BATCHES, f"only {len(batches)} distinct COD lengths"
+    return batches[:NUM_BATCHES]
+
+
+def _draft(tiny_store):
+    hf_config = AutoConfig.from_pretrained(tiny_store.target_dir)
+    config = DraftConfig.from_target_config(hf_config, num_layers=2, mask_token_id=tiny_store.mask_token_id)
+    torch.manual_seed(0)
+    return build_draft_from_target(tiny_store.target_dir, config).eval()
+
+
+def _forward(draft, batch, flex):
+    (unit,) = batch.units
+    mask = block_mask_from_indices(unit.block_indices, peagle_mask_mod(batch.anchor_N, batch.depth_N, batch.doc_N))
+    return draft(batch.input_ids_N, batch.aux_TAH, batch.position_ids_N, mask, flex)
+
+
+@pytest.mark.slow
+def test_compiled_flex_forward_compiles_at_most_twice_over_real_batches(tiny_store, flex_batches):
+    draft = _draft(tiny_store)
+    torch._dynamo.reset()  # nothing compiled by earlier tests may serve these calls
+    runner = FlexRunner(compile=True)
+    before = compiled_graph_count()
+    with torch.no_grad():
+        outputs = [_forward(draft, batch, runner) for batch in flex_batches]
+    compiles = compiled_graph_count() - before
+    with torch.no_grad():  # (eager flex traces with Dynamo too, so it is counted apart)
+        eager = [_forward(draft, batch, None) for batch in flex_batches[:3]]
+    assert runner.compiled and runner.compile_error is None
+    assert 1 <= compiles <= 2, f"{compiles} graphs compiled over {len(flex_batches)} COD lengths"
+    for got, want in zip(outputs, eager):  # and the compiled kernel computes what eager flex does
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def _failing_compile(error: Exception):
+    def compile_fn(fn, **kwargs):
+        def compiled(*args, **kw):
+            raise error
+        return compiled
+    return compile_fn
+
+
+def _qkv_and_mask(num_elements: int, num_heads: int = 4):
+    anchor = torch.arange(num_elements)
+    depth = torch.zeros(num_elements, dtype=torch.long)
+    lengths = torch.tensor([num_elements])
+    mask = cod_block_mask(anchor, depth, lengths, num_elements, block_size=32)
+    q = torch.randn(1, num_heads, num_elements, 16)
+    k = v = torch.randn(1, 2, num_elements, 16)
+    return q, k, v, mask
+
+
+def test_a_compile_failure_on_a_small_row_falls_back_to_eager_and_logs_it(caplog):
+    from torch._dynamo.exc import TorchRuntimeError
+
+    runner = FlexRunner(compile=True, compile_fn=_failing_compile(TorchRuntimeError("triton: no kernel config fits")))
+    q, k, v, mask = _qkv_and_mask(64)
+    with caplog.at_level(logging.WARNING, logger="peagle.model.flex"):
+        out = runner(q, k, v, block_mask=mask)
+    assert not runner.compiled and "no kernel config fits" in runner.compile_error
+    assert "eager flex_attention from now on" in caplog.text
+    from torch.nn.attention.flex_attention import flex_attention
+    torch.testing.assert_close(out, flex_attention(q, k, v, block_mask=mask, enable_gqa=True))
+
+
+def test_a_compile_failure_on_a_big_row_stops_with_one_line():
+    from torch._inductor.exc import InductorError
+
+    runner = FlexRunner(compile=True, max_eager_score_bytes=4 * 4 * 100 * 100,
+                        compile_fn=_failing_compile(InductorError(RuntimeError("lowering\nfailed"), "tb")))
+    q, k, v, mask = _qkv_and_mask(128)
+    with pytest.raises(UserError) as err:
+        runner(q, k, v, block_mask=mask)
+    line = str(err.value)
+    assert "\n" not in line and "torch.compile failed on cpu" in line and "[4, 128, 128] scores" in line
+    assert "--attention sdpa" in line
+    # A later, bigger row after an eager fallback on a small one is refused the same way.
+    small_q, small_k, small_v, small_mask = _qkv_and_mask(64)
+    runner(small_q, small_k, small_v, block_mask=small_mask)
+    with pytest.raises(UserError, match="would materialise"):
+        runner(q, k, v, block_mask=mask)
+
+
+def test_out_of_memory_is_not_taken_for_a_compile_failure():
+    runner = FlexRunner(compile=True, compile_fn=_failing_compile(torch.OutOfMemoryError("CUDA out of memory")))
+    q, k, v, mask = _qkv_and_mask(64)
+    with pytest.raises(torch.OutOfMemoryError):
+        runner(q, k, v, block_mask=mask)
+    assert runner.compiled  # still compiled: an OOM says nothing about the compiler
