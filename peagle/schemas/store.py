@@ -34,6 +34,20 @@ TENSOR_NAMES = (AUX_HIDDEN, TOPK_IDS, TOPK_LOGPROBS)
 
 PARQUET_COLUMNS = ("sample_id", "source", "input_ids", "loss_mask", "num_tokens", "token_offset")
 
+# Token counts in commit records (``ShardRecord.token_counts``): "supervised.<kind>" and
+# "unsupervised.<role>" (a message role, "template" or "unattributed").
+SUPERVISED = "supervised"
+UNSUPERVISED = "unsupervised"
+OUTSIDE_ASSISTANT = "outside_assistant"  # a supervised token in another role's message: a wrong mask
+SUPERVISED_KINDS = ("content", "reasoning", "tool_call", "end_of_turn", OUTSIDE_ASSISTANT)
+
+# How the mask token was chosen (``StoreSettings.mask_token_source``).
+MASK_FROM_TOKENIZER = "tokenizer_mask_token"  # the tokenizer's own mask token
+MASK_FROM_UNUSED_ROW = "unused_embedding_row"  # an embedding row beyond every id the tokenizer produces
+MASK_FROM_RESERVED = "reserved_special_token"  # a reserved special token the template never writes
+MASK_FROM_FLAG = "explicit"  # --mask-token-id
+MASK_TOKEN_SOURCES = (MASK_FROM_TOKENIZER, MASK_FROM_UNUSED_ROW, MASK_FROM_RESERVED, MASK_FROM_FLAG)
+
 
 def shard_stem(index: int) -> str:
     return f"{index:05d}"
@@ -64,6 +78,10 @@ class TargetIdentity:
     content_hash: str  # sha256 over the target's config + weight file names and sizes
 
 
+_ADDED_LATER = {"mask_token": None, "mask_token_source": None, "supervise_reasoning": True}
+_RECORD_ADDED_LATER = {"token_counts": {}, "num_supervised_turns": 0, "num_rendered_per_turn": 0}
+
+
 @dataclass(frozen=True, kw_only=True)
 class StoreSettings:
     """Everything that must be equal for two extraction runs to write into one store."""
@@ -77,7 +95,12 @@ class StoreSettings:
     max_seq_len: int
     logprob_dtype: str  # "float16" | "float32"
     loss_on: str  # which assistant turns are supervised: "all" | "last" | "per_turn"
-    mask_token_id: int | None = None  # reserved token the draft uses; never present in the data
+    # The draft's mask token (its input at depths >= 1): chosen once by extract, never present in any
+    # stored input_ids. None only in stores written before the choice was recorded.
+    mask_token_id: int | None = None
+    mask_token: str | None = None  # its token string; None for an embedding row no token maps to
+    mask_token_source: str | None = None  # one of MASK_TOKEN_SOURCES
+    supervise_reasoning: bool = True  # False: reasoning text is in the data but not in the loss
     # --regenerate and its sampling settings ({} when assistant turns are the data's own): a store
     # must not mix shards whose assistant turns came from different sources.
     regenerate: dict[str, Any] = field(default_factory=dict)
@@ -85,6 +108,9 @@ class StoreSettings:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["aux_layer_ids"] = list(self.aux_layer_ids)
+        for key, default in _ADDED_LATER.items():  # absent when default: an older store's manifest
+            if d[key] == default:                   # derives byte-identical
+                del d[key]
         return d
 
     @classmethod
@@ -120,10 +146,17 @@ class ShardRecord:
     skipped: dict[str, int] = field(default_factory=dict)  # reason -> count
     num_truncated: int = 0
     backend: str = ""
+    token_counts: dict[str, int] = field(default_factory=dict)  # "supervised.<kind>" / "unsupervised.<role>"
+    num_supervised_turns: int = 0
+    num_rendered_per_turn: int = 0  # records whose template rewrites history: one sample per turn
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["skipped"] = dict(sorted(self.skipped.items()))
+        d["token_counts"] = dict(sorted(self.token_counts.items()))
+        for key, default in _RECORD_ADDED_LATER.items():  # as StoreSettings.to_dict
+            if d[key] == default:
+                del d[key]
         return d
 
     @classmethod

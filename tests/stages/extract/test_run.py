@@ -60,8 +60,8 @@ def test_refuses_to_start_when_the_disk_cannot_hold_the_plan(data, tiny_llama, t
 def test_token_estimate_from_a_sample_is_close(data, tiny_llama, tmp_path):
     plan = _quiet(_config(data, tiny_llama, tmp_path / "s", dry_run=True, samples_per_shard=2)).plan
     target = R.load_target(str(tiny_llama))
-    exact, n = R.estimate_tokens(plan.pending, target.tokenizer, plan.settings, "all")
-    sampled, m = R.estimate_tokens(plan.pending, target.tokenizer, plan.settings, "all", max_records=6)
+    exact, n, _ = R.estimate_tokens(plan.pending, target.tokenizer, plan.settings, "all")
+    sampled, m, _ = R.estimate_tokens(plan.pending, target.tokenizer, plan.settings, "all", max_records=6)
     assert (exact, n) == (plan.estimated_tokens, 12) and m == 6
     assert 0.5 * exact < sampled < 1.5 * exact
 
