@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from peagle.testing.family_targets import build_family_target
 from peagle.testing.tiny_target import TinyTargetSpec, build_tiny_target
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -25,6 +26,15 @@ def tiny_llama(tmp_path_factory) -> Path:
 def tiny_qwen3(tmp_path_factory) -> Path:
     """8-layer Qwen3 target (explicit head_dim, q/k norms) with a ChatML template."""
     return build_tiny_target(tmp_path_factory.mktemp("targets") / "qwen3", TinyTargetSpec(arch="qwen3"))
+
+
+@pytest.fixture(scope="session")
+def family_target(tmp_path_factory):
+    """``family_target(name)``: the random-weight target of a real model family (``llama3``, ``qwen3``,
+    ``mistral``: their tokenizer layouts, special tokens and chat template logic), built once per
+    session on first use."""
+    root = tmp_path_factory.mktemp("family_targets")
+    return lambda family: build_family_target(root / family, family)
 
 
 def peagle_bin() -> list[str]:

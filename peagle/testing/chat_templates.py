@@ -29,13 +29,15 @@ from __future__ import annotations
 
 LLAMA3_TEMPLATE = r"""
 {{- bos_token }}
-{%- set ns = namespace(system='', rest=messages, tools=none, date='26 Jul 2024', in_user=true) %}
+{%- set ns = namespace(tools=none, date='26 Jul 2024', in_user=true) %}
 {%- if tools is defined and tools %}{%- set ns.tools = tools %}{%- endif %}
 {%- if date_string is defined %}{%- set ns.date = date_string %}{%- endif %}
 {%- if tools_in_user_message is defined %}{%- set ns.in_user = tools_in_user_message %}{%- endif %}
+{%- set system_text = '' %}
+{%- set rest = messages %}
 {%- if messages and messages[0].role == 'system' %}
-    {%- set ns.system = messages[0].content | trim %}
-    {%- set ns.rest = messages[1:] %}
+    {%- set system_text = messages[0].content | trim %}
+    {%- set rest = messages[1:] %}
 {%- endif %}
 {%- macro tool_list() %}
     {{- 'To call one of the functions below, answer with only a JSON object of the form '
@@ -47,15 +49,15 @@ LLAMA3_TEMPLATE = r"""
 {%- if ns.tools is not none %}{{- 'Environment: ipython\n' }}{%- endif %}
 {{- 'Cutting Knowledge Date: December 2023\nToday Date: ' + ns.date + '\n\n' }}
 {%- if ns.tools is not none and not ns.in_user %}{{- tool_list() }}{%- endif %}
-{{- ns.system + '<|eot_id|>' }}
+{{- system_text + '<|eot_id|>' }}
 {%- if ns.tools is not none and ns.in_user %}
-    {%- if not ns.rest %}{{- raise_exception('tools go into the first user message, and there is none') }}{%- endif %}
+    {%- if not rest %}{{- raise_exception('tools go into the first user message, and there is none') }}{%- endif %}
     {{- '<|start_header_id|>user<|end_header_id|>\n\n' }}
     {{- tool_list() }}
-    {{- (ns.rest[0].content | trim) + '<|eot_id|>' }}
-    {%- set ns.rest = ns.rest[1:] %}
+    {{- (rest[0].content | trim) + '<|eot_id|>' }}
+    {%- set rest = rest[1:] %}
 {%- endif %}
-{%- for m in ns.rest %}
+{%- for m in rest %}
     {%- if m.role == 'tool' or m.role == 'ipython' %}
         {{- '<|start_header_id|>ipython<|end_header_id|>\n\n' }}
         {%- if m.content is mapping %}{{- m.content | tojson }}{%- else %}{{- m.content }}{%- endif %}
@@ -87,12 +89,11 @@ QWEN3_TEMPLATE = r"""
 {%- elif messages and messages[0].role == 'system' %}
     {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
 {%- endif %}
-{%- for i in range(messages | length - 1, -1, -1) %}
-    {%- set m = messages[i] %}
+{%- for m in messages | reverse %}
     {%- if ns.searching and m.role == 'user' and m.content is string
            and not (m.content.startswith('<tool_response>') and m.content.endswith('</tool_response>')) %}
         {%- set ns.searching = false %}
-        {%- set ns.last_query = i %}
+        {%- set ns.last_query = (messages | length) - loop.index %}
     {%- endif %}
 {%- endfor %}
 {%- for m in messages %}
@@ -135,19 +136,21 @@ QWEN3_TEMPLATE = r"""
 """
 
 MISTRAL_TEMPLATE = r"""
-{%- set ns = namespace(system='', rest=messages, first_user=true) %}
+{%- set ns = namespace(first_user=true) %}
+{%- set system_text = '' %}
+{%- set rest = messages %}
 {%- if messages and messages[0].role == 'system' %}
-    {%- set ns.system = messages[0].content %}
-    {%- set ns.rest = messages[1:] %}
+    {%- set system_text = messages[0].content %}
+    {%- set rest = messages[1:] %}
 {%- endif %}
 {{- bos_token }}
-{%- for m in ns.rest %}
+{%- for m in rest %}
     {%- if m.role == 'user' %}
         {%- if ns.first_user and tools is defined and tools %}
             {{- '[AVAILABLE_TOOLS] ' + (tools | tojson) + '[/AVAILABLE_TOOLS]' }}
         {%- endif %}
-        {%- if ns.first_user and ns.system %}
-            {{- '[INST] ' + ns.system + '\n\n' + m.content + '[/INST]' }}
+        {%- if ns.first_user and system_text %}
+            {{- '[INST] ' + system_text + '\n\n' + m.content + '[/INST]' }}
         {%- else %}
             {{- '[INST] ' + m.content + '[/INST]' }}
         {%- endif %}

@@ -11,7 +11,9 @@ first message: templates refuse to render an empty conversation), ``template`` f
 last message, and ``unattributed`` where the template renders history differently than the
 messages alone (``spans.message_boundaries``).
 
-A token is placed by its first character.
+A token is placed in a message by its first character, and is a reasoning or tool-call token when
+it overlaps that region (regions found by comparing renders can be a character short at either end
+where the two renders happen to agree, e.g. ``<tool_call>`` vs ``<|im_end|>``; never longer).
 """
 
 from __future__ import annotations
@@ -50,9 +52,9 @@ def count_token_kinds(offsets: list[tuple[int, int]], loss_mask: list[int], inpu
             kind = S.OUTSIDE_ASSISTANT
         elif turn is not None and last_of_turn.get(k) == i and input_ids[i] in end_token_ids:
             kind = "end_of_turn"
-        elif turn is not None and _inside(a, turn.reasoning):
+        elif turn is not None and _overlaps(a, b, turn.reasoning):
             kind = "reasoning"
-        elif turn is not None and _inside(a, turn.tool_calls):
+        elif turn is not None and _overlaps(a, b, turn.tool_calls):
             kind = "tool_call"
         else:
             kind = "content"
@@ -61,8 +63,8 @@ def count_token_kinds(offsets: list[tuple[int, int]], loss_mask: list[int], inpu
     return dict(counts), num_turns
 
 
-def _inside(position: int, region: Span | None) -> bool:
-    return region is not None and region[0] <= position < region[1]
+def _overlaps(a: int, b: int, region: Span | None) -> bool:
+    return region is not None and a < region[1] and b > region[0]
 
 
 def _region_lookup(roles: list[str], boundaries: list[int | None]):

@@ -45,7 +45,7 @@ from peagle.stages.train.batch import CodSettings, TrainBatch
 from peagle.stages.train.loader import LoaderConfig, TrainLoader
 from peagle.stages.train.step import (DraftStep, Unit, build_optimizer, lr_factor, stats_vector, summarise,
                                       to_units, unit_forward)
-from peagle.stages.train.vocab import load_draft_vocab
+from peagle.stages.train.vocab import choose_draft_vocab_size, load_draft_vocab
 
 METRICS_FILE = "metrics.jsonl"
 RUN_FILE = "run.json"
@@ -100,7 +100,10 @@ class Trainer:
         settings = read_settings(first_store)
         _check_store_matches_target(settings, target_cfg, first_store, c.target)
         vocab_size = int(target_cfg.vocab_size)
-        draft_vocab_size = c.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, vocab_size)
+        draft_vocab_size, note = choose_draft_vocab_size(
+            first_store, c.draft_vocab_size or _checkpoint_draft_vocab_size(resume_from), vocab_size, DEFAULT_DRAFT_VOCAB)
+        if note:
+            self._say(note)
         if draft_vocab_size > vocab_size:
             raise UserError(f"--draft-vocab-size {draft_vocab_size} is larger than the target vocab {vocab_size}")
         vocab = None if draft_vocab_size == vocab_size else load_draft_vocab(first_store, draft_vocab_size)
@@ -201,7 +204,7 @@ class Trainer:
             sequence_partitions=c.sequence_partitions, attention=self.attention,
             num_workers=0 if eval_split else c.num_workers, pin_memory=self.device.type == "cuda",
             verify=c.verify, hidden_size=int(target_cfg.hidden_size), target_vocab_size=int(target_cfg.vocab_size),
-            aux_layer_ids=tuple(settings.aux_layer_ids))
+            aux_layer_ids=tuple(settings.aux_layer_ids), mask_token_id=c.mask_token_id)
 
     def _find_resume_point(self) -> Path | None:
         """Rank 0 picks the newest valid checkpoint (warning about damaged ones) and checks its config."""
@@ -416,6 +419,13 @@ class Trainer:
     def _say(self, line: str) -> None:
         if self.rank == 0:
             print(f"peagle: {line}", file=sys.stderr, flush=True)
+
+
+def _checkpoint_draft_vocab_size(checkpoint: Path | None) -> int | None:
+    """The draft vocab size a run being resumed was built with (vocabs built since must not change it)."""
+    if checkpoint is None:
+        return None
+    return int(read_checkpoint_part(checkpoint, ckpt.CONFIG)[DRAFT_CONFIG_KEY]["draft_vocab_size"])
 
 
 def _load_target_config(target: str) -> Any:
