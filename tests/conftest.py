@@ -43,9 +43,10 @@ def peagle_bin() -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "peagle"]
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def run_peagle():
-    """Run the real CLI in a subprocess; returns CompletedProcess (text). No check: tests assert rc."""
+    """Run the real CLI in a subprocess; returns CompletedProcess (text). No check: tests assert rc.
+    Session-scoped (it holds no state) so that module fixtures can run the CLI too."""
 
     def run(*args: str, env: dict[str, str] | None = None, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}

@@ -5,7 +5,9 @@ built vocab, the recorded mask token) -> export -> vLLM serving the export with 
 
 Each family's chain runs once per test process. With vLLM importable the vLLM-marked test runs the
 chain and serves the result (in the vLLM test process, scripts/test.sh); without vLLM the chain
-alone is tested here.
+alone is tested here. The drafts train for three steps: this proves every family's tokens, mask
+token and export reach vLLM intact; that vLLM's parallel drafting computes what our own loop does
+(acceptance equal) is tests/stages/eval/test_vllm_eval.py's job, on a draft fitted until it accepts.
 """
 
 from __future__ import annotations
@@ -36,10 +38,10 @@ def run_chain(family: str, target: Path, root: Path, run_peagle) -> dict:
         assert proc.returncode == 0, f"peagle {args[0]} failed:\n{proc.stderr[-3000:]}"
         return proc
 
-    data = write_agentic_jsonl(root / "chats.jsonl", 10, seed=FAMILIES.index(family))
+    data = write_agentic_jsonl(root / "chats.jsonl", 6, seed=FAMILIES.index(family))
     store, run, export = root / "store", root / "run", root / "export"
     ok("extract", "--data", data, "--target", target, "--out", store, "--backend", "hf", "--topk", "8",
-       "--max-seq-len", "1024", "--samples-per-shard", "5", "--device", "cpu", "--threads", "2")
+       "--max-seq-len", "1024", "--samples-per-shard", "4", "--device", "cpu", "--threads", "2")
     info = ok("store", "info", store).stdout
     ok("vocab", store, "--draft-vocab-size", DRAFT_VOCAB)
     train = ok("train", "--store", store, "--target", target, "--out", run, "--max-steps", "3", "--num-depths", K,
@@ -92,11 +94,10 @@ def test_vllm_serves_each_family_with_parallel_drafting(chains, family, run_peag
     check_chain(family, chain)
     report_dir = chain["root"] / "report"
     proc = run_peagle("eval", chain["export"], "--target", chain["target"], "--store", chain["store"],
-                      "--mode", "online,vllm", "--max-prompts", "2", "--max-new-tokens", "12", "--ignore-eos",
+                      "--mode", "vllm", "--max-prompts", "2", "--max-new-tokens", "12", "--ignore-eos",
                       "--quiet", "--out", report_dir)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads((report_dir / "report.json").read_text())
-    served, ours = report["vllm"], report["online"]
-    assert served["parallel_drafting"] and served["num_depths"] == K
+    served = json.loads((report_dir / "report.json").read_text())["vllm"]
+    assert served["parallel_drafting"] and served["num_depths"] == K and served["num_steps"] > 0
     assert served["greedy_output_matches_target_only"]  # speculative decoding never changes greedy output
-    assert served["acceptance_length"] == pytest.approx(ours["acceptance_length"], abs=0.15)
+    assert served["settings"]["route"] == "LLM(model=EXPORT_DIR)"

@@ -18,7 +18,7 @@ the project's own tiny targets do not: the families' vocabulary sizes and specia
 A corpus that ships with Python gives a few thousand real merges; the rest of each vocabulary is
 filled with real-looking word pieces (a trained word start plus a trained suffix, each reachable by
 one more merge), so every id up to the family's size is a real, encodable token. Weights are tiny
-(hidden 128, head_dim 32 for vLLM's CPU attention, 8 layers) and random; embeddings have the real
+(hidden 64, head_dim 32 for vLLM's CPU attention, 8 layers) and random; embeddings have the real
 row counts.
 """
 
@@ -197,7 +197,9 @@ def build_family_tokenizer(family: str):
     return fast
 
 
-def build_family_config(family: str, tokenizer, *, hidden_size: int = 128, num_layers: int = 8):
+def build_family_config(family: str, tokenizer, *, hidden_size: int = 64, num_layers: int = 8):
+    """The family's config class at tiny size: two query heads of 32 sharing one KV head (grouped
+    query attention, as the families use; head_dim 32 for vLLM's CPU attention)."""
     import transformers
 
     spec = SPECS[family]
@@ -205,7 +207,7 @@ def build_family_config(family: str, tokenizer, *, hidden_size: int = 128, num_l
     eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in spec.eos_token_ids]
     return config_class(
         vocab_size=spec.vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=hidden_size // 32, num_key_value_heads=2, head_dim=32,
+        num_hidden_layers=num_layers, num_attention_heads=hidden_size // 32, num_key_value_heads=1, head_dim=32,
         max_position_embeddings=spec.max_position_embeddings, rms_norm_eps=1e-5, tie_word_embeddings=False,
         rope_parameters=dict(spec.rope), bos_token_id=tokenizer.bos_token_id,
         eos_token_id=eos_ids[0] if len(eos_ids) == 1 else eos_ids, pad_token_id=tokenizer.pad_token_id,
