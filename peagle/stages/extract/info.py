@@ -11,6 +11,7 @@ from peagle.pipeline.atomic import canonical_json
 from peagle.pipeline.store import check_shards, list_commits, manifest_dict, read_settings
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
+from peagle.stages.extract.conversation import SKIP_REASONS
 from peagle.stages.extract.mask_token import describe_mask_token
 
 
@@ -85,7 +86,7 @@ def format_info(info: StoreInfo) -> str:
         f"mask token   {describe_mask_token(s.mask_token_id, s.mask_token, s.mask_token_source)}",
         f"tokenizer    {s.tokenizer_fingerprint[:12]}, chat template {s.chat_template_hash[:12]}",
         f"shards       {info.num_shards} committed" + (f" (backend {', '.join(info.backends)})" if info.backends else ""),
-        f"records      {info.num_records:,} read, {sum(info.skipped.values()):,} skipped",
+        f"records      {info.num_records:,} read, {_record_skips(info.skipped):,} skipped",
         f"samples      {info.num_samples:,} ({info.num_truncated:,} truncated to max_seq_len)",
         f"tokens       {info.num_tokens:,}",
         f"bytes/token  {info.bytes_per_token:,.1f} on disk vs {info.raw_bytes_per_token:,} raw tensor bytes "
@@ -95,6 +96,12 @@ def format_info(info: StoreInfo) -> str:
     if info.skipped:
         lines.append("skipped      " + ", ".join(f"{k} {v}" for k, v in info.skipped.items()))
     return "\n".join(lines)
+
+
+def _record_skips(skipped: dict[str, int]) -> int:
+    """Skipped records; the counts also hold samples dropped from kept records (a per-turn sample cut
+    to no loss, a sample with non-finite target outputs), which are not records."""
+    return sum(n for reason, n in skipped.items() if reason in SKIP_REASONS)
 
 
 def format_token_counts(info: StoreInfo) -> list[str]:
