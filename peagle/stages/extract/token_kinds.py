@@ -12,8 +12,9 @@ last message, and ``unattributed`` where the template renders history differentl
 messages alone (``spans.message_boundaries``).
 
 A token is placed in a message by its first character, and is a reasoning or tool-call token when
-it overlaps that region (regions found by comparing renders can be a character short at either end
-where the two renders happen to agree, e.g. ``<tool_call>`` vs ``<|im_end|>``; never longer).
+most of its characters lie in that region (a region found by comparing two renders can be a
+character off at either end where the renders happen to agree, e.g. ``<tool_call>`` vs
+``<|im_end|>`` both start with ``<``).
 """
 
 from __future__ import annotations
@@ -52,9 +53,9 @@ def count_token_kinds(offsets: list[tuple[int, int]], loss_mask: list[int], inpu
             kind = S.OUTSIDE_ASSISTANT
         elif turn is not None and last_of_turn.get(k) == i and input_ids[i] in end_token_ids:
             kind = "end_of_turn"
-        elif turn is not None and _overlaps(a, b, turn.reasoning):
+        elif turn is not None and _mostly_inside(a, b, turn.reasoning):
             kind = "reasoning"
-        elif turn is not None and _overlaps(a, b, turn.tool_calls):
+        elif turn is not None and _mostly_inside(a, b, turn.tool_calls):
             kind = "tool_call"
         else:
             kind = "content"
@@ -63,8 +64,9 @@ def count_token_kinds(offsets: list[tuple[int, int]], loss_mask: list[int], inpu
     return dict(counts), num_turns
 
 
-def _overlaps(a: int, b: int, region: Span | None) -> bool:
-    return region is not None and a < region[1] and b > region[0]
+def _mostly_inside(a: int, b: int, region: Span | None) -> bool:
+    """At least half of the token's characters ``[a, b)`` lie in ``region``."""
+    return region is not None and 2 * (min(b, region[1]) - max(a, region[0])) >= b - a
 
 
 def _region_lookup(roles: list[str], boundaries: list[int | None]):

@@ -38,6 +38,7 @@ from peagle.schemas.errors import UserError
 from peagle.schemas.train_config import StoreSpec
 from peagle.stages.train.batch import CodSettings, TrainBatch, collate, make_item
 from peagle.stages.train.epoch_plan import EpochPlan, PlanSettings, SampleIndex, plan_epoch, worker_batches
+from peagle.stages.train.mask_token import resolve_mask_token_id
 from peagle.stages.train.vocab import DraftVocab
 
 log = logging.getLogger(__name__)
@@ -111,42 +112,6 @@ def open_training_stores(config: LoaderConfig) -> list[Store]:
                 raise UserError(f"store {store.root} has {name} {_show(held[name])} but store {stores[0].root} "
                                 f"has {_show(value)}; stores mixed in one run must come from one target")
     return stores
-
-
-def resolve_mask_token_id(stores: list[Store], asked: int | None) -> int:
-    """The draft's mask token: the one extract chose and recorded in the stores.
-
-    ``asked`` (``--mask-token-id``) must equal it; it is only needed for a store written before
-    extract recorded a choice, and is then checked against every stored ``input_ids`` (one pass over
-    the token columns) and the target's vocab.
-
-    Raises:
-        UserError: ``asked`` differs from the store's, no id is known, or ``asked`` is outside the
-            target vocab or occurs in the data.
-    """
-    settings = stores[0].settings
-    recorded = settings.mask_token_id
-    if recorded is not None:
-        if asked is not None and asked != recorded:
-            raise UserError(f"--mask-token-id {asked} differs from the mask token {recorded} that store "
-                            f"{stores[0].root} was extracted with (its data is checked against that one); "
-                            "leave --mask-token-id out")
-        return int(recorded)
-    if asked is None:
-        raise UserError(f"store {stores[0].root} records no mask token (written by an older peagle); pass "
-                        "--mask-token-id N with an id the data never uses (e.g. a reserved special token), "
-                        "or re-extract it")
-    if not 0 <= asked < settings.target.vocab_size:
-        raise UserError(f"--mask-token-id {asked} is outside the target vocab (ids 0..{settings.target.vocab_size - 1})")
-    import pyarrow.compute as pc
-
-    for store in stores:
-        for record in store.shards:
-            ids = store.read_rows(record.index, ["input_ids"]).column("input_ids")
-            if pc.any(pc.equal(pc.list_flatten(ids), asked)).as_py():
-                raise UserError(f"--mask-token-id {asked} occurs in the data (store {store.root}, shard "
-                                f"{record.index}); choose an id the data never uses")
-    return int(asked)
 
 
 def _store_facts(store: Store) -> dict[str, Any]:

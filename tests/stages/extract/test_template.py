@@ -15,7 +15,6 @@ from transformers import AutoTokenizer
 from peagle.schemas.errors import UserError
 from peagle.stages.extract.conversation import SKIP_REASONS
 from peagle.stages.extract.readers import SourceRecord, decode_jsonl_line, iter_records
-from peagle.stages.extract.spans import spans_to_token_mask
 from peagle.stages.extract.template import make_sample_id, prepare_record
 from peagle.testing.tiny_target import MASK_TOKEN, TinyTargetSpec, build_tiny_target
 
@@ -296,14 +295,6 @@ def test_template_that_drops_assistant_text_is_a_skip(qwen_with_template):
                              "{%- endfor %}")
     raw = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
     assert prepare_record(_record(raw), tok, max_seq_len=4096).skip_reason == "empty_after_template"
-
-
-def test_spans_to_token_mask_counts_straddling_tokens():
-    offsets = [(0, 3), (3, 6), (6, 9), (9, 9), (9, 12), (12, 15)]
-    # Span [4, 10) overlaps tokens 1 (straddles the start), 2, 3 (zero-width at 9) and 4 (straddles the end).
-    assert spans_to_token_mask(offsets, [(4, 10)]) == [0, 1, 1, 1, 1, 0]
-    assert spans_to_token_mask(offsets, [(12, 15), (0, 3)]) == [1, 0, 0, 0, 0, 1]
-    assert spans_to_token_mask(offsets, [(3, 6), (6, 9)]) == [0, 1, 1, 0, 0, 0]
 
 
 def test_bad_settings_are_user_errors(tokenizers):
