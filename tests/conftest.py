@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from peagle.testing.family_targets import build_family_target
 from peagle.testing.tiny_target import TinyTargetSpec, build_tiny_target
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -39,15 +39,25 @@ def tiny_qwen3(tmp_path_factory) -> Path:
     return build_tiny_target(tmp_path_factory.mktemp("targets") / "qwen3", TinyTargetSpec(arch="qwen3"))
 
 
+@pytest.fixture(scope="session")
+def family_target(tmp_path_factory):
+    """``family_target(name)``: the random-weight target of a real model family (``llama3``, ``qwen3``,
+    ``mistral``: their tokenizer layouts, special tokens and chat template logic), built once per
+    session on first use."""
+    root = tmp_path_factory.mktemp("family_targets")
+    return lambda family: build_family_target(root / family, family)
+
+
 def peagle_bin() -> list[str]:
     """The real `peagle` console script of this interpreter's environment."""
     exe = Path(sys.executable).with_name("peagle")
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "peagle"]
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def run_peagle():
-    """Run the real CLI in a subprocess; returns CompletedProcess (text). No check: tests assert rc."""
+    """Run the real CLI in a subprocess; returns CompletedProcess (text). No check: tests assert rc.
+    Session-scoped (it holds no state) so that module fixtures can run the CLI too."""
 
     def run(*args: str, env: dict[str, str] | None = None, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}

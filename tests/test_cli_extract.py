@@ -100,15 +100,15 @@ def test_store_layout_matches_design(baseline):
     assert len([f for f in files if f.startswith("inputs/")]) == 1
     manifest = json.loads((baseline / S.MANIFEST_FILE).read_text())
     assert set(manifest) == {"schema_version", "target", "tokenizer_fingerprint", "chat_template_hash",
-                             "aux_layer_ids", "topk", "max_seq_len", "logprob_dtype", "loss_on", "mask_token_id", "regenerate",
-                             "num_shards", "num_samples", "num_tokens", "num_records", "num_truncated",
+                             "aux_layer_ids", "topk", "max_seq_len", "logprob_dtype", "loss_on", "mask_token_id", "mask_token",
+                             "mask_token_source", "regenerate", "num_shards", "num_samples", "num_tokens", "num_records", "num_truncated",
                              "skipped", "shards"}
     assert manifest["aux_layer_ids"] == [2, 4, 5] and manifest["topk"] == 8 and manifest["num_records"] == 22
     assert manifest["skipped"] == {"malformed_json": 1, "messages_not_a_list": 1}
     assert set(manifest["shards"][0]) == {
         "index", "parquet", "safetensors", "num_samples", "num_tokens", "parquet_bytes", "safetensors_bytes",
         "parquet_sha256", "safetensors_sha256", "input_file", "first_record", "end_record", "num_records",
-        "skipped", "num_truncated", "backend", "stats"}
+        "skipped", "num_truncated", "backend", "stats", "token_counts", "num_supervised_turns"}
     stats = manifest["shards"][0]["stats"]  # content statistics, one entry per aux layer (peagle store check)
     assert len(stats["layers"]) == 3 and stats["layers"][0]["zero_rows"] == 0 and stats["topk"]["non_finite_rows"] == 0
     info = _ok(run_peagle("store", "info", baseline)).stdout

@@ -26,6 +26,7 @@ COMMAND = ConfigCommand(
     name="extract", config_class=X.ExtractConfig, run=_run, help=_HELP, more_values="data",
     comma_lists=frozenset({"aux_layers"}),
     metavars={"data": "PATH", "target": "MODEL_DIR", "out": "STORE", "aux_layers": "IDS", "vllm_engine_args": "JSON",
+              "mask_token_id": "ID",
               "backend": "|".join(X.BACKENDS), "loss_on": "|".join(X.LOSS_ON), "dtype": "|".join(X.DTYPES),
               "logprob_dtype": "|".join(X.LOGPROB_DTYPES), "hidden_dtype": "|".join(X.HIDDEN_DTYPES), "device": "|".join(X.DEVICES)})
 COMMAND.register(app)

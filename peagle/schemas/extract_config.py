@@ -65,7 +65,21 @@ class ExtractConfig:
 
     loss_on: str = "all"
     """Which assistant turns are supervised: `all`, `last` (the last one only), or `per_turn` (one
-    sample per assistant turn, each supervising that turn)."""
+    sample per assistant turn, each supervising that turn). With `all`, a record whose chat template
+    rewrites earlier turns (Qwen3 drops their reasoning) becomes one sample per turn, each rendered
+    as the target sees it when writing that turn."""
+
+    supervise_reasoning: bool = True
+    """Supervise the reasoning text of assistant turns as the chat template renders it (`<think>`
+    blocks from `reasoning_content` or a `<think>...</think>` prefix). `--no-supervise-reasoning`
+    keeps it in the context but out of the loss (the template's delimiters stay supervised)."""
+
+    mask_token_id: int | None = None
+    """Token id the draft feeds into its parallel-drafting (mask) slots; it must never occur in the
+    data, and records that contain it are skipped and counted. Default: chosen from the target --
+    the tokenizer's mask token, else an embedding row past the tokenizer's ids (Qwen-style padded
+    vocab), else the highest reserved special token the chat template never writes. Recorded in the
+    store (`peagle store info` shows it); train and export take it from there."""
 
     dtype: str = "auto"
     """Compute dtype of the target: `float32`, `bfloat16`, or `auto` (bfloat16 on GPU, float32 on
@@ -145,6 +159,8 @@ class ExtractConfig:
         if not 0 <= self.shard_index < self.num_shards:
             raise UserError(f"--shard-index must be in [0, {self.num_shards}) for --num-shards "
                             f"{self.num_shards}, got {self.shard_index}")
+        if self.mask_token_id is not None and self.mask_token_id < 0:
+            raise UserError(f"--mask-token-id must be >= 0, got {self.mask_token_id}")
         if self.threads < 0:
             raise UserError(f"--threads must be >= 0, got {self.threads}")
         if self.temperature < 0:

@@ -36,6 +36,20 @@ TENSOR_NAMES = (AUX_HIDDEN, TOPK_IDS, TOPK_LOGPROBS)
 
 PARQUET_COLUMNS = ("sample_id", "source", "input_ids", "loss_mask", "num_tokens", "token_offset")
 
+# Token counts in commit records (``ShardRecord.token_counts``): "supervised.<kind>" and
+# "unsupervised.<role>" (a message role, "template" or "unattributed").
+SUPERVISED = "supervised"
+UNSUPERVISED = "unsupervised"
+OUTSIDE_ASSISTANT = "outside_assistant"  # a supervised token in another role's message: a wrong mask
+SUPERVISED_KINDS = ("content", "reasoning", "tool_call", "end_of_turn", OUTSIDE_ASSISTANT)
+
+# How the mask token was chosen (``StoreSettings.mask_token_source``).
+MASK_FROM_TOKENIZER = "tokenizer_mask_token"  # the tokenizer's own mask token
+MASK_FROM_UNUSED_ROW = "unused_embedding_row"  # an embedding row beyond every id the tokenizer produces
+MASK_FROM_RESERVED = "reserved_special_token"  # a reserved special token the template never writes
+MASK_FROM_FLAG = "explicit"  # --mask-token-id
+MASK_TOKEN_SOURCES = (MASK_FROM_TOKENIZER, MASK_FROM_UNUSED_ROW, MASK_FROM_RESERVED, MASK_FROM_FLAG)
+
 
 def shard_stem(index: int) -> str:
     return f"{index:05d}"
@@ -72,6 +86,10 @@ HIDDEN_DTYPES = (HIDDEN_BF16, HIDDEN_FP8)
 """``aux_hidden`` encodings: bf16 states, or float8_e4m3fn codes with a float32 scale per
 (token, layer) row in ``aux_scale`` (docs/fp8.md). Readers refuse any other value."""
 
+_ADDED_LATER = {"mask_token": None, "mask_token_source": None, "supervise_reasoning": True,
+                "hidden_dtype": HIDDEN_BF16}
+_RECORD_ADDED_LATER = {"token_counts": {}, "num_supervised_turns": 0, "num_rendered_per_turn": 0, "stats": None}
+
 
 @dataclass(frozen=True, kw_only=True)
 class StoreSettings:
@@ -86,7 +104,12 @@ class StoreSettings:
     max_seq_len: int
     logprob_dtype: str  # "float16" | "float32"
     loss_on: str  # which assistant turns are supervised: "all" | "last" | "per_turn"
-    mask_token_id: int | None = None  # reserved token the draft uses; never present in the data
+    # The draft's mask token (its input at depths >= 1): chosen once by extract, never present in any
+    # stored input_ids. None only in stores written before the choice was recorded.
+    mask_token_id: int | None = None
+    mask_token: str | None = None  # its token string; None for an embedding row no token maps to
+    mask_token_source: str | None = None  # one of MASK_TOKEN_SOURCES
+    supervise_reasoning: bool = True  # False: reasoning text is in the data but not in the loss
     # --regenerate and its sampling settings ({} when assistant turns are the data's own): a store
     # must not mix shards whose assistant turns came from different sources.
     regenerate: dict[str, Any] = field(default_factory=dict)
@@ -96,10 +119,11 @@ class StoreSettings:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["aux_layer_ids"] = list(self.aux_layer_ids)
-        if self.hidden_dtype == HIDDEN_BF16:
-            # Absent means bf16 (every store before fp8 existed): such stores keep their manifest
-            # bytes, hence their manifest hash, which checkpoints resume against.
-            del d["hidden_dtype"]
+        # Fields added after the first stores are absent when at their default (bf16 for hidden_dtype):
+        # an older store's manifest stays byte-identical, hence its hash, which checkpoints resume against.
+        for key, default in _ADDED_LATER.items():
+            if d[key] == default:
+                del d[key]
         return d
 
     @classmethod
@@ -132,12 +156,17 @@ class ShardRecord:
     backend: str = ""
     # --- Content statistics computed at commit time (None in records written before them) ---
     stats: ShardStats | None = None
+    token_counts: dict[str, int] = field(default_factory=dict)  # "supervised.<kind>" / "unsupervised.<role>"
+    num_supervised_turns: int = 0
+    num_rendered_per_turn: int = 0  # records whose template rewrites history: one sample per turn
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["skipped"] = dict(sorted(self.skipped.items()))
-        if self.stats is None:
-            del d["stats"]  # older records stay byte-identical (manifest hash)
+        d["token_counts"] = dict(sorted(self.token_counts.items()))
+        for key, default in _RECORD_ADDED_LATER.items():  # as StoreSettings.to_dict
+            if d[key] == default:
+                del d[key]
         return d
 
     @classmethod

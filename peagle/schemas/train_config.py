@@ -108,8 +108,14 @@ class TrainConfig:
 
     draft_vocab_size: int | None = None
     """Draft vocabulary size: the most frequent supervised target tokens, as built by `peagle vocab
-    STORE --draft-vocab-size N` on the first --store. Default: 32000, or the target's vocab when that
-    is smaller (equal to the target's vocab: no mapping, and no vocab needs building)."""
+    STORE --draft-vocab-size N` on the first --store. Default: the one vocabulary `peagle vocab` built
+    there; with none built, the target's vocab when that is at most 32000 (no mapping); with several,
+    name one."""
+
+    mask_token_id: int | None = None
+    """Token id of the draft's mask slots. Default: the one `peagle extract` chose and recorded in the
+    store (`peagle store info` shows it); a different value is refused. Only needed for a store
+    written by an older peagle that recorded none (it is then checked against all stored tokens)."""
 
     token_budget: int = 16384
     """Original tokens per micro-batch on each rank (samples are packed up to this)."""
@@ -185,9 +191,9 @@ class TrainConfig:
             _at_least(name, getattr(self, name), 1)
         for name in ("warmup_steps", "eval_every", "save_every", "num_workers", "seed"):
             _at_least(name, getattr(self, name), 0)
-        for name in ("max_steps", "max_anchors", "draft_vocab_size"):
+        for name in ("max_steps", "max_anchors", "draft_vocab_size", "mask_token_id"):
             if getattr(self, name) is not None:
-                _at_least(name, getattr(self, name), 1)
+                _at_least(name, getattr(self, name), 0 if name == "mask_token_id" else 1)
         if self.epochs is not None and not (math.isfinite(self.epochs) and self.epochs > 0):
             raise UserError(f"--epochs must be > 0, got {self.epochs}")
         if not 0 < self.down_sample_ratio <= 1:

@@ -227,10 +227,10 @@ def bad_records(seed: int = 0) -> list[BadRecord]:
     add("no_assistant_turn", {"conversations": [{"from": "gpt", "value": "hello"}]}, "no_assistant_turn")
 
     # --- the draft's reserved mask token in the text ----------------------------------------------------------------
-    add("forbidden_token", msgs({"role": "user", "content": f"fill {MASK_TOKEN} in"}, assistant()), "forbidden_token")
-    add("forbidden_token", msgs(user(), {"role": "assistant", "content": f"it is {MASK_TOKEN}"}), "forbidden_token")
-    add("forbidden_token", msgs({"role": "system", "content": MASK_TOKEN * 3}, user(), assistant()), "forbidden_token")
-    add("forbidden_token", msgs(user(), {**assistant(), "reasoning_content": MASK_TOKEN}), "forbidden_token")
+    add("contains_mask_token", msgs({"role": "user", "content": f"fill {MASK_TOKEN} in"}, assistant()), "contains_mask_token")
+    add("contains_mask_token", msgs(user(), {"role": "assistant", "content": f"it is {MASK_TOKEN}"}), "contains_mask_token")
+    add("contains_mask_token", msgs({"role": "system", "content": MASK_TOKEN * 3}, user(), assistant()), "contains_mask_token")
+    add("contains_mask_token", msgs(user(), {**assistant(), "reasoning_content": MASK_TOKEN}), "contains_mask_token")
 
     # --- huge turns: the assistant turn starts after max_seq_len ------------------------------------------------------
     huge_texts = {

@@ -9,8 +9,8 @@ same tokenizer. Two architectures exist so nothing in peagle is Llama-only:
 
 Both templates render ``reasoning_content`` and ``tool_calls`` when a message has them, and neither
 has generation markers (like real templates): extract finds assistant spans by rendering prefixes.
-A reserved ``<|mask|>`` token exists in the vocabulary and never occurs in rendered chats; the
-draft uses it as ``mask_token_id``.
+A ``<|mask|>`` token is the tokenizer's ``mask_token`` and never occurs in rendered chats, so
+extract chooses it as the draft's mask token (real targets have none: ``family_targets``).
 
 Head dim is 32 so that vLLM's CPU attention accepts the models; 8 layers so the default aux layers
 ``[2, N//2, N-3]`` are distinct and away from the ends.
@@ -114,8 +114,7 @@ def build_tokenizer(vocab_size: int, arch: str):
     else:
         bos, eos, template = None, "<|im_end|>", QWEN_CHAT_TEMPLATE
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=PAD_TOKEN,
-        additional_special_tokens=[MASK_TOKEN],
+        tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=PAD_TOKEN, mask_token=MASK_TOKEN,
     )
     fast.chat_template = template
     return fast

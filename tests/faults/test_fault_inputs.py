@@ -76,7 +76,7 @@ def test_each_bad_record_gets_its_reason(target, request, figures):
     for i, rec in enumerate(records):
         raw, error = decode_jsonl_line(rec.line + b"\n")
         prepared = prepare_record(SourceRecord(Path("bad.jsonl"), i, raw, error), tokenizer, max_seq_len=256,
-                                  forbidden_token_ids=frozenset({mask}))
+                                  mask_token_id=mask)
         got = prepared.skip_reason
         if got is None or got not in SKIP_REASONS or (rec.reason != ANY and got != rec.reason):
             wrong.append(f"{rec.name}: expected {rec.reason}, got {got} ({rec.line[:80]!r})")
@@ -168,7 +168,7 @@ def test_deeply_nested_json_is_skipped(extract_baseline, runner, tmp_path, figur
 
 
 STRICT_PICKS = ("invalid_utf8/in_string", "truncated_json", "not_an_object", "unknown_role", "huge_user_turn/words",
-                "bad_tools", "forbidden_token")
+                "bad_tools", "contains_mask_token")
 
 
 def test_strict_fails_on_the_first_bad_record(extract_baseline, runner, tmp_path, figures):

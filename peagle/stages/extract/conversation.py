@@ -45,7 +45,7 @@ NO_ASSISTANT_TURN = "no_assistant_turn"
 TEMPLATE_ERROR = "template_error"
 TEMPLATE_PREFIX_MISMATCH = "template_prefix_mismatch"
 EMPTY_AFTER_TEMPLATE = "empty_after_template"
-FORBIDDEN_TOKEN = "forbidden_token"
+CONTAINS_MASK_TOKEN = "contains_mask_token"  # the draft's mask token occurs in the rendered record
 TRUNCATED_NO_LOSS = "truncated_no_loss"
 
 SKIP_REASONS: tuple[str, ...] = (
@@ -53,7 +53,7 @@ SKIP_REASONS: tuple[str, ...] = (
     NO_MESSAGES, MESSAGES_NOT_A_LIST, EMPTY_CONVERSATION, MESSAGE_NOT_AN_OBJECT, MISSING_ROLE,
     UNKNOWN_ROLE, MISSING_CONTENT, NON_STRING_CONTENT, EMPTY_ASSISTANT_TURN, BAD_TOOL_CALLS, BAD_TOOLS,
     NO_ASSISTANT_TURN,
-    TEMPLATE_ERROR, TEMPLATE_PREFIX_MISMATCH, EMPTY_AFTER_TEMPLATE, FORBIDDEN_TOKEN, TRUNCATED_NO_LOSS,
+    TEMPLATE_ERROR, TEMPLATE_PREFIX_MISMATCH, EMPTY_AFTER_TEMPLATE, CONTAINS_MASK_TOKEN, TRUNCATED_NO_LOSS,
 )
 
 OPENAI_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})

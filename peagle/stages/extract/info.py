@@ -12,6 +12,8 @@ from peagle.pipeline.store import check_shards, list_commits, manifest_dict, rea
 from peagle.pipeline.store_reader import raw_bytes_per_token
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
+from peagle.stages.extract.conversation import SKIP_REASONS
+from peagle.stages.extract.mask_token import describe_mask_token
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +40,10 @@ class StoreInfo:
         agree = sum(s.topk.agree_count for s in self.stats) / positions if positions else 0.0
         return (f"{zero:,} all-zero and {bad:,} non-finite rows by the commit statistics of {len(self.stats)} of "
                 f"{self.num_shards} shards; stored top-1 = next supervised token for {agree:.1%}")
+    token_counts: dict[str, int]  # "supervised.<kind>" / "unsupervised.<role>", summed over shards
+    num_supervised_turns: int
+    num_rendered_per_turn: int
+    num_shards_without_counts: int  # committed by a peagle that did not count token kinds
 
     @property
     def bytes_per_token(self) -> float:
@@ -63,8 +69,10 @@ def store_info(root: str | Path) -> StoreInfo:
     settings = read_settings(root)
     records = list_commits(root)
     skipped: Counter = Counter()
+    counts: Counter = Counter()
     for r in records:
         skipped.update(r.skipped)
+        counts.update(r.token_counts)
     return StoreInfo(
         root=root, settings=settings, num_shards=len(records), num_records=sum(r.num_records for r in records),
         num_samples=sum(r.num_samples for r in records), num_tokens=sum(r.num_tokens for r in records),
@@ -72,6 +80,9 @@ def store_info(root: str | Path) -> StoreInfo:
         total_bytes=sum(r.parquet_bytes + r.safetensors_bytes for r in records),
         backends=tuple(sorted({r.backend for r in records if r.backend})),
         stats=[r.stats for r in records if r.stats is not None],
+        token_counts=dict(counts), num_supervised_turns=sum(r.num_supervised_turns for r in records),
+        num_rendered_per_turn=sum(r.num_rendered_per_turn for r in records),
+        num_shards_without_counts=sum(1 for r in records if r.num_tokens and not r.token_counts),
     )
 
 
@@ -84,19 +95,49 @@ def format_info(info: StoreInfo) -> str:
         f"target       {t.path} ({t.architecture}, {t.num_hidden_layers} layers, hidden {t.hidden_size}, "
         f"vocab {t.vocab_size}, {t.dtype}, content {t.content_hash[:12]})",
         f"settings     aux_layer_ids {list(s.aux_layer_ids)} ({s.hidden_dtype}), topk {s.topk} ({s.logprob_dtype}), "
-        f"max_seq_len {s.max_seq_len}, loss_on {s.loss_on}, mask_token_id {s.mask_token_id}",
+        f"max_seq_len {s.max_seq_len}, loss_on {s.loss_on}"
+        + ("" if s.supervise_reasoning else ", reasoning not supervised"),
+        f"mask token   {describe_mask_token(s.mask_token_id, s.mask_token, s.mask_token_source)}",
         f"tokenizer    {s.tokenizer_fingerprint[:12]}, chat template {s.chat_template_hash[:12]}",
         f"shards       {info.num_shards} committed" + (f" (backend {', '.join(info.backends)})" if info.backends else ""),
-        f"records      {info.num_records:,} read, {sum(info.skipped.values()):,} skipped",
+        f"records      {info.num_records:,} read, {_record_skips(info.skipped):,} skipped",
         f"samples      {info.num_samples:,} ({info.num_truncated:,} truncated to max_seq_len)",
         f"tokens       {info.num_tokens:,}",
         f"bytes/token  {info.bytes_per_token:,.1f} on disk vs {info.raw_bytes_per_token:,} raw tensor bytes "
         f"({ratio:.4f}x); {info.total_bytes:,} bytes in all",
     ]
     lines.append(f"rows         {info.health}")
+    lines += format_token_counts(info)
     if info.skipped:
         lines.append("skipped      " + ", ".join(f"{k} {v}" for k, v in info.skipped.items()))
     return "\n".join(lines)
+
+
+def _record_skips(skipped: dict[str, int]) -> int:
+    """Skipped records; the counts also hold samples dropped from kept records (a per-turn sample cut
+    to no loss, a sample with non-finite target outputs), which are not records."""
+    return sum(n for reason, n in skipped.items() if reason in SKIP_REASONS)
+
+
+def format_token_counts(info: StoreInfo) -> list[str]:
+    """Supervised tokens by kind, unsupervised by role: a wrong loss mask shows here at a glance
+    (e.g. ``outside_assistant`` above 0, or no ``end_of_turn`` per supervised turn)."""
+    counts = info.token_counts
+    supervised = {k.split(".", 1)[1]: v for k, v in counts.items() if k.startswith(S.SUPERVISED + ".")}
+    unsupervised = {k.split(".", 1)[1]: v for k, v in counts.items() if k.startswith(S.UNSUPERVISED + ".")}
+    if not counts:
+        return ["supervised   not counted by kind (store written by an older peagle)"] if info.num_tokens else []
+    total = sum(supervised.values())
+    kinds = [*S.SUPERVISED_KINDS, *sorted(set(supervised) - set(S.SUPERVISED_KINDS))]
+    lines = [f"supervised   {total:,} tokens ({total / max(info.num_tokens, 1):.1%}) in {info.num_supervised_turns:,} "
+             "assistant turns: " + ", ".join(f"{k} {supervised.get(k, 0):,}" for k in kinds),
+             "unsupervised " + ", ".join(f"{k} {v:,}" for k, v in sorted(unsupervised.items(), key=lambda kv: -kv[1]))]
+    notes = []
+    if info.num_rendered_per_turn:
+        notes.append(f"{info.num_rendered_per_turn:,} records rendered turn by turn (their template rewrites history)")
+    if info.num_shards_without_counts:
+        notes.append(f"{info.num_shards_without_counts} shards written by an older peagle are not counted here")
+    return lines + [f"             {n}" for n in notes]
 
 
 def manifest_problem(root: Path, settings: S.StoreSettings, records: list[S.ShardRecord]) -> str | None:

@@ -31,6 +31,8 @@ from peagle.schemas.extract_config import ExtractConfig
 from peagle.stages.extract.backend import TargetBackend, TargetOutput
 from peagle.stages.extract.readers import check_data_path, count_records, iter_file_records
 from peagle.stages.extract.regenerate import SamplingSettings, regenerate_records
+from peagle.stages.extract.conversation import CONTAINS_MASK_TOKEN
+from peagle.stages.extract.mask_token import describe_mask_token
 from peagle.stages.extract.template import TokenizedSample, prepare_record
 from peagle.stages.extract.target import Target, load_target, resolve_backend_name, store_settings
 from peagle.stages.extract.writer import ShardContent, ShardWriter
@@ -39,7 +41,17 @@ ESTIMATE_RECORDS = 256  # records tokenized to estimate the token count of a lar
 PER_TURN_DROPPED = "per_turn_truncated_no_loss"  # per_turn samples cut to no loss (not record skips)
 WRITER_THREADS = 2  # shards written at once: sha256 and file writes release the GIL
 
-PreparedShard = tuple[P.PlannedShard, list[TokenizedSample], Counter, int]  # samples, skips, truncated
+
+
+@dataclass(kw_only=True)
+class PreparedShard:
+    """A shard's records made into samples, with what was skipped and how."""
+
+    shard: P.PlannedShard
+    samples: list[TokenizedSample]
+    skipped: Counter
+    num_truncated: int = 0
+    num_rendered_per_turn: int = 0
 
 
 @dataclass(kw_only=True)
@@ -51,6 +63,7 @@ class ExtractPlan:
     pending: list[P.PlannedShard]  # this worker's, not yet committed
     estimated_tokens: int
     estimated_from_records: int
+    estimated_mask_skips: int  # records of the estimate that contain the mask token
     free_bytes: int
     notes: list[str] = field(default_factory=list)  # things the user should know before it starts
 
@@ -99,7 +112,11 @@ def make_plan(config: ExtractConfig, target: Target, settings: S.StoreSettings) 
     files = input_files(config.data)
     exists = (root / S.STORE_SETTINGS_FILE).exists()
     if exists:
-        check_same_settings(read_settings(root), settings, root)
+        existing = read_settings(root)
+        if existing.mask_token_source is None:
+            raise UserError(f"store {root} was written by an older peagle that recorded no mask token choice; "
+                            "extract into a new --out (the old store still trains: `peagle train --mask-token-id N`)")
+        check_same_settings(existing, settings, root)
     registrations = P.read_registrations(root) if exists else []
     new = P.assign_registrations(registrations, files, config.samples_per_shard)
     notes = [f"note: {r.name} is in the store already with other content: this content gets new shards "
@@ -110,30 +127,37 @@ def make_plan(config: ExtractConfig, target: Target, settings: S.StoreSettings) 
     mine = P.shards_of_worker(shards, config.shard_index, config.num_shards)
     done = {r.index for r in list_commits(root)} if exists else set()
     pending = [s for s in mine if s.index not in done]
-    tokens, sampled = estimate_tokens(pending, target.tokenizer, settings, config.loss_on)
+    tokens, sampled, mask_skips = estimate_tokens(pending, target.tokenizer, settings, config.loss_on)
+    if mask_skips:
+        notes.append(f"note: {mask_skips} of the {sampled} records read for the estimate contain the mask token "
+                     f"{settings.mask_token_id}: such records are skipped (contains_mask_token); pass another "
+                     "--mask-token-id if that is too many")
     probe = root if root.exists() else next((p for p in root.parents if p.exists()), Path("."))
     return ExtractPlan(settings=settings, files=files, shards=shards, mine=mine, pending=pending,
-                       estimated_tokens=tokens, estimated_from_records=sampled,
+                       estimated_tokens=tokens, estimated_from_records=sampled, estimated_mask_skips=mask_skips,
                        free_bytes=shutil.disk_usage(probe).free, notes=notes)
 
 
 def estimate_tokens(pending: list[P.PlannedShard], tokenizer: Any, settings: S.StoreSettings, loss_on: str,
-                    max_records: int = ESTIMATE_RECORDS) -> tuple[int, int]:
-    """(estimated tokens of the pending shards, records tokenized for it): every record when there
-    are at most ``max_records``, else the first records of up to 16 evenly spread shards, scaled."""
+                    max_records: int = ESTIMATE_RECORDS) -> tuple[int, int, int]:
+    """(estimated tokens of the pending shards, records tokenized for it, how many of those contain
+    the mask token): every record when there are at most ``max_records``, else the first records of
+    up to 16 evenly spread shards, scaled."""
     total_records = sum(s.num_records for s in pending)
     if not total_records:
-        return 0, 0
+        return 0, 0, 0
     picks = pending if len(pending) <= 16 else [pending[i * len(pending) // 16] for i in range(16)]
     per_shard = max(1, max_records // len(picks))
-    tokens = sampled = 0
+    tokens = sampled = mask_skips = 0
     for shard in picks:
         stop = shard.end_record if total_records <= max_records else min(shard.end_record, shard.first_record + per_shard)
         for record in iter_file_records(shard.input_path, shard.first_record, stop):
-            prepared = prepare_record(record, tokenizer, loss_on=loss_on, max_seq_len=settings.max_seq_len)
+            prepared = prepare_record(record, tokenizer, loss_on=loss_on, max_seq_len=settings.max_seq_len,
+                                      mask_token_id=settings.mask_token_id)
             tokens += sum(len(s.input_ids) for s in prepared.samples)
+            mask_skips += prepared.skip_reason == CONTAINS_MASK_TOKEN
             sampled += 1
-    return round(tokens * total_records / max(sampled, 1)), sampled
+    return round(tokens * total_records / max(sampled, 1)), sampled, mask_skips
 
 
 def format_plan(plan: ExtractPlan, config: ExtractConfig, store: Path) -> str:
@@ -150,7 +174,9 @@ def format_plan(plan: ExtractPlan, config: ExtractConfig, store: Path) -> str:
         f"  worker     {config.shard_index} of {config.num_shards}: {len(plan.mine)} shards, "
         f"{len(plan.mine) - len(plan.pending)} already committed, {len(plan.pending)} to do ({pending_records} records)",
         f"  settings   aux layers {','.join(map(str, s.aux_layer_ids))}, top-k {s.topk} ({s.logprob_dtype}), "
-        f"max len {s.max_seq_len}, loss on {s.loss_on}, hidden states {s.hidden_dtype}",
+        f"max len {s.max_seq_len}, loss on {s.loss_on}, hidden states {s.hidden_dtype}"
+        + ("" if s.supervise_reasoning else " (reasoning not supervised)"),
+        f"  mask token {describe_mask_token(s.mask_token_id, s.mask_token, s.mask_token_source)}",
         f"  tokens     ~{plan.estimated_tokens:,} ({how})",
         f"  size       ~{_human(plan.estimated_bytes)} at {raw_bytes_per_token(s):,} bytes/token; "
         f"free disk {_human(plan.free_bytes)}",
@@ -237,32 +263,31 @@ def run_forward(backend: TargetBackend, samples: list[TokenizedSample], config: 
     return outputs  # type: ignore[return-value]
 
 
-def prepare_shard(records: list, target: Target, settings: S.StoreSettings,
-                  config: ExtractConfig) -> tuple[list[TokenizedSample], Counter, int]:
-    """Records -> samples, with skip counts by reason and the number of truncated samples.
+def prepare_shard(shard: P.PlannedShard, records: list, target: Target, settings: S.StoreSettings,
+                  config: ExtractConfig) -> PreparedShard:
+    """Records -> samples, with skip counts by reason, truncated samples and per-turn renders.
 
     Raises:
         UserError: ``--strict`` and a record is unusable (names file and line/row).
     """
-    forbidden = frozenset({settings.mask_token_id}) if settings.mask_token_id is not None else frozenset()
-    samples: list[TokenizedSample] = []
-    skipped: Counter = Counter()
-    num_truncated = 0
+    out = PreparedShard(shard=shard, samples=[], skipped=Counter())
     for record in records:
-        prepared = prepare_record(record, target.tokenizer, loss_on=config.loss_on,
-                                  max_seq_len=settings.max_seq_len, forbidden_token_ids=forbidden)
+        prepared = prepare_record(record, target.tokenizer, loss_on=config.loss_on, max_seq_len=settings.max_seq_len,
+                                  mask_token_id=settings.mask_token_id,
+                                  supervise_reasoning=settings.supervise_reasoning)
         if prepared.skip_reason is not None:
             if config.strict:
                 raise UserError(f"{record.where}: {prepared.skip_reason}"
                                 + (f" ({prepared.skip_detail})" if prepared.skip_detail not in (None, prepared.skip_reason) else "")
                                 + " [--strict]")
-            skipped[prepared.skip_reason] += 1
+            out.skipped[prepared.skip_reason] += 1
             continue
         if prepared.num_dropped:
-            skipped[PER_TURN_DROPPED] += prepared.num_dropped
-        num_truncated += prepared.num_truncated
-        samples.extend(prepared.samples)
-    return samples, skipped, num_truncated
+            out.skipped[PER_TURN_DROPPED] += prepared.num_dropped
+        out.num_truncated += prepared.num_truncated
+        out.num_rendered_per_turn += prepared.rendered_per_turn
+        out.samples.extend(prepared.samples)
+    return out
 
 
 REGENERATE_WINDOW = 16  # shards regenerated together: bounds memory, and vLLM swaps engines once per window
@@ -289,7 +314,7 @@ def prepared_shards(pending: list[P.PlannedShard], backend: TargetBackend, targe
                                              max_seq_len=settings.max_seq_len)
                           for shard, records in zip(chunk, records_of)]
         for shard, records in zip(chunk, records_of):
-            yield (shard, *prepare_shard(records, target, settings, config))
+            yield prepare_shard(shard, records, target, settings, config)
 
 
 def run_extract(config: ExtractConfig, *, echo: Callable[[str], None] = print,
@@ -341,12 +366,14 @@ def run_extract(config: ExtractConfig, *, echo: Callable[[str], None] = print,
     if not config.regenerate:  # regeneration runs the backend, so it stays on this thread
         shards = prefetch(shards, depth=1)  # templating of shard s+1 overlaps the forward of shard s
     try:
-        for shard, samples, skipped, num_truncated in shards:
-            outputs = run_forward(backend, samples, config)
+        for prepared in shards:
+            shard = prepared.shard
+            outputs = run_forward(backend, prepared.samples, config)
             writer.submit(ShardContent(index=shard.index, input_name=shard.input_name,
                                        first_record=shard.first_record, end_record=shard.end_record,
-                                       samples=samples, outputs=outputs, skipped=dict(skipped),
-                                       num_truncated=num_truncated, backend=backend.name))
+                                       samples=prepared.samples, outputs=outputs, skipped=dict(prepared.skipped),
+                                       num_truncated=prepared.num_truncated, backend=backend.name,
+                                       num_rendered_per_turn=prepared.num_rendered_per_turn))
             bar.update(shard.num_records)
     except BaseException:
         _close_quietly(writer)  # shards already handed over are complete: let them commit
@@ -362,6 +389,9 @@ def run_extract(config: ExtractConfig, *, echo: Callable[[str], None] = print,
         skipped_total.update(r.skipped)
     echo(f"committed {len(summary.records)} shards, {summary.num_tokens:,} tokens"
          + (f"; skipped {dict(sorted(skipped_total.items()))}" if skipped_total else ""))
+    if skipped_total.get(CONTAINS_MASK_TOKEN):
+        echo(f"warning: {skipped_total[CONTAINS_MASK_TOKEN]} records contain the mask token {settings.mask_token_id} "
+             "and were skipped; `peagle store info` shows the counts")
     return summary
 
 

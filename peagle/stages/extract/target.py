@@ -16,9 +16,7 @@ from peagle.model.target import load_config
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 from peagle.schemas.extract_config import ExtractConfig, resolve_aux_layer_ids
-
-MASK_TOKEN = "<|mask|>"
-
+from peagle.stages.extract.mask_token import choose_mask_token
 
 @dataclass(frozen=True, kw_only=True)
 class Target:
@@ -54,12 +52,6 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
 
 
-def mask_token_id(tokenizer: Any) -> int | None:
-    """The reserved ``<|mask|>`` token when the tokenizer has one (the draft's mask slots use it)."""
-    ids = tokenizer.convert_tokens_to_ids([MASK_TOKEN])
-    return ids[0] if ids and ids[0] is not None and ids[0] != tokenizer.unk_token_id else None
-
-
 def resolve_backend_name(backend: str) -> str:
     """``auto`` is vllm when ``import vllm`` works (a broken install falls back to hf), else hf."""
     if backend == "auto":
@@ -87,13 +79,21 @@ def compute_dtype(config: ExtractConfig) -> str:
 
 
 def store_settings(config: ExtractConfig, target: Target) -> S.StoreSettings:
+    """The settings this run writes with (a pure function of the config and the target, so every
+    worker of a store derives the same ones).
+
+    Raises:
+        UserError: bad aux layers for this target, or no usable mask token (``choose_mask_token``).
+    """
     aux_ids = resolve_aux_layer_ids(config, target.config.num_hidden_layers)
+    mask = choose_mask_token(target.tokenizer, int(target.config.vocab_size), config.mask_token_id)
     identity = T.Target(path=target.path, config=target.config).identity(compute_dtype(config))
     return S.StoreSettings(
         target=identity, tokenizer_fingerprint=tokenizer_fingerprint(target.tokenizer),
         chat_template_hash=hashlib.sha256((target.tokenizer.chat_template or "").encode()).hexdigest(),
         aux_layer_ids=aux_ids, topk=config.topk, max_seq_len=config.max_seq_len,
-        logprob_dtype=config.logprob_dtype, loss_on=config.loss_on, mask_token_id=mask_token_id(target.tokenizer),
+        logprob_dtype=config.logprob_dtype, loss_on=config.loss_on, mask_token_id=mask.token_id,
+        mask_token=mask.token, mask_token_source=mask.source, supervise_reasoning=config.supervise_reasoning,
         hidden_dtype=config.hidden_dtype,
         regenerate=({"temperature": config.temperature, "top_p": config.top_p,
                      "max_new_tokens": config.max_new_tokens, "seed": config.seed} if config.regenerate else {}))

@@ -1,28 +1,23 @@
 """Apply the target's chat template and mark the tokens the draft must learn (DESIGN §3 loss_mask).
 
-Real chat templates have no generation markers, so assistant spans are found by rendering prefixes
-of the conversation as text:
+Real chat templates have no generation markers, so each assistant turn is located by rendering
+prefixes (and variants) of the conversation as text (``spans``): the supervised part of a turn is
+what the model writes for it -- its content, the reasoning block where the template renders one,
+the tool calls it emits -- and its end-of-turn token; never system, user or tool-result text, role
+headers or generation-prompt scaffolding. The sample text is rendered once and tokenized once with
+offsets; a token is supervised when its characters overlap a supervised span. Working in characters
+instead of comparing token prefixes makes the result independent of how BPE merges across a prefix
+boundary; a token that straddles the start of a span carries assistant text and so is supervised.
 
-* the span of assistant message ``i`` starts where ``render(messages[:i], add_generation_prompt)``
-  stops agreeing with ``render(messages[:i+1])`` (normally: right after the generation prompt; for
-  templates whose generation prompt adds e.g. ``<think>\\n``, at the first character where the
-  rendered turn differs from it, i.e. the first character the model itself produces);
-* it ends at the end of ``render(messages[:i+1])`` minus trailing whitespace. So the end-of-turn
-  token (``<|eot_id|>``, ``<|im_end|>``) IS in the loss mask: the draft must learn to propose it. The
-  newline some templates print after it is not: the target stops at the end-of-turn token and never
-  generates that newline.
+Templates that rewrite history (Qwen3 drops the reasoning of turns before the last user query and
+gives only the last turn an empty think block) make the earlier turns' prefix renders disagree with
+the whole conversation's text, so their spans cannot be located in it. With ``loss_on="all"`` such a
+record becomes one sample per assistant turn, each the conversation rendered up to and including
+that turn -- exactly the text the target sees when it writes that turn -- and is counted
+(``PreparedRecord.rendered_per_turn``). A turn that cannot be located even so is a counted skip
+(``template_prefix_mismatch``), never a silently wrong mask.
 
-The sample text is rendered once and tokenized once with offsets; a token is an assistant token when
-its characters overlap an assistant span. Working in characters instead of comparing token prefixes
-makes the result independent of how BPE happens to merge across a prefix boundary; a token that
-straddles the start of a span carries assistant text and so is supervised.
-
-Every assistant turn's prefix render must be a text prefix of the sample (checked); templates that
-rewrite history (e.g. drop the reasoning of earlier turns) fail that check in ``all`` mode and the
-record is skipped as ``template_prefix_mismatch``: ``per_turn`` always works for them, since there
-the trained turn is the last one rendered.
-
-Conversations are cut after the last assistant turn: later tokens would carry no loss.
+Conversations are cut after the last trained assistant turn: later tokens would carry no loss.
 """
 
 from __future__ import annotations
@@ -34,10 +29,9 @@ from typing import Any
 
 from peagle.schemas.errors import UserError
 from peagle.stages.extract.conversation import (
+    CONTAINS_MASK_TOKEN,
     EMPTY_AFTER_TEMPLATE,
-    FORBIDDEN_TOKEN,
     INVALID_UTF8,
-    TEMPLATE_ERROR,
     TEMPLATE_PREFIX_MISMATCH,
     TRUNCATED_NO_LOSS,
     Conversation,
@@ -45,6 +39,8 @@ from peagle.stages.extract.conversation import (
     normalise_record,
 )
 from peagle.stages.extract.readers import SourceRecord
+from peagle.stages.extract.spans import Renderer, TurnSpans, locate_turn, message_boundaries, spans_to_token_mask
+from peagle.stages.extract.token_kinds import count_token_kinds
 
 LOSS_ON_MODES = ("all", "last", "per_turn")
 SAMPLE_ID_HEX_CHARS = 20
@@ -52,12 +48,18 @@ SAMPLE_ID_HEX_CHARS = 20
 
 @dataclass(frozen=True, kw_only=True)
 class TokenizedSample:
-    """One training sample: ``loss_mask[i] = 1`` iff ``input_ids[i]`` is an assistant token to learn."""
+    """One training sample: ``loss_mask[i] = 1`` iff ``input_ids[i]`` is an assistant token to learn.
+
+    ``token_counts`` counts its tokens by kind and role (``token_kinds``); ``num_turns`` is the
+    number of assistant turns with at least one supervised token.
+    """
 
     sample_id: str
     source: str
     input_ids: list[int]
     loss_mask: list[int]
+    token_counts: dict[str, int] = field(default_factory=dict)
+    num_turns: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,8 +68,10 @@ class PreparedRecord:
 
     ``skip_reason`` is set (one of ``conversation.SKIP_REASONS``) iff ``samples`` is empty;
     ``skip_detail`` says what exactly, for ``--strict`` errors. ``num_truncated`` counts kept samples
-    that were cut to ``max_seq_len``; ``num_dropped`` counts ``per_turn`` samples dropped because
-    truncation left them no loss while earlier turns of the same record were kept.
+    that were cut to ``max_seq_len``; ``num_dropped`` counts per-turn samples dropped because
+    truncation left them no loss while earlier turns of the same record were kept;
+    ``rendered_per_turn`` says the record was split into one sample per turn because its template
+    rewrites history (module doc).
     """
 
     samples: list[TokenizedSample] = field(default_factory=list)
@@ -75,6 +79,7 @@ class PreparedRecord:
     skip_detail: str | None = None
     num_truncated: int = 0
     num_dropped: int = 0
+    rendered_per_turn: bool = False
 
 
 def prepare_record(
@@ -83,17 +88,20 @@ def prepare_record(
     *,
     loss_on: str = "all",
     max_seq_len: int,
-    forbidden_token_ids: frozenset[int] = frozenset(),
+    mask_token_id: int | None = None,
+    supervise_reasoning: bool = True,
 ) -> PreparedRecord:
     """Turn one source record into tokenized samples with loss masks, or a counted skip.
 
-    ``loss_on``: ``all`` (every assistant turn, one sample), ``last`` (the last assistant turn only,
-    one sample) or ``per_turn`` (one sample per assistant turn: the conversation up to and including
-    that turn, loss on that turn). ``forbidden_token_ids`` (e.g. the draft's mask token) must not
-    occur in any rendered sample; if one does, the whole record is skipped (``forbidden_token``).
+    ``loss_on``: ``all`` (every assistant turn: one sample, or one per turn when the template
+    rewrites history), ``last`` (the last assistant turn only, one sample) or ``per_turn`` (one
+    sample per assistant turn: the conversation up to and including that turn, loss on that turn).
+    ``mask_token_id`` (the draft's mask token) must not occur in any rendered sample; if it does,
+    the whole record is skipped (``contains_mask_token``). ``supervise_reasoning=False`` takes the
+    reasoning text out of the loss (the template's delimiters around it stay in).
 
     ``sample_id`` hashes (file basename, record index, turn, canonical record JSON); ``turn`` is the
-    index of the trained assistant message in the normalised conversation for ``per_turn``, else -1.
+    index of the trained assistant message for a per-turn sample, else -1.
 
     Raises:
         UserError: bad ``loss_on`` or ``max_seq_len``, or a tokenizer without offsets (not "fast") or
@@ -112,7 +120,8 @@ def prepare_record(
     try:
         canonical = canonical_json(record.raw)
         conversation = normalise_record(record.raw)
-        return _prepare(record, canonical, conversation, tokenizer, loss_on, max_seq_len, forbidden_token_ids)
+        return _prepare(record, canonical, conversation, tokenizer, loss_on=loss_on, max_seq_len=max_seq_len,
+                        mask_token_id=mask_token_id, supervise_reasoning=supervise_reasoning)
     except SkipRecord as skip:
         return PreparedRecord(skip_reason=skip.reason, skip_detail=skip.detail or skip.reason)
 
@@ -141,129 +150,67 @@ def make_sample_id(basename: str, index: int, turn: int, canonical: str) -> str:
     return digest[:SAMPLE_ID_HEX_CHARS]
 
 
-def _prepare(
-    record: SourceRecord,
-    canonical: str,
-    conversation: Conversation,
-    tokenizer: Any,
-    loss_on: str,
-    max_seq_len: int,
-    forbidden_token_ids: frozenset[int],
-) -> PreparedRecord:
-    render = _Renderer(tokenizer, conversation)
+def _prepare(record: SourceRecord, canonical: str, conversation: Conversation, tokenizer: Any, *,
+             loss_on: str, max_seq_len: int, mask_token_id: int | None, supervise_reasoning: bool) -> PreparedRecord:
+    render = Renderer(tokenizer, conversation)
     turns = conversation.trainable_turns
-    source = f"{record.basename}:{record.index}"
-    if loss_on == "per_turn":
-        plans = [(turn, render(turn + 1), [turn]) for turn in turns]
-    else:
+    per_turn = [_Plan(turn, render(turn + 1), [turn]) for turn in turns] if loss_on == "per_turn" else None
+    rendered_per_turn = False
+    if per_turn is None:
         selected = turns if loss_on == "all" else turns[-1:]
-        plans = [(-1, render(turns[-1] + 1), selected)]
+        plan = _Plan(-1, render(turns[-1] + 1), selected)
+        try:
+            plans = [plan.located(render)]
+        except SkipRecord as skip:
+            if skip.reason != TEMPLATE_PREFIX_MISMATCH or len(selected) == 1:
+                raise
+            per_turn, rendered_per_turn = [_Plan(turn, render(turn + 1), [turn]) for turn in selected], True
+    if per_turn is not None:
+        plans = [plan.located(render) for plan in per_turn]
 
+    end_ids = frozenset(int(i) for i in getattr(tokenizer, "added_tokens_decoder", {}))
     samples: list[TokenizedSample] = []
     num_truncated = num_dropped = 0
-    for turn, text, trained_turns in plans:
-        spans = [_assistant_span(render, text, t) for t in trained_turns]
-        input_ids, loss_mask = _tokenize_with_mask(tokenizer, text, spans)
-        if forbidden_token_ids and not forbidden_token_ids.isdisjoint(input_ids):
-            raise SkipRecord(FORBIDDEN_TOKEN, "the rendered record contains a reserved token (e.g. the mask token)")
+    for plan in plans:
+        encoding = tokenizer(plan.text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+        input_ids, offsets = list(encoding["input_ids"]), [tuple(o) for o in encoding["offset_mapping"]]
+        if mask_token_id is not None and mask_token_id in input_ids:
+            raise SkipRecord(CONTAINS_MASK_TOKEN, f"the rendered record contains the mask token id {mask_token_id}")
+        loss_mask = spans_to_token_mask(offsets, [t.span for t in plan.spans])
+        if not supervise_reasoning:  # every token that carries reasoning text leaves the loss
+            reasoning = spans_to_token_mask(offsets, [t.reasoning for t in plan.spans if t.reasoning is not None])
+            loss_mask = [int(a and not b) for a, b in zip(loss_mask, reasoning)]
         if not any(loss_mask):
-            raise SkipRecord(EMPTY_AFTER_TEMPLATE, f"no token overlaps the assistant turn(s) {trained_turns}")
+            raise SkipRecord(EMPTY_AFTER_TEMPLATE, f"no token overlaps the assistant turn(s) {plan.trained}")
         if len(input_ids) > max_seq_len:
-            input_ids, loss_mask = input_ids[:max_seq_len], loss_mask[:max_seq_len]
+            input_ids, loss_mask, offsets = input_ids[:max_seq_len], loss_mask[:max_seq_len], offsets[:max_seq_len]
             if not any(loss_mask):
                 num_dropped += 1
                 continue
             num_truncated += 1
-        sample_id = make_sample_id(record.basename, record.index, turn, canonical)
-        samples.append(TokenizedSample(sample_id=sample_id, source=source, input_ids=input_ids, loss_mask=loss_mask))
+        num_messages = plan.trained[-1] + 1
+        counts, num_turns = count_token_kinds(
+            offsets, loss_mask, input_ids, roles=[m["role"] for m in conversation.messages[:num_messages]],
+            boundaries=message_boundaries(render, plan.text, num_messages), turns=plan.spans, end_token_ids=end_ids)
+        sample_id = make_sample_id(record.basename, record.index, plan.turn, canonical)
+        samples.append(TokenizedSample(sample_id=sample_id, source=f"{record.basename}:{record.index}",
+                                       input_ids=input_ids, loss_mask=loss_mask, token_counts=counts,
+                                       num_turns=num_turns))
     if not samples:
         raise SkipRecord(TRUNCATED_NO_LOSS, f"no assistant token within max_seq_len {max_seq_len}")
-    return PreparedRecord(samples=samples, num_truncated=num_truncated, num_dropped=num_dropped)
+    return PreparedRecord(samples=samples, num_truncated=num_truncated, num_dropped=num_dropped,
+                          rendered_per_turn=rendered_per_turn)
 
 
-class _Renderer:
-    """Renders prefixes of one conversation as text, each at most once.
+@dataclass
+class _Plan:
+    """One sample to build: ``text`` (the conversation rendered up to its last trained turn), the
+    trained turns, and (once located) their regions. ``turn`` is -1 unless it is a per-turn sample."""
 
-    ``render(n)`` is ``messages[:n]``; ``render(n, prompt=True)`` adds the generation prompt.
-    """
+    turn: int
+    text: str
+    trained: list[int]
+    spans: list[TurnSpans] = field(default_factory=list)
 
-    def __init__(self, tokenizer: Any, conversation: Conversation) -> None:
-        self._tokenizer = tokenizer
-        self._conversation = conversation
-        self._cache: dict[tuple[int, bool], str] = {}
-
-    def __call__(self, num_messages: int, prompt: bool = False) -> str:
-        key = (num_messages, prompt)
-        if key not in self._cache:
-            self._cache[key] = self._render(num_messages, prompt)
-        return self._cache[key]
-
-    def _render(self, num_messages: int, prompt: bool) -> str:
-        # Fresh dict copies: a template must not be able to change the messages of a later render.
-        messages = [dict(m) for m in self._conversation.messages[:num_messages]]
-        kwargs = {"tools": self._conversation.tools} if self._conversation.tools else {}
-        try:
-            text = self._tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=prompt, **kwargs
-            )
-        except Exception as err:  # templates are user code: any failure is a property of this record
-            raise SkipRecord(TEMPLATE_ERROR, f"chat template failed: {type(err).__name__}: {err}") from None
-        if not isinstance(text, str):
-            raise SkipRecord(TEMPLATE_ERROR, f"chat template returned {type(text).__name__}, not text")
-        return text
-
-
-def _assistant_span(render: _Renderer, text: str, turn: int) -> tuple[int, int]:
-    """Character span ``[start, end)`` in ``text`` of assistant message ``turn`` (see module doc)."""
-    upto_turn = render(turn + 1)
-    history = render(turn)
-    if not (text.startswith(upto_turn) and upto_turn.startswith(history)):
-        raise SkipRecord(
-            TEMPLATE_PREFIX_MISMATCH, f"rendering message {turn} changes the text of earlier messages"
-        )
-    prompt = render(turn, prompt=True)
-    start = max(len(history), _common_prefix_len(prompt, upto_turn))
-    end = len(upto_turn.rstrip())
-    if end <= start:
-        raise SkipRecord(EMPTY_AFTER_TEMPLATE, f"assistant message {turn} renders to no text")
-    return start, end
-
-
-def _common_prefix_len(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # binary search on the first difference: a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-def _tokenize_with_mask(tokenizer: Any, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
-    """Token ids of ``text`` (as ``apply_chat_template(tokenize=True)`` gives them) and a 0/1 mask of
-    the tokens whose characters overlap any span."""
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
-    input_ids = list(encoding["input_ids"])
-    return input_ids, spans_to_token_mask(encoding["offset_mapping"], spans)
-
-
-def spans_to_token_mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
-    """1 for each token whose character range ``[a, b)`` overlaps some span ``[s, e)``, else 0.
-
-    Both lists are in text order, so one merge pass suffices. A zero-width token counts as covering
-    its start character.
-    """
-    mask = [0] * len(offsets)
-    spans = sorted(spans)
-    k = 0
-    for i, (a, b) in enumerate(offsets):
-        b = max(b, a + 1)
-        while k < len(spans) and spans[k][1] <= a:
-            k += 1
-        if k < len(spans) and spans[k][0] < b:
-            mask[i] = 1
-    return mask
+    def located(self, render: Renderer) -> "_Plan":
+        return _Plan(self.turn, self.text, self.trained, [locate_turn(render, self.text, t) for t in self.trained])

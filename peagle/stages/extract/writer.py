@@ -63,6 +63,7 @@ class ShardContent:
     skipped: dict[str, int] = field(default_factory=dict)
     num_truncated: int = 0
     backend: str = ""
+    num_rendered_per_turn: int = 0
 
 
 def drop_non_finite(content: ShardContent) -> ShardContent:
@@ -77,7 +78,17 @@ def drop_non_finite(content: ShardContent) -> ShardContent:
     return ShardContent(index=content.index, input_name=content.input_name, first_record=content.first_record,
                         end_record=content.end_record, samples=[content.samples[i] for i in keep],
                         outputs=[content.outputs[i] for i in keep], skipped=skipped,
-                        num_truncated=content.num_truncated, backend=content.backend)
+                        num_truncated=content.num_truncated, backend=content.backend,
+                        num_rendered_per_turn=content.num_rendered_per_turn)
+
+
+def sum_token_counts(samples: list[TokenizedSample]) -> dict[str, int]:
+    """The shard's token counts by kind and role (``token_kinds``), summed over its samples."""
+    total: dict[str, int] = {}
+    for sample in samples:
+        for key, n in sample.token_counts.items():
+            total[key] = total.get(key, 0) + n
+    return dict(sorted(total.items()))
 
 
 def parquet_table(samples: list[TokenizedSample]) -> pa.Table:
@@ -168,7 +179,9 @@ def write_and_commit(root: Path, content: ShardContent, settings: S.StoreSetting
         safetensors_sha256=tensor_sha, input_file=content.input_name, first_record=content.first_record,
         end_record=content.end_record, num_records=content.end_record - content.first_record,
         skipped={k: v for k, v in content.skipped.items() if v}, num_truncated=content.num_truncated,
-        backend=content.backend, stats=stats,
+        backend=content.backend, stats=stats, token_counts=sum_token_counts(content.samples),
+        num_supervised_turns=sum(s.num_turns for s in content.samples),
+        num_rendered_per_turn=content.num_rendered_per_turn,
     )
     commit_shard(root, record)
     return record

@@ -41,6 +41,7 @@ from peagle.schemas.errors import UserError
 from peagle.schemas.loader_config import LoaderConfig
 from peagle.stages.train.batch import TrainBatch, collate, make_item
 from peagle.stages.train.epoch_plan import EpochPlan, PlanSettings, SampleIndex, plan_epoch, worker_batches
+from peagle.stages.train.mask_token import resolve_mask_token_id
 from peagle.stages.train.vocab import DraftVocab
 
 log = logging.getLogger(__name__)
@@ -211,10 +212,7 @@ class TrainLoader:
             raise UserError(f"draft vocab was built for target vocab {vocab.target_vocab_size}, store "
                             f"{self.stores[0].root} has target vocab {vocab_size}")
         self.target_to_draft_V = vocab.target_to_draft() if vocab is not None else torch.arange(vocab_size)
-        mask_token_id = config.mask_token_id if config.mask_token_id is not None else settings.mask_token_id
-        if mask_token_id is None:
-            raise UserError(f"store {self.stores[0].root} records no mask_token_id; pass one explicitly")
-        self.mask_token_id = int(mask_token_id)
+        self.mask_token_id = resolve_mask_token_id(self.stores, config.mask_token_id)
         self.index = build_sample_index(self.stores, config)
         self.manifest_hashes = [manifest_hash(store.root) for store in self.stores]
         self.epoch, self.batch_in_epoch = 0, 0

@@ -44,7 +44,7 @@ from peagle.stages.train.loader import TrainLoader
 from peagle.stages.train.loss import KLStats
 from peagle.stages.train.step import (StepResult, TrainStep, all_reduce_stats, compiled_graph_count, init_distributed,
                                       resolve_attention, summarise)
-from peagle.stages.train.vocab import load_draft_vocab
+from peagle.stages.train.vocab import choose_draft_vocab_size, load_draft_vocab
 
 METRICS_FILE = "metrics.jsonl"
 RUN_FILE = "run.json"
@@ -81,7 +81,10 @@ class Trainer:
         first_store = c.stores()[0].path
         settings = read_settings(first_store)
         vocab_size = int(target_cfg.vocab_size)
-        draft_vocab_size = c.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, vocab_size)
+        draft_vocab_size, note = choose_draft_vocab_size(
+            first_store, c.draft_vocab_size or _checkpoint_draft_vocab_size(resume_from), vocab_size, DEFAULT_DRAFT_VOCAB)
+        if note:
+            self._say(note)
         if draft_vocab_size > vocab_size:
             raise UserError(f"--draft-vocab-size {draft_vocab_size} is larger than the target vocab {vocab_size}")
         vocab = None if draft_vocab_size == vocab_size else load_draft_vocab(first_store, draft_vocab_size)
@@ -174,7 +177,7 @@ class Trainer:
             sequence_partitions=c.sequence_partitions, attention=self.attention,
             num_workers=0 if eval_split else c.num_workers, pin_memory=self.device.type == "cuda",
             verify=c.verify, dequantize_in_workers=self.device.type != "cuda", allow_bad_aux_rows=c.allow_bad_aux_rows,
-            aux_layer_ids=tuple(settings.aux_layer_ids))
+            aux_layer_ids=tuple(settings.aux_layer_ids), mask_token_id=c.mask_token_id)
 
     def _find_resume_point(self) -> Path | None:
         """Rank 0 picks the newest valid checkpoint (warning about damaged ones) and checks its config."""
@@ -351,6 +354,13 @@ class Trainer:
     def _say(self, line: str) -> None:
         if self.rank == 0:
             print(f"peagle: {line}", file=sys.stderr, flush=True)
+
+
+def _checkpoint_draft_vocab_size(checkpoint: Path | None) -> int | None:
+    """The draft vocab size a run being resumed was built with (vocabs built since must not change it)."""
+    if checkpoint is None:
+        return None
+    return int(read_checkpoint_part(checkpoint, ckpt.CONFIG)[DRAFT_CONFIG_KEY]["draft_vocab_size"])
 
 
 def run_training(config: TrainConfig) -> None:

@@ -169,6 +169,42 @@ def build_draft_vocab(store_root: str | Path, draft_vocab_size: int, *, progress
     )
 
 
+def built_draft_vocab_sizes(store_root: str | Path) -> list[int]:
+    """Sizes of the draft vocabularies `peagle vocab` has built in a store (its json marks one built)."""
+    found = []
+    for path in (Path(store_root) / S.VOCAB_DIR).glob("draft-*.json"):
+        size = path.stem.removeprefix("draft-")
+        if size.isdigit() and path.with_suffix(".safetensors").exists():
+            found.append(int(size))
+    return sorted(found)
+
+
+def choose_draft_vocab_size(store_root: str | Path, asked: int | None, target_vocab_size: int,
+                            default: int) -> tuple[int, str | None]:
+    """(draft vocab size to train, a line saying how it was chosen when it was not asked for).
+
+    Without ``--draft-vocab-size``: the one vocabulary built in the store; with none built, the whole
+    target vocab when that is at most ``default`` (no mapping), else ``default`` (whose absence
+    ``load_draft_vocab`` then reports with the command that builds it).
+
+    Raises:
+        UserError: several vocabularies are built and none was asked for.
+    """
+    if asked is not None:
+        return asked, None
+    built = built_draft_vocab_sizes(store_root)
+    if len(built) == 1:
+        return built[0], (f"draft vocab: the one `peagle vocab` built in {store_root} ({built[0]:,} tokens; "
+                          "--draft-vocab-size picks another)")
+    if len(built) > 1:
+        raise UserError(f"store {store_root} has draft vocabs of sizes {', '.join(map(str, built))}; pass "
+                        "--draft-vocab-size to pick one")
+    if target_vocab_size <= default:
+        return target_vocab_size, (f"draft vocab: none built in {store_root}, so the whole target vocab "
+                                   f"({target_vocab_size:,} tokens, no mapping)")
+    return default, None
+
+
 def load_draft_vocab(store_root: str | Path, draft_vocab_size: int) -> DraftVocab:
     """Read a vocab written by ``peagle vocab``; warns when the store has changed since.
 

@@ -70,3 +70,32 @@ def test_info_of_a_missing_store_is_a_user_error(tmp_path):
         store_info(tmp_path / "nope")
     with pytest.raises(UserError, match="not a peagle store"):
         verify_store(tmp_path)
+
+
+def test_info_shows_the_mask_token_and_supervised_tokens_by_kind(tmp_path):
+    settings = S.StoreSettings(**{**SETTINGS.__dict__, "mask_token_id": 60, "mask_token": "[control_768]",
+                                  "mask_token_source": S.MASK_FROM_RESERVED})
+    init_store(tmp_path, settings)
+    content = _content(index=0, lengths=(5, 3))
+    counts = [{"supervised.content": 2, "supervised.end_of_turn": 1, "unsupervised.user": 2},
+              {"supervised.tool_call": 1, "supervised.end_of_turn": 1, "unsupervised.tool": 1}]
+    content.samples = [TokenizedSample(**{**s.__dict__, "token_counts": c, "num_turns": 1})
+                       for s, c in zip(content.samples, counts)]
+    content.num_rendered_per_turn = 1
+    record = write_and_commit(tmp_path, content, settings)
+    assert record.token_counts == {"supervised.content": 2, "supervised.end_of_turn": 2, "supervised.tool_call": 1,
+                                   "unsupervised.tool": 1, "unsupervised.user": 2}
+    text = format_info(store_info(tmp_path))
+    for words in ("mask token   60 [control_768] (a reserved special token the chat template never writes)",
+                  "supervised   5 tokens (62.5%) in 2 assistant turns: content 2, reasoning 0, tool_call 1, "
+                  "end_of_turn 2, outside_assistant 0",
+                  "unsupervised user 2, tool 1", "1 records rendered turn by turn"):
+        assert words in text, text
+
+
+def test_a_store_from_an_older_peagle_still_reads(store):
+    """No mask token choice and no token counts: info says so, and the manifest derives unchanged."""
+    text = format_info(store_info(store))
+    assert "mask token   none recorded" in text and "not counted by kind (store written by an older peagle)" in text
+    assert verify_store(store) == (2, [])
+    assert "mask_token_source" not in (store / S.STORE_SETTINGS_FILE).read_text()

@@ -61,8 +61,8 @@ def test_refuses_to_start_when_the_disk_cannot_hold_the_plan(data, tiny_llama, t
 def test_token_estimate_from_a_sample_is_close(data, tiny_llama, tmp_path):
     plan = _quiet(_config(data, tiny_llama, tmp_path / "s", dry_run=True, samples_per_shard=2)).plan
     target = R.load_target(str(tiny_llama))
-    exact, n = R.estimate_tokens(plan.pending, target.tokenizer, plan.settings, "all")
-    sampled, m = R.estimate_tokens(plan.pending, target.tokenizer, plan.settings, "all", max_records=6)
+    exact, n, _ = R.estimate_tokens(plan.pending, target.tokenizer, plan.settings, "all")
+    sampled, m, _ = R.estimate_tokens(plan.pending, target.tokenizer, plan.settings, "all", max_records=6)
     assert (exact, n) == (plan.estimated_tokens, 12) and m == 6
     assert 0.5 * exact < sampled < 1.5 * exact
 
@@ -205,3 +205,28 @@ def test_make_batches_is_fixed_and_bounded():
         assert len(b) <= 3 and max(lengths[i] for i in b) * len(b) <= 90 or len(b) == 1
     assert batches[0] == [1, 3]  # longest first, ties by position; a third 40-token row would exceed 90
     assert R.make_batches([], 4, 100) == []
+
+
+def test_a_store_without_a_mask_token_choice_is_not_extended(data, tiny_llama, tmp_path):
+    store = tmp_path / "s"
+    _quiet(_config(data, tiny_llama, store, samples_per_shard=6))
+    settings = json.loads((store / "store.json").read_text())
+    del settings["mask_token"], settings["mask_token_source"]
+    (store / "store.json").write_text(json.dumps(settings))
+    with pytest.raises(UserError, match="older peagle that recorded no mask token choice; extract into a new --out"):
+        _quiet(_config(data, tiny_llama, store, samples_per_shard=6))
+
+
+def test_explicit_mask_token_is_recorded_and_kept_out_of_the_data(data, tiny_llama, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    [word] = tokenizer(" file", add_special_tokens=False)["input_ids"]  # a word of the chat data
+    summary = _quiet(_config(data, tiny_llama, tmp_path / "s", mask_token_id=word))
+    settings = summary.plan.settings
+    assert (settings.mask_token_id, settings.mask_token, settings.mask_token_source) == (word, "Ġfile", "explicit")
+    skipped = sum(r.skipped.get("contains_mask_token", 0) for r in summary.records)
+    assert skipped > 0 and f"warning: {skipped} records contain the mask token {word}" in summary.printed
+    assert "contain the mask token" in summary.printed.split("\n")[8]  # the plan said so before starting
+    rows = [row for r in summary.records for row in pq.read_table(tmp_path / "s" / r.parquet).to_pylist()]
+    assert rows and all(word not in row["input_ids"] for row in rows)

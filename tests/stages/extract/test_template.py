@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from peagle.schemas.errors import UserError
 from peagle.stages.extract.conversation import SKIP_REASONS
 from peagle.stages.extract.readers import SourceRecord, decode_jsonl_line, iter_records
-from peagle.stages.extract.template import make_sample_id, prepare_record, spans_to_token_mask
+from peagle.stages.extract.template import make_sample_id, prepare_record
 from peagle.testing.tiny_target import MASK_TOKEN, TinyTargetSpec, build_tiny_target
 
 ARCHS = ("llama", "qwen3")
@@ -204,7 +204,7 @@ def test_every_skip_reason_from_real_files(tmp_path, tokenizers, arch):
         (b'{"messages": [{"role": "user", "content": "\\ud800"}, {"role": "assistant", "content": "a"}]}',
          "invalid_utf8"),
         (json.dumps({"messages": [{"role": "user", "content": f"say {MASK_TOKEN}"}, good["messages"][1]]}).encode(),
-         "forbidden_token"),
+         "contains_mask_token"),
     ]
     jsonl = tmp_path / "mixed.jsonl"
     jsonl.write_bytes(b"\n".join(line for line, _ in lines) + b"\n")
@@ -214,7 +214,7 @@ def test_every_skip_reason_from_real_files(tmp_path, tokenizers, arch):
     pq.write_table(pa.Table.from_pylist(rows), parquet)
 
     forbidden = frozenset({tok.convert_tokens_to_ids(MASK_TOKEN)})
-    results = [prepare_record(r, tok, max_seq_len=64, forbidden_token_ids=forbidden)
+    results = [prepare_record(r, tok, max_seq_len=64, mask_token_id=next(iter(forbidden)))
                for r in iter_records([jsonl, parquet])]
 
     assert [r.skip_reason for r in results] == [reason for _, reason in lines] + [None, "unknown_role"]
@@ -260,13 +260,18 @@ def test_history_rewriting_template(qwen_with_template):
                         {"role": "user", "content": "q2"},
                         {"role": "assistant", "content": "a2", "reasoning_content": "r2"}]}
 
-    assert prepare_record(_record(raw), tok, max_seq_len=4096).skip_reason == "template_prefix_mismatch"
     last = prepare_record(_record(raw), tok, loss_on="last", max_seq_len=4096)
     assert [tok.decode(s) for s in _loss_spans(last.samples[0])] == ["<think>r2</think>a2<|im_end|>"]
     per_turn = prepare_record(_record(raw), tok, loss_on="per_turn", max_seq_len=4096)
     assert [[tok.decode(s) for s in _loss_spans(x)] for x in per_turn.samples] == [
         ["<think>r1</think>a1<|im_end|>"], ["<think>r2</think>a2<|im_end|>"],
     ]
+    # "all": the whole conversation's text drops r1, so turn 1 cannot be located in it; the record is
+    # rendered turn by turn instead (the text the target sees when it writes each turn), and says so.
+    every = prepare_record(_record(raw), tok, max_seq_len=4096)
+    assert every.rendered_per_turn and not per_turn.rendered_per_turn
+    assert [(s.sample_id, s.input_ids, s.loss_mask) for s in every.samples] == \
+        [(s.sample_id, s.input_ids, s.loss_mask) for s in per_turn.samples]
 
 
 def test_generation_prompt_that_diverges_from_the_rendered_turn(qwen_with_template):
@@ -290,14 +295,6 @@ def test_template_that_drops_assistant_text_is_a_skip(qwen_with_template):
                              "{%- endfor %}")
     raw = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
     assert prepare_record(_record(raw), tok, max_seq_len=4096).skip_reason == "empty_after_template"
-
-
-def test_spans_to_token_mask_counts_straddling_tokens():
-    offsets = [(0, 3), (3, 6), (6, 9), (9, 9), (9, 12), (12, 15)]
-    # Span [4, 10) overlaps tokens 1 (straddles the start), 2, 3 (zero-width at 9) and 4 (straddles the end).
-    assert spans_to_token_mask(offsets, [(4, 10)]) == [0, 1, 1, 1, 1, 0]
-    assert spans_to_token_mask(offsets, [(12, 15), (0, 3)]) == [1, 0, 0, 0, 0, 1]
-    assert spans_to_token_mask(offsets, [(3, 6), (6, 9)]) == [0, 1, 1, 0, 0, 0]
 
 
 def test_bad_settings_are_user_errors(tokenizers):
@@ -353,7 +350,7 @@ def test_junk_records_never_raise(tokenizers, raw, loss_on, max_seq_len):
     tok = tokenizers["llama"]
     forbidden = frozenset({tok.convert_tokens_to_ids(MASK_TOKEN)})
     prepared = prepare_record(_record(raw), tok, loss_on=loss_on, max_seq_len=max_seq_len,
-                              forbidden_token_ids=forbidden)
+                              mask_token_id=next(iter(forbidden)))
     _check_prepared(prepared, max_seq_len, forbidden)
 
 

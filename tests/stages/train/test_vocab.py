@@ -89,3 +89,25 @@ def test_missing_vocab_names_the_command(tiny_store):
         load_draft_vocab(tiny_store.root, 77)
     msg = str(err.value)
     assert "\n" not in msg and f"peagle vocab {tiny_store.root} --draft-vocab-size 77" in msg
+
+
+def test_train_uses_the_one_built_vocab_and_asks_when_there_are_several(tiny_store, tmp_path):
+    import shutil
+
+    from peagle.stages.train.vocab import built_draft_vocab_sizes, choose_draft_vocab_size
+
+    root = tmp_path / "store"
+    shutil.copytree(tiny_store.root, root, ignore=shutil.ignore_patterns("vocab"))
+    v = tiny_store.vocab_size
+    assert choose_draft_vocab_size(root, None, v, default=32000) == (
+        v, f"draft vocab: none built in {root}, so the whole target vocab ({v:,} tokens, no mapping)")
+    assert choose_draft_vocab_size(root, None, v, default=100) == (100, None)  # load_draft_vocab names the command
+    build_draft_vocab(root, 48)
+    size, note = choose_draft_vocab_size(root, None, v, default=32000)
+    assert size == 48 and "the one `peagle vocab` built" in note
+    assert choose_draft_vocab_size(root, 200, v, default=32000) == (200, None)
+    build_draft_vocab(root, 64)
+    (root / "vocab" / "draft-80.json").write_text("{}")  # half-built (no tensors): not a vocab
+    assert built_draft_vocab_sizes(root) == [48, 64]
+    with pytest.raises(UserError, match="has draft vocabs of sizes 48, 64; pass --draft-vocab-size"):
+        choose_draft_vocab_size(root, None, v, default=32000)

@@ -1,0 +1,83 @@
+"""The mask token is chosen from the target alone, in the documented order, on tokenizers shaped like
+the real families (none of which has a mask token), and a bad explicit choice is one clear line."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoConfig, AutoTokenizer
+
+from peagle.schemas import store as S
+from peagle.schemas.errors import UserError
+from peagle.stages.extract.mask_token import choose_mask_token, describe_mask_token, template_token_ids
+
+EXPECTED = {
+    "llama3": (128255, "<|reserved_special_token_247|>", S.MASK_FROM_RESERVED),
+    "qwen3": (151669, None, S.MASK_FROM_UNUSED_ROW),  # first row past the tokenizer's 151,669 entries
+    "mistral": (770, "[control_768]", S.MASK_FROM_RESERVED),
+}
+
+
+def _load(path):
+    return AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path).vocab_size
+
+
+@pytest.mark.parametrize("family", sorted(EXPECTED))
+def test_automatic_choice_per_family(family_target, family):
+    tokenizer, vocab_size = _load(family_target(family))
+    choice = choose_mask_token(tokenizer, vocab_size)
+    assert (choice.token_id, choice.token, choice.source) == EXPECTED[family]
+    assert choice.token_id not in template_token_ids(tokenizer)
+    # a pure function of the tokenizer and the config: another load (another worker) agrees
+    assert choose_mask_token(*_load(family_target(family))) == choice
+
+
+def test_the_tokenizers_own_mask_token_comes_first(tiny_llama):
+    tokenizer, vocab_size = _load(tiny_llama)
+    choice = choose_mask_token(tokenizer, vocab_size)
+    assert (choice.token, choice.source) == ("<|mask|>", S.MASK_FROM_TOKENIZER)
+
+
+def test_explicit_choice_is_checked(family_target):
+    tokenizer, vocab_size = _load(family_target("llama3"))
+    choice = choose_mask_token(tokenizer, vocab_size, explicit=128100)
+    assert (choice.token_id, choice.token, choice.source) == (128100, "<|reserved_special_token_92|>", S.MASK_FROM_FLAG)
+    with pytest.raises(UserError, match=r"--mask-token-id 128256 is outside the target's embedding \(ids 0..128255\)"):
+        choose_mask_token(tokenizer, vocab_size, explicit=128256)
+    with pytest.raises(UserError, match=r"--mask-token-id 128009 is '<\|eot_id\|>', which the chat template writes"):
+        choose_mask_token(tokenizer, vocab_size, explicit=128009)
+
+
+def test_no_candidate_is_one_line_naming_the_flag(family_target):
+    """Mistral's layout without its [control_N] tokens: no mask token, no spare row, nothing reserved."""
+    tokenizer, vocab_size = _load(family_target("mistral"))
+    reserved_free = _without_control_tokens(tokenizer)
+    with pytest.raises(UserError) as err:
+        choose_mask_token(reserved_free, vocab_size)
+    message = str(err.value)
+    assert "\n" not in message and "--mask-token-id" in message
+    for tried in ("no usable mask token", "no row past the tokenizer's highest id 32767", "no reserved special token"):
+        assert tried in message
+
+
+def _without_control_tokens(tokenizer):
+    """The same tokenizer with its [control_N] tokens renamed to plain pieces (not reserved names)."""
+    import json
+
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    data = json.loads(tokenizer.backend_tokenizer.to_str())
+    renamed = {t["content"]: f"[slot{i}]" for i, t in enumerate(data["added_tokens"]) if "control" in t["content"]}
+    for t in data["added_tokens"]:
+        t["content"] = renamed.get(t["content"], t["content"])
+    data["model"]["vocab"] = {renamed.get(k, k): v for k, v in data["model"]["vocab"].items()}
+    fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(data)), bos_token="<s>",
+                                   eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = tokenizer.chat_template
+    return fast
+
+
+def test_description_says_how_it_was_chosen():
+    assert describe_mask_token(151669, None, S.MASK_FROM_UNUSED_ROW) == \
+        "151669 (no token) (an embedding row past every id the tokenizer produces)"
+    assert "older peagle" in describe_mask_token(None, None, None)
