@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from peagle.pipeline.progress import library_bars_enabled
 from peagle.schemas.errors import UserError
 from peagle.stages.extract.backend import TargetOutput
 
@@ -207,6 +208,7 @@ class VllmBackend:
             enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
             enable_prefix_caching=False,
             seed=seed,
+            use_tqdm_on_load=library_bars_enabled(),
         )
         if gpu_memory_utilization is not None:
             self._common_kwargs["gpu_memory_utilization"] = gpu_memory_utilization

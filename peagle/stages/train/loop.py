@@ -34,6 +34,7 @@ from peagle.model.draft import PEagleDraft, build_draft_from_target
 from peagle.pipeline.atomic import atomic_write_bytes, atomic_write_json
 from peagle.pipeline.checkpoint_files import latest_valid_checkpoint, read_checkpoint_part
 from peagle.pipeline.failpoints import failpoint
+from peagle.pipeline.progress import Progress
 from peagle.pipeline.store import read_settings
 from peagle.pipeline.target_identity import target_content_hash
 from peagle.schemas.checkpoint import DRAFT_CONFIG_KEY, TRAIN_CONFIG_KEY
@@ -300,9 +301,7 @@ class Trainer:
             return
         bar = None
         if self.rank == 0:
-            from tqdm import tqdm
-
-            bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+            bar = Progress(self.total_steps, initial=self.step, desc="train", unit="step")
         self.model.train()
         batches = self.batch_generator()
         self.data_wait_s, window_start = 0.0, time.perf_counter()
@@ -314,7 +313,7 @@ class Trainer:
                 self._write_metrics(record)
                 if bar is not None:
                     agree = "/".join("-" if a is None else f"{a:.2f}" for a in record["depth_agreement"][:4])
-                    bar.set_postfix_str(f"loss {record['loss']:.4f} agree {agree}")
+                    bar.set_postfix(f"loss {record['loss']:.4f} agree {agree}")
                 self.data_wait_s, window_start = 0.0, time.perf_counter()
             if bar is not None:
                 bar.update(1)

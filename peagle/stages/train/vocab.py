@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from peagle.pipeline.atomic import canonical_json
+from peagle.pipeline.progress import track
 from peagle.pipeline.store import Store, manifest_hash, open_store, write_bytes_atomic
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
@@ -83,12 +84,7 @@ def count_supervised_tokens(store: Store, *, progress: bool = False) -> np.ndarr
     """
     vocab_size = store.settings.target.vocab_size
     counts_V = np.zeros(vocab_size, dtype=np.int64)
-    shards = store.shards
-    if progress:
-        from tqdm import tqdm
-
-        shards = tqdm(shards, desc="counting tokens", unit="shard")
-    for record in shards:
+    for record in track(store.shards, desc="counting tokens", unit="shard", enabled=progress):
         table = store.read_rows(record.index, ["input_ids", "loss_mask"])
         for ids_chunk, mask_chunk in zip(table.column("input_ids").chunks, table.column("loss_mask").chunks):
             ids, offsets = _flat_list(ids_chunk)
