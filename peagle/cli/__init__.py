@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault("COLUMNS", "120")
     _register()
     try:
-        rc = app(args=argv, standalone_mode=False)
+        rc = app(args=argv, prog_name="peagle", standalone_mode=False)  # also under `python -m peagle`
     except UserError as err:
         print(f"peagle: error: {one_line(err)}", file=sys.stderr)
         sys.exit(2)
