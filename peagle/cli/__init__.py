@@ -15,12 +15,14 @@ from __future__ import annotations
 import os
 import sys
 from importlib import metadata
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
 from peagle.schemas.errors import UserError
 
+ROOT_OPTIONS = ("--verbose", "--version")
+"""Options of ``peagle`` itself, given before the sub-command."""
 VERBOSE_KEY = "peagle.verbose"
 """``ctx.meta`` key holding the root ``--verbose`` flag (the demo passes it on to its stages)."""
 
@@ -57,9 +59,9 @@ def _print_version(value: bool) -> None:
 @app.callback()
 def root(
     ctx: typer.Context,
-    version: Optional[bool] = typer.Option(None, "--version", is_eager=True, callback=_print_version,
-                                           help="Print the versions of peagle, Python, torch, transformers "
-                                           "and vLLM, and exit."),
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                 help="Print the versions of peagle, Python, torch, transformers and vLLM, "
+                                 "and exit."),
     verbose: bool = typer.Option(False, "--verbose", envvar="PEAGLE_VERBOSE",
                                  help="Show the logs, warnings and progress bars of vLLM, transformers and "
                                  "torch (hidden by default: peagle prints its own lines only)."),
@@ -96,8 +98,9 @@ def one_line(err: UserError) -> str:
 def _is_click_error(err: BaseException) -> bool:
     """Whether ``err`` is a ``ClickException`` of whichever click the installed typer runs on.
 
-    typer up to 0.2x uses click; newer releases use their own vendored copy (``typer._click``), whose
-    exceptions are not click's. Matching the class by name in the MRO covers both, and any later move.
+    Older typer releases run on click; recent ones (0.29) on their own vendored copy (``typer._click``),
+    whose exceptions are not click's. Matching the class by name in the MRO covers both, and any
+    later move.
     """
     return any(cls.__name__ == "ClickException" for cls in type(err).__mro__)
 
@@ -111,11 +114,21 @@ def _report_click_error(err: Any) -> int:
         return 0
     message = " ".join(err.format_message().split())
     ctx = getattr(err, "ctx", None)
+    if getattr(err, "option_name", None) in ROOT_OPTIONS and ctx is not None and ctx.parent is not None:
+        return _report_misplaced_root_option(err.option_name, ctx.command_path)
     if ctx is not None and err.exit_code == 2:
         message = message if message.endswith((".", "!", "?")) else message + "."
         message += f" See `{ctx.command_path} --help`."
     print(f"peagle: error: {message}", file=sys.stderr)
     return err.exit_code
+
+
+def _report_misplaced_root_option(option: str, command_path: str) -> int:
+    """``peagle demo --verbose``: say where the option goes instead of "No such option"."""
+    usage = "peagle --version" if option == "--version" else f"peagle {option} {command_path.split(' ', 1)[1]} ..."
+    print(f"peagle: error: {option} is an option of peagle itself, before any sub-command: {usage}",
+          file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> None:

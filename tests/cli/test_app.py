@@ -138,6 +138,13 @@ def test_a_bare_group_prints_its_help(path, group, run_peagle):
     assert all(re.search(rf"^\W*{name}\s", proc.stdout, re.MULTILINE) for name in group.commands), proc.stdout
 
 
+@pytest.mark.parametrize("args,usage", [(("demo", "--verbose"), "peagle --verbose demo ..."),
+                                        (("store", "info", "--version"), "peagle --version")])
+def test_a_root_option_after_the_sub_command_says_where_it_goes(args, usage, run_peagle):
+    line = _one_line_usage_error(run_peagle(*args), "before any sub-command")
+    assert line.endswith(usage)
+
+
 def test_version_names_peagle_and_its_main_libraries(run_peagle):
     proc = run_peagle("--version")
     assert proc.returncode == 0 and proc.stderr == ""
