@@ -106,7 +106,7 @@ class Progress:
         now = self._clock()
         elapsed = now - self._start
         rate = (self.n - self._start_n) / elapsed if elapsed > 0 else 0.0
-        count = f"{self.n:g}/{self.total:g} {self.unit} ({100 * self.n / self.total:.0f}%)" \
+        count = f"{self.n:g}/{self.total:g} {self.unit} ({int(100 * self.n / self.total)}%)" \
             if self.total is not None else f"{self.n:g} {self.unit}"
         tail = f", {self.postfix}" if self.postfix else ""
         print(f"{self.desc}: {count}, {_clock_text(elapsed)} elapsed, {rate:.3g} {self.unit}/s{tail}",

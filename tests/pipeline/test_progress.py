@@ -48,7 +48,7 @@ def test_big_updates_print_one_line_each_and_close_adds_the_unfinished_end():
     bar.close()
     bar.close()  # idempotent
     assert stream.getvalue().splitlines() == [
-        "train: 200/300 step (67%), 0:00:00 elapsed, 0 step/s",
+        "train: 200/300 step (66%), 0:00:00 elapsed, 0 step/s",  # floored: 100% only when done
         "train: 205/300 step (68%), 0:00:00 elapsed, 0 step/s",
     ]
 
