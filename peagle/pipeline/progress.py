@@ -44,6 +44,10 @@ def is_terminal(stream: Any) -> bool:
         return False
 
 
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:.4g}"
+
+
 def _clock_text(seconds: float) -> str:
     minutes, secs = divmod(int(seconds), 60)
     hours, minutes = divmod(minutes, 60)
@@ -106,8 +110,8 @@ class Progress:
         now = self._clock()
         elapsed = now - self._start
         rate = (self.n - self._start_n) / elapsed if elapsed > 0 else 0.0
-        count = f"{self.n:g}/{self.total:g} {self.unit} ({int(100 * self.n / self.total)}%)" \
-            if self.total is not None else f"{self.n:g} {self.unit}"
+        count = f"{_number(self.n)}/{_number(self.total)} {self.unit} ({int(100 * self.n / self.total)}%)" \
+            if self.total is not None else f"{_number(self.n)} {self.unit}"
         tail = f", {self.postfix}" if self.postfix else ""
         print(f"{self.desc}: {count}, {_clock_text(elapsed)} elapsed, {rate:.3g} {self.unit}/s{tail}",
               file=self._stream, flush=True)

@@ -53,6 +53,13 @@ def test_big_updates_print_one_line_each_and_close_adds_the_unfinished_end():
     ]
 
 
+def test_counts_are_written_out_whole():
+    stream = io.StringIO()
+    with Progress(2_000_000, desc="tokens", unit="tok", stream=stream, clock=FakeClock()) as bar:
+        bar.update(1_234_567)
+    assert stream.getvalue().startswith("tokens: 1234567/2000000 tok (61%)")
+
+
 def test_unknown_total_prints_a_line_per_interval_and_at_the_end():
     stream = io.StringIO()
     clock = FakeClock()
