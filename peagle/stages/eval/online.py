@@ -39,6 +39,7 @@ from torch import Tensor
 
 from peagle.model.draft import PEagleDraft
 from peagle.model.proposer import propose as proposer_propose
+from peagle.pipeline.progress import track
 from peagle.stages.eval.acceptance import AcceptanceHistogram
 
 Drafter = Callable[[Tensor, Tensor, int], Tensor]
@@ -333,13 +334,11 @@ def evaluate_online(target: TargetLM, drafter: Drafter, prompts: list[list[int]]
                     max_new_tokens: int, temperature: float = 0.0, seed: int = 0, stop_ids: set[int] = frozenset(),
                     with_plain: bool = True, progress: bool = False) -> OnlineResult:
     """Speculative (and, with ``with_plain``, plain) decoding of every prompt; seeds fixed per prompt."""
-    from tqdm import tqdm
-
     if prompts:  # warm-up (first-call allocations, lazy inits): kept out of both timings
         speculative_generate(target, drafter, prompts[0], num_depths=num_depths, max_new_tokens=2, sampler=Sampler())
         plain_generate(target, prompts[0], max_new_tokens=2, sampler=Sampler())
     results = []
-    for i, prompt in enumerate(tqdm(prompts, desc="online decoding", unit="prompt", disable=not progress)):
+    for i, prompt in enumerate(track(prompts, desc="online decoding", unit="prompt", enabled=progress)):
         spec = speculative_generate(target, drafter, prompt, num_depths=num_depths, max_new_tokens=max_new_tokens,
                                     sampler=Sampler(temperature, seed + i), stop_ids=stop_ids)
         plain = plain_generate(target, prompt, max_new_tokens=max_new_tokens, sampler=Sampler(temperature, seed + i),

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from peagle.pipeline.progress import library_bars_enabled
 from peagle.schemas.errors import UserError
 from peagle.stages.eval.acceptance import acceptance_lengths
 
@@ -184,7 +185,9 @@ def _run_vllm(export_dir: str | os.PathLike, prompts: list[list[int]], *, num_sp
                 config_json["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
         route, model = "speculative_config parallel_drafting", str(target)
         spec_config = {"model": str(export_dir), "method": "eagle3", "parallel_drafting": True, **spec_override}
-    llm = vllm.LLM(model=model, speculative_config=spec_config, disable_log_stats=False, **engine_args)
+    bars = library_bars_enabled()
+    llm = vllm.LLM(model=model, speculative_config=spec_config, disable_log_stats=False, use_tqdm_on_load=bars,
+                   **engine_args)
     try:
         config = llm.llm_engine.vllm_config
         spec = config.speculative_config
@@ -214,7 +217,7 @@ def _run_vllm(export_dir: str | os.PathLike, prompts: list[list[int]], *, num_sp
         del llm
         gc.collect()
     if target_only:
-        llm = vllm.LLM(model=verifier, **engine_args)
+        llm = vllm.LLM(model=verifier, use_tqdm_on_load=bars, **engine_args)
         try:
             result.target_only_outputs, result.target_only_seconds = _generate(llm, TokensPrompt, prompts, params)
         finally:

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from peagle.model.target import TargetWeights, text_config_dict
+from peagle.pipeline.progress import library_bars_enabled
 from peagle.schemas.errors import UserError
 from peagle.stages.extract.backend import TargetOutput
 
@@ -206,6 +207,7 @@ class VllmBackend:
             enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
             enable_prefix_caching=False,
             seed=seed,
+            use_tqdm_on_load=library_bars_enabled(),
         )
         if gpu_memory_utilization is not None:
             self._common_kwargs["gpu_memory_utilization"] = gpu_memory_utilization

@@ -10,7 +10,6 @@ batches are a fixed function of a shard's samples, and torch's thread count is f
 from __future__ import annotations
 
 import shutil
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from peagle.pipeline import plan as P
 from peagle.pipeline.atomic import remove_stale_temps
 from peagle.pipeline.failpoints import failpoint
 from peagle.pipeline.prefetch import prefetch
+from peagle.pipeline.progress import Progress
 from peagle.pipeline.store import (check_same_settings, init_store, list_commits, read_settings, rebuild_manifest,
                                    sha256_file)
 from peagle.pipeline.store_reader import raw_bytes_per_token
@@ -318,7 +318,7 @@ def prepared_shards(pending: list[P.PlannedShard], backend: TargetBackend, targe
 
 
 def run_extract(config: ExtractConfig, *, echo: Callable[[str], None] = print,
-                progress: bool | None = None) -> ExtractSummary:
+                progress: bool = True) -> ExtractSummary:
     """Plan, print the plan, and (unless ``dry_run``) extract this worker's missing shards.
 
     Raises:
@@ -326,7 +326,6 @@ def run_extract(config: ExtractConfig, *, echo: Callable[[str], None] = print,
             enough disk, ``--strict`` and a bad record, disk full while writing.
     """
     import torch
-    from tqdm import tqdm
 
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -358,10 +357,9 @@ def run_extract(config: ExtractConfig, *, echo: Callable[[str], None] = print,
 
     backend = open_backend(backend_name, config, settings, target)
     started = time.perf_counter()
-    bar = tqdm(total=sum(s.num_records for s in pending), unit="rec", desc="extract", file=sys.stderr,
-               disable=None if progress is None else not progress)
+    bar = Progress(sum(s.num_records for s in pending), desc="extract", unit="rec", enabled=progress)
     writer = ShardWriter(root, settings, num_threads=WRITER_THREADS,
-                         on_commit=lambda r: bar.set_postfix(shard=r.index, tokens=r.num_tokens))
+                         on_commit=lambda r: bar.set_postfix(f"shard {r.index} committed, {r.num_tokens} tokens"))
     shards = prepared_shards(pending, backend, target, settings, config)
     if not config.regenerate:  # regeneration runs the backend, so it stays on this thread
         shards = prefetch(shards, depth=1)  # templating of shard s+1 overlaps the forward of shard s

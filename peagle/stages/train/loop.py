@@ -31,6 +31,7 @@ from peagle.model.target import check_store_matches_target, open_target
 from peagle.pipeline.atomic import atomic_write_bytes, atomic_write_json
 from peagle.pipeline.checkpoint_files import latest_valid_checkpoint, read_checkpoint_part
 from peagle.pipeline.failpoints import failpoint
+from peagle.pipeline.progress import Progress
 from peagle.pipeline.provenance import provenance
 from peagle.pipeline.store import read_settings
 from peagle.schemas.checkpoint import DRAFT_CONFIG_KEY, PROVENANCE_KEY, TRAIN_CONFIG_KEY
@@ -237,9 +238,7 @@ class Trainer:
             return
         bar = None
         if self.rank == 0:
-            from tqdm import tqdm
-
-            bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+            bar = Progress(self.total_steps, initial=self.step, desc="train", unit="step")
         batches = self.batch_generator()
         self.data_wait_s, window_start = 0.0, time.perf_counter()
         while self.step < self.total_steps:
@@ -256,7 +255,7 @@ class Trainer:
                 self._write_metrics(record)
                 if bar is not None:
                     agree = "/".join("-" if a is None else f"{a:.2f}" for a in record["depth_agreement"][:4])
-                    bar.set_postfix_str(f"loss {record['loss']:.4f} agree {agree}")
+                    bar.set_postfix(f"loss {record['loss']:.4f} agree {agree}")
                 self.data_wait_s, window_start = 0.0, time.perf_counter()
             if bar is not None:
                 bar.update(1)

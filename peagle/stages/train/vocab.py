@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from peagle.pipeline.atomic import canonical_json
+from peagle.pipeline.progress import track
 from peagle.pipeline.store import Store, manifest_hash, open_store, write_bytes_atomic
 from peagle.pipeline.store_reader import iter_shard_columns
 from peagle.schemas import store as S
@@ -85,12 +86,8 @@ def count_supervised_tokens(store: Store, *, progress: bool = False) -> np.ndarr
     """
     vocab_size = store.settings.target.vocab_size
     counts_V = np.zeros(vocab_size, dtype=np.int64)
-    shards = iter_shard_columns(store)
-    if progress:
-        from tqdm import tqdm
-
-        shards = tqdm(shards, total=len(store.shards), desc="counting tokens", unit="shard")
-    for index, columns in shards:
+    for index, columns in track(iter_shard_columns(store), total=len(store.shards), desc="counting tokens",
+                                unit="shard", enabled=progress):
         picked = columns.targets[columns.supervised]
         if picked.size and (picked.min() < 0 or picked.max() >= vocab_size):
             raise UserError(f"store {store.root}: shard {index} holds token id "
