@@ -90,8 +90,8 @@ def demo(
     num_depths: int = typer.Option(5, "--num-depths", help="K: tokens the draft proposes per step."),
     num_layers: int = typer.Option(1, "--num-layers", help="Draft decoder layers."),
     train_steps: int = typer.Option(300, "--train-steps", help="Draft training steps."),
-    target_seconds: float = typer.Option(120.0, "--target-seconds",
-                                         help="Time budget for training the demo target (first run only)."),
+    target_steps: int = typer.Option(200, "--target-steps",
+                                     help="Training steps of the demo target (first run only; cached by its settings)."),
     num_heldout: int = typer.Option(16, "--num-heldout", help="Chats held out as eval prompts."),
     seed: int = typer.Option(0, "--seed", help="Seed for data split, training and sampling."),
     hidden_dtype: str = typer.Option("bf16", "--hidden-dtype", help="How the store keeps the aux hidden states: "
@@ -114,7 +114,7 @@ def demo(
     timings: dict[str, float] = {}
 
     t0 = time.monotonic()
-    target = build_demo_target(cache_dir, DemoTargetSpec(train_seconds=target_seconds),
+    target = build_demo_target(cache_dir, DemoTargetSpec(max_steps=target_steps),
                                log=lambda m: print(m, flush=True))
     timings["target"] = time.monotonic() - t0
     print(f"demo target: {target}", flush=True)
