@@ -58,8 +58,10 @@ class CheckConfig:
     agreement_ratio: float = 0.25
     """A sample is misaligned when the share of its supervised (assistant) tokens that equal the stored
     top-1 of the row before them is below this fraction of the store's median share (rows shifted or
-    taken from another sample agree only by chance). Judged only when the median is at least 0.2:
-    text a target predicts that badly (random targets, foreign text) gives no signal."""
+    taken from another sample agree only by chance), and its tokens are also mostly missing from the
+    stored top-k rows (under half the store's median share: sampled text keeps them there). Judged
+    only when the median is at least 0.2: text a target predicts that badly (random targets, foreign
+    text) gives no signal."""
 
     min_agreement_positions: int = 16
     """Samples with fewer supervised tokens than this are not judged for misalignment (too few to tell)."""

@@ -13,8 +13,11 @@ module reads every committed row once and judges, per problem:
 * **implausible top-k mass**: ``Σ exp(logprobs)`` above 1 + tolerance, or below half of k/V (any k
   of V probabilities hold at least k/V);
 * **misaligned samples**: the share of a sample's next tokens that equal the stored top-1 of the row
-  before them, far below the store's median (rows shifted, or taken from another sample, agree by
-  chance only); the shifts ±1 are tried to say which;
+  before them far below the store's median, *and* the share found anywhere in that row's top-k far
+  below its median (rows shifted, or taken from another sample, agree by chance only). Top-1 alone
+  is not enough: text the target sampled at a temperature (``--regenerate``) can wander where its
+  top-1 rarely agrees, yet each sampled token still lies in the stored top-k; misplaced rows miss
+  both. The shifts ±1 are tried to say which;
 * **duplicated aux rows**: a row equal, bit for bit, to the row of another position whose prefix
   differs (stale state). Equal prefixes give equal states legitimately (a shared system prompt), as
   does a leading run of one repeated token (every position attends to identical values);
@@ -43,6 +46,7 @@ from peagle.stages.extract.check_report import NUM_WORST, CheckReport, Finding, 
 from peagle.stages.extract.stats import SampleRows, mass_bounds, sample_rows, shard_stats
 
 MIN_JUDGED_MEDIAN = 0.2  # below this median top-1 agreement, misalignment cannot be told from the data
+TOPK_HIT_RATIO = 0.5  # ... and a misaligned sample's top-k hit share is below this fraction of the median's
 
 
 # --------------------------------------------------------------------------------------------------
@@ -211,8 +215,10 @@ def judge_alignment(scans: list[_SampleScan], config: CheckConfig) -> Finding:
     """Samples whose supervised tokens match the stored top-1 far less often than the store's median."""
     positions = _per_sample(scans, lambda r: r.supervised_n1.sum())
     share = _per_sample(scans, lambda r: r.agree_n1[r.supervised_n1].mean() if r.supervised_n1.any() else 0.0)
+    hits = _per_sample(scans, lambda r: r.in_topk_n1[r.supervised_n1].mean() if r.supervised_n1.any() else 0.0)
     judged = positions >= config.min_agreement_positions
     median = float(np.median(share[judged])) if judged.any() else 0.0
+    median_hits = float(np.median(hits[judged])) if judged.any() else 0.0
     finding = Finding(key="misaligned", title="misaligned samples (top-1 vs next token)", unit="samples",
                       count=0, allowed=config.max_misaligned_samples)
     if median < MIN_JUDGED_MEDIAN:
@@ -220,13 +226,13 @@ def judge_alignment(scans: list[_SampleScan], config: CheckConfig) -> Finding:
         finding.explanation = (f"not judged: the store's median top-1 agreement is {median:.2f} (< "
                                f"{MIN_JUDGED_MEDIAN}); the data is not text the target writes itself")
         return finding
-    bad = judged & (share < config.agreement_ratio * median)
+    bad = judged & (share < config.agreement_ratio * median) & (hits < TOPK_HIT_RATIO * median_hits)
 
     def detail(i: int) -> str:
         early, late = scans[i].agree_shifted
         shift = ("; rows look one position early (row i holds position i+1)" if early >= 0.5 * median else
                  "; rows look one position late (row i holds position i-1)" if late >= 0.5 * median else "")
-        return f"agreement {share[i]:.2f} vs median {median:.2f}{shift}"
+        return f"agreement {share[i]:.2f} vs median {median:.2f}, in top-k {hits[i]:.2f} vs {median_hits:.2f}{shift}"
 
     finding.count = int(bad.sum())
     finding.worst = _worst(scans, np.where(bad, 1.0 - share, 0.0), detail=detail)

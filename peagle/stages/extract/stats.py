@@ -39,6 +39,7 @@ class SampleRows:
     mass_n: np.ndarray  # float32 Σ exp(topk logprobs)
     topk_non_finite_n: np.ndarray  # bool
     agree_n1: np.ndarray  # bool [n − 1]: topk_ids[i, 0] == x_{i+1}
+    in_topk_n1: np.ndarray  # bool [n − 1]: x_{i+1} is one of topk_ids[i]
     supervised_n1: np.ndarray  # bool [n − 1]: loss_mask[i+1], x_{i+1} is a token the draft learns
 
     @property
@@ -68,6 +69,7 @@ def sample_rows(states_nAH: Tensor, topk_ids_nk: Tensor, topk_logprobs_nk: Tenso
         mass_n=logprobs_nk.exp().sum(dim=-1).numpy(),
         topk_non_finite_n=(~torch.isfinite(logprobs_nk).all(dim=-1)).numpy(),
         agree_n1=topk_ids_nk[:-1, 0].numpy() == ids[1:],
+        in_topk_n1=(topk_ids_nk[:-1].numpy() == ids[1:, None]).any(axis=1),
         supervised_n1=np.asarray(loss_mask_n)[1:].astype(bool),
     )
 
