@@ -37,6 +37,7 @@ import json
 import math
 import os
 import platform
+import resource
 import shlex
 import statistics
 import subprocess
@@ -136,6 +137,8 @@ def summarise(records: list[dict]) -> dict:
         entry = {key: describe([r[key] for r in recs]) for key in ("al_vllm", "al_own", "al_offline")}
         entry["per_depth"] = [statistics.fmean(depths) for depths in zip(*(r["per_depth"] for r in recs))]
         entry["train_seconds"] = statistics.fmean(r["train_seconds"] for r in recs)
+        cpu = [r["cpu_seconds"]["train"] for r in recs if "cpu_seconds" in r]
+        entry["train_cpu_seconds"] = statistics.fmean(cpu) if cpu else None
         if name != "baseline" and "baseline" in by_variant:
             base = by_variant["baseline"]
             entry["vs_baseline"] = {key: welch([r[key] for r in recs], [r[key] for r in base])
@@ -151,18 +154,27 @@ class Stages:
         self.logs = work / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.verbose = verbose
+        self.cpu_seconds: dict[str, float] = {}
 
     def run(self, name: str, args: list[str]) -> float:
+        """Wall seconds of the stage; its CPU seconds (user + system, all its processes) go to
+        ``self.cpu_seconds[name]``: on a shared machine wall time measures the neighbours too."""
         print(f"$ peagle {shlex.join(args)}", flush=True)
         log = self.logs / f"{name}.log"
-        start = time.monotonic()
+        start, cpu_before = time.monotonic(), _children_cpu()
         with open(log, "w") as f:
             rc = subprocess.run([sys.executable, "-m", "peagle", *args], stdout=None if self.verbose else f,
                                 stderr=subprocess.STDOUT).returncode
         if rc != 0:
             tail = "".join(log.read_text().splitlines(keepends=True)[-20:]) if log.exists() else ""
             raise SystemExit(f"{tail}\nquality benchmark: `peagle {name}` failed (exit {rc}); log: {log}")
+        self.cpu_seconds[name] = _children_cpu() - cpu_before
         return time.monotonic() - start
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def text_variety(target: Path, prompts: list[list[dict]], max_new_tokens: int) -> dict:
@@ -195,18 +207,24 @@ def text_variety(target: Path, prompts: list[list[dict]], max_new_tokens: int) -
             "example": tokenizer.decode(continuations[0]) if continuations else None}
 
 
-def demo_target_variety(cache_dir: Path, budget: Budget) -> dict:
-    """The same measurement on the demo's target (as `peagle demo` builds it: 120 s budget) and
-    its held-out questions, for comparison."""
-    import random
+def continuation_stats(report: dict) -> dict:
+    """From an eval report's own-loop section: how repetitive the target's greedy continuations
+    were (distinct 4-grams per continuation) and how predictable past depth 2 (conditional
+    acceptance at depths 3..K). The same figures for the demo's committed run are the comparison."""
+    online = report.get("online") or {}
+    ratios = [p["distinct_4gram_ratio"] for p in online.get("per_prompt", [])]
+    per_depth = (report.get("vllm") or online).get("per_depth_acceptance") or []
+    return {"num_prompts": len(ratios), "distinct_4gram_within": statistics.fmean(ratios) if ratios else None,
+            "looping_share": sum(r < 0.5 for r in ratios) / len(ratios) if ratios else None,
+            "conditional_acceptance": [p / q if q else None for p, q in zip(per_depth, [1.0] + per_depth[:-1])]}
 
-    from peagle.testing.demo_target import DemoTargetSpec, build_demo_target, demo_chats
 
-    target = build_demo_target(cache_dir, DemoTargetSpec(train_seconds=120.0), log=lambda m: print(m, flush=True))
-    chats = demo_chats(seed=0)
-    random.Random(0).shuffle(chats)
-    return {"dir": str(target), **text_variety(target, [c["messages"][:1] for c in chats[: budget.num_prompts]],
-                                                budget.max_new_tokens)}
+def demo_reference() -> dict:
+    """:func:`continuation_stats` of the demo's committed results (benchmarks/results/cpu/demo_summary.json)."""
+    path = Path(__file__).resolve().parent / "results" / "cpu" / "demo_summary.json"
+    if not path.exists():
+        return {}
+    return {"source": str(path.relative_to(path.parents[3])), **continuation_stats(json.loads(path.read_text())["eval"])}
 
 
 def first_exchange(chat: dict) -> dict:
@@ -244,7 +262,8 @@ def extract_once(stages: Stages, work: Path, target: Path, paths: dict[str, Path
                                                                  str(work / "heldout-store"), "--temperature", "0", *common])
     seconds["vocab"] = stages.run("vocab", ["vocab", str(work / "store"), "--draft-vocab-size",
                                             str(budget.draft_vocab_size), "--quiet"])
-    return {"backend": backend, "seconds": seconds}
+    return {"backend": backend, "seconds": seconds, "cpu_seconds": {k: stages.cpu_seconds[k.replace("_", "-")]
+                                                                   for k in seconds}}
 
 
 def run_one(stages: Stages, work: Path, target: Path, paths: dict[str, Path], budget: Budget, variant: str,
@@ -283,8 +302,10 @@ def run_one(stages: Stages, work: Path, target: Path, paths: dict[str, Path], bu
         "conditional_acceptance_vllm": [p / q if q else None for p, q in
                                         zip(vllm["per_depth_acceptance"], [1.0] + vllm["per_depth_acceptance"][:-1])],
         "greedy_output_matches_plain": own.get("greedy_output_matches_plain"),
+        "continuations": continuation_stats(report),
         "final_loss": train_rows[-1]["loss"] if train_rows else None, "steps": train_rows[-1]["step"] if train_rows else None,
         "train_seconds": seconds["train"], "seconds": seconds,
+        "cpu_seconds": {stage: stages.cpu_seconds[f"{stage}-{tag}"] for stage in seconds},
     }
     atomic_write_json(record_path, record)
     return record
@@ -335,8 +356,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.no_variety:
         result["target"]["variety"] = text_variety(target, [c["messages"][:1] for c in splits["heldout"]
                                                             [: budget.num_prompts]], budget.max_new_tokens)
-        if not args.smoke:
-            result["demo_target_variety"] = demo_target_variety(args.cache_dir, budget)
+        result["demo_reference"] = demo_reference()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for variant in variants:
         for seed in seeds:
