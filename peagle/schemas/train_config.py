@@ -134,7 +134,11 @@ class TrainConfig:
     """Clip the global gradient norm to this value (0 turns clipping off)."""
 
     max_anchors: int | None = None
-    """Cap on depth >= 1 chains sampled per sample (bounds the COD length of long samples)."""
+    """Cap M on the draft chains of each sample: at most M of its positions start a chain (get
+    depth 1 elements); every deeper element extends one of those chains, and the deeper depths'
+    counts shrink by the factor that capped depth 1. A sample of T positions then adds at most
+    M x (K-1) elements to its T depth-0 ones. Per sample, also when samples are packed into one
+    row. Default: no cap."""
 
     eval_every: int = 500
     """Evaluate every this many optimizer steps, and at the end (0: never)."""

@@ -11,16 +11,12 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-import math
-import os
 import random
-import shutil
 import sys
-import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from peagle.testing.target_training import LmTraining, cached_model_dir, chat_token_windows, train_lm
 from peagle.testing.tiny_target import TinyTargetSpec, build_tiny_target
 
 DEMO_MODULES = (
@@ -82,21 +78,6 @@ def demo_chats(max_answer_chars: int = 700, seed: int = 0) -> list[dict]:
     return chats
 
 
-def _training_stream(tokenizer, chats: list[dict], seq_len: int, seed: int):
-    """Endless stream of [seq_len+1] windows over the rendered chats, reshuffled each pass."""
-    import torch
-
-    ids: list[int] = []
-    for chat in chats:
-        ids.extend(tokenizer.apply_chat_template(chat["messages"], tokenize=True)["input_ids"])
-    data = torch.tensor(ids, dtype=torch.long)
-    gen = torch.Generator().manual_seed(seed)
-    while True:
-        starts = torch.randperm(len(data) - seq_len - 1, generator=gen)
-        for s in starts.tolist():
-            yield data[s : s + seq_len + 1]
-
-
 def build_demo_target(cache_dir: str | Path, spec: DemoTargetSpec = DemoTargetSpec(), *,
                       log=print) -> Path:
     """Return the trained demo target directory, training it first if the cache has none.
@@ -104,54 +85,24 @@ def build_demo_target(cache_dir: str | Path, spec: DemoTargetSpec = DemoTargetSp
     Training runs exactly ``max_steps`` steps (the weights depend on the spec alone, not on the
     machine's speed or load). The result is written atomically.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cache_dir = Path(cache_dir)
-    out = cache_dir / f"demo-target-{spec.cache_key()}"
-    if (out / "config.json").exists():
-        return out
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".demo-target-", dir=cache_dir))
-    try:
+    def build(work: Path) -> Path:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
         base = build_tiny_target(work / "base", spec.base)
         tokenizer = AutoTokenizer.from_pretrained(base)
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
         chats = demo_chats(spec.max_answer_chars, spec.seed)
-        stream = _training_stream(tokenizer, chats, spec.seq_len, spec.seed)
-        opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01, betas=(0.9, 0.95))
-        torch.manual_seed(spec.seed)
-        model.train()
-        start, step, loss_ema = time.monotonic(), 0, None
+        windows = chat_token_windows(tokenizer, chats, spec.seq_len, spec.seed)
         log(f"training the demo target ({len(chats)} stdlib docstring chats, {spec.max_steps} steps)")
-        while step < spec.max_steps:
-            warm = min(1.0, (step + 1) / 50)
-            decay = 0.5 * (1 + math.cos(math.pi * step / spec.max_steps))
-            for group in opt.param_groups:
-                group["lr"] = spec.lr * warm * (0.1 + 0.9 * decay)
-            batch = torch.stack([next(stream) for _ in range(spec.batch_size)])
-            logits = model(input_ids=batch[:, :-1]).logits
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            loss_ema = loss.item() if loss_ema is None else 0.95 * loss_ema + 0.05 * loss.item()
-            step += 1
-            if step % 100 == 0:
-                log(f"  step {step}: loss {loss_ema:.3f} ({time.monotonic() - start:.0f} s)")
-        model.eval()
+        stats = train_lm(model, windows, LmTraining(
+            max_steps=spec.max_steps, seq_len=spec.seq_len, batch_size=spec.batch_size, lr=spec.lr,
+            seed=spec.seed), log=log)
         final = work / "model"
         model.save_pretrained(final)
         tokenizer.save_pretrained(final)
-        (final / "demo_target.json").write_text(json.dumps(
-            {"spec": asdict(spec), "steps": step, "final_loss_ema": loss_ema,
-             "train_seconds": time.monotonic() - start}, indent=1, default=str))
-        try:
-            os.replace(final, out)
-        except OSError:  # another process published it first
-            if not (out / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return out
+        (final / "demo_target.json").write_text(json.dumps({"spec": asdict(spec), **stats}, indent=1, default=str))
+        return final
+
+    return cached_model_dir(cache_dir, f"demo-target-{spec.cache_key()}", build)

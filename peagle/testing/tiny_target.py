@@ -22,6 +22,7 @@ import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 MASK_TOKEN = "<|mask|>"
 PAD_TOKEN = "<|pad|>"
@@ -93,8 +94,12 @@ def tokenizer_corpus() -> list[str]:
     return texts
 
 
-def build_tokenizer(vocab_size: int, arch: str):
-    """Train a byte-level BPE and wrap it as a transformers fast tokenizer with a chat template."""
+def build_tokenizer(vocab_size: int, arch: str, corpus: Sequence[str] | None = None):
+    """Train a byte-level BPE and wrap it as a transformers fast tokenizer with a chat template.
+
+    ``corpus`` defaults to :func:`tokenizer_corpus`; a target trained on other text (the quality
+    benchmark's code and prose) passes its own, so its tokens fit what it writes.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -108,7 +113,7 @@ def build_tokenizer(vocab_size: int, arch: str):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(tokenizer_corpus(), trainer=trainer)
+    tok.train_from_iterator(tokenizer_corpus() if corpus is None else corpus, trainer=trainer)
     if arch == "llama":
         bos, eos, template = "<|begin_of_text|>", "<|eot_id|>", LLAMA_CHAT_TEMPLATE
     else:
@@ -145,8 +150,11 @@ def build_config(spec: TinyTargetSpec, tokenizer):
     raise ValueError(f"unknown tiny target arch {spec.arch!r} (expected 'llama' or 'qwen3')")
 
 
-def build_tiny_target(out_dir: str | Path, spec: TinyTargetSpec = TinyTargetSpec()) -> Path:
+def build_tiny_target(out_dir: str | Path, spec: TinyTargetSpec = TinyTargetSpec(), *,
+                      tokenizer_texts: Sequence[str] | None = None) -> Path:
     """Build a random-weight tiny target (model + tokenizer) and save it to ``out_dir``.
+
+    ``tokenizer_texts``: what the BPE tokenizer is trained on (default: :func:`tokenizer_corpus`).
 
     The write is atomic (temp dir, then rename), so a cache dir never holds half a model.
     Returns the model directory.
@@ -164,7 +172,7 @@ def build_tiny_target(out_dir: str | Path, spec: TinyTargetSpec = TinyTargetSpec
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
     try:
-        tokenizer = build_tokenizer(spec.vocab_size, spec.arch)
+        tokenizer = build_tokenizer(spec.vocab_size, spec.arch, tokenizer_texts)
         config = build_config(spec, tokenizer)
         torch.manual_seed(spec.seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

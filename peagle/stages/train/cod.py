@@ -93,9 +93,10 @@ def generate_cod_sample_indices(
         down_sample_ratio_min: floor of the retention ratio.
         filter_position_zero: drop p = 0 from the depth-1 pool. Only False when ``m[0] == 0``.
         generator: the only source of randomness (see :func:`cod_generator`).
-        max_anchors: cap on the number of chains (depth-1 elements) of this sample; deeper counts
-            shrink in proportion (:func:`cod_depth_counts`). Bounds the sample's flat length by
-            ``seq_length + max_anchors · (num_depths − 1)``. None = no cap.
+        max_anchors: cap M on this sample's chains: at most M distinct anchors carry depth >= 1
+            elements (depth 1 draws at most M positions, and every deeper element extends a
+            depth-1 chain); deeper counts shrink in proportion (:func:`cod_depth_counts`). Bounds
+            the sample's flat length by ``seq_length + M · (num_depths − 1)``. None = no cap.
 
     Raises:
         ValueError: on a mask of the wrong length, bad ratios, or a supervised position 0 with

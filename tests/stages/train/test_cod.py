@@ -93,6 +93,65 @@ def test_cod_properties(kwargs) -> None:
         assert len(positions.get(1, [])) <= kwargs["max_anchors"]
 
 
+@st.composite
+def capped_inputs(draw, max_length: int = 300):
+    """Longer samples than :func:`cod_inputs` and always a cap, often one that binds."""
+    seq_length = draw(st.integers(0, max_length))
+    density = draw(st.sampled_from([0.05, 0.3, 0.8, 1.0]))
+    rng = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    return dict(
+        seq_length=seq_length,
+        loss_mask=torch.rand(seq_length, generator=rng) < density,
+        num_depths=draw(st.integers(1, 8)),
+        down_sample_ratio=draw(st.sampled_from([0.3, 0.7, 1.0])),
+        down_sample_ratio_min=draw(st.sampled_from([0.0, 0.2, 0.5])),
+        max_anchors=draw(st.integers(0, 40)),
+        generator=torch.Generator().manual_seed(draw(st.integers(0, 2**31))),
+    )
+
+
+def check_chain_cap(anchor: torch.Tensor, depth: torch.Tensor, seq_length: int, max_anchors: int, num_depths: int) -> int:
+    """``max_anchors`` as --help states it, on one sample's draw; returns the number of chains."""
+    chains = set(anchor[depth >= 1].tolist())
+    assert chains == set(anchor[depth == 1].tolist())  # every deeper element extends a depth-1 chain
+    assert len(chains) <= max_anchors
+    assert anchor.numel() <= seq_length + max_anchors * (num_depths - 1)
+    return len(chains)
+
+
+@settings(max_examples=200, deadline=None)
+@given(capped_inputs())
+def test_max_anchors_caps_chains_per_sample(kwargs) -> None:
+    anchor, depth = generate_cod_sample_indices(**kwargs)
+    m = kwargs["loss_mask"]
+    num_chains = check_chain_cap(anchor, depth, kwargs["seq_length"], kwargs["max_anchors"], kwargs["num_depths"])
+    # The cap takes away no more than it must: the uncapped draw's chains, up to M.
+    if kwargs["num_depths"] > 1:
+        uncapped = cod_depth_counts(int(m.sum()), kwargs["num_depths"], kwargs["down_sample_ratio"],
+                                    kwargs["down_sample_ratio_min"])[0]
+        pool = int(m[1:].sum())
+        assert num_chains == min(kwargs["max_anchors"], uncapped, pool)
+    else:
+        assert num_chains == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(capped_inputs(max_length=120), min_size=1, max_size=4), st.integers(0, 12), st.integers(2, 8))
+def test_max_anchors_is_per_sample_in_a_packed_row(samples, max_anchors: int, num_depths: int) -> None:
+    """Packed samples keep their own caps: the row may hold M chains per sample, never more in any one."""
+    per_sample, doc_starts, start = [], [], 0
+    for kwargs in samples:
+        kwargs = {**kwargs, "max_anchors": max_anchors, "num_depths": num_depths}
+        per_sample.append(generate_cod_sample_indices(**kwargs))
+        doc_starts.append(start)
+        start += kwargs["seq_length"]
+    anchor, depth, _ = pack_cod(per_sample, doc_starts)
+    ends = doc_starts[1:] + [start]
+    for kwargs, first, end in zip(samples, doc_starts, ends):
+        mine = (anchor >= first) & (anchor < end)
+        check_chain_cap(anchor[mine] - first, depth[mine], kwargs["seq_length"], max_anchors, num_depths)
+
+
 @settings(max_examples=30, deadline=None)
 @given(cod_inputs(), st.integers(0, 2**31))
 def test_same_generator_seed_same_draw(kwargs, seed: int) -> None:

@@ -1,0 +1,387 @@
+"""Draft quality: acceptance length of drafts trained under named variants, 3 seeds each, on a
+target whose text is varied enough to tell a better draft from a worse one.
+
+    python benchmarks/quality.py                                   # baseline + default variants, 3 seeds
+    python benchmarks/quality.py --variants baseline,k3 --seeds 0,1,2 --out quality.json
+    python benchmarks/quality.py --smoke --work /tmp/q --out /tmp/q/quality.json   # minutes; used by a test
+    python benchmarks/quality.py --list                            # the variant table
+
+The target is :mod:`peagle.testing.quality_target` (a tiny Llama trained on the stdlib's source
+code and the language reference's prose, cached under ``--cache-dir``). The corpus split is fixed
+by object: the target trains on its ``target`` split; the draft store is the ``draft`` split's
+first ``num_draft_chats`` questions answered by the target itself (``--regenerate``, sampled at
+temperature 0.7, the way drafts are trained on a target's own outputs); the ``heldout`` split
+gives the evaluation prompts and a held-out store answered greedily (so its teacher-forced chains
+follow exactly the text greedy decoding produces).
+
+Every stage runs as the real ``peagle`` CLI in a subprocess, so the benchmark measures what users
+get: extract and vocab once, then per (variant, seed) train (a fixed budget: steps x token budget,
+1-layer draft), export (K = 5) and eval at K = 5 -- offline chains on the held-out store, our own
+speculative loop with the HF target, and vLLM serving the export with parallel drafting on. A
+variant is one line of :data:`VARIANTS`: extra ``peagle train`` flags over :data:`BASE_TRAIN`.
+
+JSON (``--out``): ``records`` (one per variant and seed: ``variant``, ``seed``, ``al_vllm``,
+``al_own``, ``per_depth`` (vLLM's per-depth acceptance P(accepted >= d)), plus offline AL, the
+own loop's per-depth, conditional acceptance, final loss, stage seconds), ``summary`` (per
+variant: mean, sample std and standard error over seeds, and the difference from baseline with
+Welch's t-test: "differs beyond noise" when |t| exceeds the two-sided 95% Student-t critical
+value at Welch's degrees of freedom), ``target`` (its settings and how varied its greedy text
+is) and ``settings``. A re-run reuses every finished (variant, seed) record in ``--work`` whose
+flags are unchanged (a killed benchmark resumes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import resource
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from peagle.pipeline.atomic import atomic_write_json
+from peagle.testing.quality_target import QualityTargetSpec, build_quality_target, quality_chats
+
+EVAL_K = 5
+"""Acceptance is always measured at K = 5 draft tokens, whatever K a variant trains."""
+
+BASE_TRAIN: dict[str, str | None] = {
+    "--num-layers": "1", "--num-depths": "5", "--lr": "3e-3", "--warmup-steps": "30",
+    "--down-sample-ratio": "0.7", "--down-sample-ratio-min": "0.2", "--eval-every": "0", "--save-every": "0",
+}
+"""`peagle train` flags every variant starts from (the budget flags come from :class:`Budget`)."""
+
+VARIANTS: dict[str, dict[str, str | None]] = {
+    "baseline": {},
+    "k3": {"--num-depths": "3"},  # train fewer depths than are served: cheaper steps
+    "k8": {"--num-depths": "8"},  # train more depths than are served
+    "rmin0": {"--down-sample-ratio-min": "0"},  # deep depths decay geometrically (fewer deep elements)
+    "rmin0.5": {"--down-sample-ratio-min": "0.5"},  # at least half of the positions at every depth
+    "r0.5": {"--down-sample-ratio": "0.5"},
+    "anchors8": {"--max-anchors": "8"},  # at most 8 chains per sample
+    "layers2": {"--num-layers": "2"},
+    "lr1e-3": {"--lr": "1e-3"},
+    # Round two adds one line each, e.g. "qwen3": {"--draft-architecture": "qwen3"}.
+}
+"""Named variants: flags that replace or extend :data:`BASE_TRAIN` (value None: a bare switch)."""
+
+DEFAULT_VARIANTS = ("baseline", "k3", "rmin0.5", "anchors8")
+
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+"""Two-sided 95% critical values of Student's t for 1..30 degrees of freedom (1.960 beyond)."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Data and compute per run: what makes two benchmark runs comparable."""
+
+    num_draft_chats: int = 2000
+    num_heldout_chats: int = 200
+    num_prompts: int = 48
+    regen_tokens: int = 160
+    max_new_tokens: int = 96
+    train_steps: int = 200
+    token_budget: int = 2048
+    draft_vocab_size: int = 1024
+    extract_backend: str = "auto"
+    target: QualityTargetSpec = field(default_factory=QualityTargetSpec)
+
+
+SMOKE = Budget(num_draft_chats=48, num_heldout_chats=8, num_prompts=3, regen_tokens=24, max_new_tokens=16,
+               train_steps=4, token_budget=512, draft_vocab_size=256, extract_backend="hf",
+               target=QualityTargetSpec(max_steps=10, batch_size=4, seq_len=128, max_target_chats=300))
+
+
+def train_flags(variant: str, budget: Budget, seed: int) -> list[str]:
+    """The full `peagle train` flag list of one run (without store/target/out)."""
+    flags = {**BASE_TRAIN, "--max-steps": str(budget.train_steps), "--token-budget": str(budget.token_budget),
+             "--draft-vocab-size": str(budget.draft_vocab_size), "--seed": str(seed), **VARIANTS[variant]}
+    return [part for flag, value in flags.items() for part in ((flag,) if value is None else (flag, value))]
+
+
+def welch(a: list[float], b: list[float]) -> dict:
+    """Welch's t-test of mean(a) - mean(b); "beyond_noise" at two-sided 5% (module docstring)."""
+    diff = statistics.fmean(a) - statistics.fmean(b)
+    if len(a) < 2 or len(b) < 2:
+        return {"diff": diff, "t": None, "df": None, "t_crit": None, "beyond_noise": None}
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    if va + vb == 0:
+        return {"diff": diff, "t": None, "df": None, "t_crit": None, "beyond_noise": diff != 0}
+    t = diff / math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    t_crit = T_975[max(1, math.floor(df)) - 1] if df < len(T_975) + 1 else 1.960  # floor(df): conservative
+    return {"diff": diff, "t": t, "df": df, "t_crit": t_crit, "beyond_noise": abs(t) > t_crit}
+
+
+def describe(values: list[float]) -> dict:
+    std = statistics.stdev(values) if len(values) > 1 else None
+    return {"mean": statistics.fmean(values), "std": std, "se": std / math.sqrt(len(values)) if std is not None else None,
+            "n": len(values), "values": values}
+
+
+def summarise(records: list[dict]) -> dict:
+    """Per variant: mean/std/se of every AL over seeds, mean per-depth acceptance, Welch vs baseline."""
+    by_variant: dict[str, list[dict]] = {}
+    for rec in records:
+        by_variant.setdefault(rec["variant"], []).append(rec)
+    out = {}
+    for name, recs in by_variant.items():
+        entry = {key: describe([r[key] for r in recs]) for key in ("al_vllm", "al_own", "al_offline")}
+        entry["per_depth"] = [statistics.fmean(depths) for depths in zip(*(r["per_depth"] for r in recs))]
+        entry["train_seconds"] = statistics.fmean(r["train_seconds"] for r in recs)
+        cpu = [r["cpu_seconds"]["train"] for r in recs if "cpu_seconds" in r]
+        entry["train_cpu_seconds"] = statistics.fmean(cpu) if cpu else None
+        if name != "baseline" and "baseline" in by_variant:
+            base = by_variant["baseline"]
+            entry["vs_baseline"] = {key: welch([r[key] for r in recs], [r[key] for r in base])
+                                    for key in ("al_vllm", "al_offline")}
+        out[name] = entry
+    return out
+
+
+class Stages:
+    """Runs `peagle` sub-commands as subprocesses, one log file each, echoing every command."""
+
+    def __init__(self, work: Path, verbose: bool):
+        self.logs = work / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.verbose = verbose
+        self.cpu_seconds: dict[str, float] = {}
+
+    def run(self, name: str, args: list[str]) -> float:
+        """Wall seconds of the stage; its CPU seconds (user + system, all its processes) go to
+        ``self.cpu_seconds[name]``: on a shared machine wall time measures the neighbours too."""
+        print(f"$ peagle {shlex.join(args)}", flush=True)
+        log = self.logs / f"{name}.log"
+        start, cpu_before = time.monotonic(), _children_cpu()
+        with open(log, "w") as f:
+            rc = subprocess.run([sys.executable, "-m", "peagle", *args], stdout=None if self.verbose else f,
+                                stderr=subprocess.STDOUT).returncode
+        if rc != 0:
+            tail = "".join(log.read_text().splitlines(keepends=True)[-20:]) if log.exists() else ""
+            raise SystemExit(f"{tail}\nquality benchmark: `peagle {name}` failed (exit {rc}); log: {log}")
+        self.cpu_seconds[name] = _children_cpu() - cpu_before
+        return time.monotonic() - start
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def text_variety(target: Path, prompts: list[list[dict]], max_new_tokens: int) -> dict:
+    """How formulaic a target's greedy answers are: distinct 4-grams within each continuation (1.0:
+    no repetition; a loop drives it to 0), pooled over all continuations (low when every answer
+    reuses the same phrases: a template), and the share of continuations that loop (< 0.5)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    continuations = []
+    for messages in prompts:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_tensors="pt")
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                                 pad_token_id=tokenizer.pad_token_id)
+        continuations.append(out[0, ids.shape[1]:].tolist())
+
+    def grams(tokens: list[int]) -> list[tuple[int, ...]]:
+        return [tuple(tokens[i:i + 4]) for i in range(len(tokens) - 3)]
+
+    within = [len(set(grams(c))) / len(grams(c)) for c in continuations if grams(c)]
+    pooled = [g for c in continuations for g in grams(c)]
+    return {"num_prompts": len(prompts), "mean_tokens": statistics.fmean(len(c) for c in continuations),
+            "distinct_4gram_within": statistics.fmean(within) if within else None,
+            "distinct_4gram_pooled": len(set(pooled)) / len(pooled) if pooled else None,
+            "looping_share": sum(w < 0.5 for w in within) / len(within) if within else None,
+            "example": tokenizer.decode(continuations[0]) if continuations else None}
+
+
+def continuation_stats(report: dict) -> dict:
+    """From an eval report's own-loop section: how repetitive the target's greedy continuations
+    were (distinct 4-grams per continuation) and how predictable past depth 2 (conditional
+    acceptance at depths 3..K). The same figures for the demo's committed run are the comparison."""
+    online = report.get("online") or {}
+    ratios = [p["distinct_4gram_ratio"] for p in online.get("per_prompt", [])]
+    per_depth = (report.get("vllm") or online).get("per_depth_acceptance") or []
+    return {"num_prompts": len(ratios), "distinct_4gram_within": statistics.fmean(ratios) if ratios else None,
+            "looping_share": sum(r < 0.5 for r in ratios) / len(ratios) if ratios else None,
+            "conditional_acceptance": [p / q if q else None for p, q in zip(per_depth, [1.0] + per_depth[:-1])]}
+
+
+def demo_reference() -> dict:
+    """:func:`continuation_stats` of the demo's committed results (benchmarks/results/cpu/demo_summary.json)."""
+    path = Path(__file__).resolve().parent / "results" / "cpu" / "demo_summary.json"
+    if not path.exists():
+        return {}
+    return {"source": str(path.relative_to(path.parents[3])), **continuation_stats(json.loads(path.read_text())["eval"])}
+
+
+def first_exchange(chat: dict) -> dict:
+    """The first user question and its answer: prompts and regenerated answers stay within the
+    positions the target was trained on."""
+    return {"messages": chat["messages"][:2]}
+
+
+def write_data(work: Path, splits: dict[str, list[dict]], budget: Budget) -> dict[str, Path]:
+    data = work / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    paths = {"draft": data / "draft.jsonl", "heldout": data / "heldout.jsonl", "prompts": data / "prompts.jsonl"}
+    heldout = [first_exchange(c) for c in splits["heldout"]]
+    rows = {"draft": [first_exchange(c) for c in splits["draft"][: budget.num_draft_chats]],
+            "heldout": heldout[: budget.num_heldout_chats],
+            "prompts": [{"messages": c["messages"][:1]} for c in heldout[: budget.num_prompts]]}
+    for key, path in paths.items():
+        text = "".join(json.dumps(row) + "\n" for row in rows[key])
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+    return paths
+
+
+def extract_once(stages: Stages, work: Path, target: Path, paths: dict[str, Path], budget: Budget) -> dict:
+    """Draft store (sampled answers) and held-out store (greedy answers), then the draft vocab."""
+    backend = budget.extract_backend
+    if backend == "auto":
+        backend = "vllm" if subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True).returncode == 0 else "hf"
+    seconds = {}
+    common = ["--target", str(target), "--backend", backend, "--regenerate", "--max-new-tokens", str(budget.regen_tokens),
+              "--max-seq-len", "320", "--samples-per-shard", "256", "--seed", "0"]
+    seconds["extract_draft"] = stages.run("extract-draft", ["extract", "--data", str(paths["draft"]), "--out",
+                                                             str(work / "store"), "--temperature", "0.7", *common])
+    seconds["extract_heldout"] = stages.run("extract-heldout", ["extract", "--data", str(paths["heldout"]), "--out",
+                                                                 str(work / "heldout-store"), "--temperature", "0", *common])
+    seconds["vocab"] = stages.run("vocab", ["vocab", str(work / "store"), "--draft-vocab-size",
+                                            str(budget.draft_vocab_size), "--quiet"])
+    return {"backend": backend, "seconds": seconds, "cpu_seconds": {k: stages.cpu_seconds[k.replace("_", "-")]
+                                                                   for k in seconds}}
+
+
+def run_one(stages: Stages, work: Path, target: Path, paths: dict[str, Path], budget: Budget, variant: str,
+            seed: int) -> dict:
+    """Train, export and evaluate one (variant, seed); the record is reused when its flags match."""
+    run = work / "runs" / variant / f"seed{seed}"
+    flags = train_flags(variant, budget, seed)
+    record_path = run / "record.json"
+    if record_path.exists():
+        old = json.loads(record_path.read_text())
+        if old.get("train_flags") == flags:
+            print(f"reusing {record_path}", flush=True)
+            return old
+    tag = f"{variant}-seed{seed}"
+    seconds = {"train": stages.run(f"train-{tag}", ["train", "--store", str(work / "store"), "--target", str(target),
+                                                   "--out", str(run), "--eval-store", str(work / "heldout-store"),
+                                                   *flags])}
+    seconds["export"] = stages.run(f"export-{tag}", ["export", str(run), "--out", str(run / "export"),
+                                                     "--speculative-tokens", str(EVAL_K)])
+    seconds["eval"] = stages.run(f"eval-{tag}", [
+        "eval", str(run / "export"), "--target", str(target), "--store", str(work / "heldout-store"),
+        "--prompts", str(paths["prompts"]), "--out", str(run / "report"), "--num-depths", str(EVAL_K),
+        "--mode", "offline,online,vllm", "--max-prompts", str(budget.num_prompts),
+        "--max-new-tokens", str(budget.max_new_tokens), "--max-samples", str(budget.num_heldout_chats), "--quiet"])
+    report = json.loads((run / "report" / "report.json").read_text())
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train_rows = [m for m in metrics if "loss" in m]
+    vllm, own, offline = report["vllm"], report["online"], report["offline"]
+    if vllm.get("parallel_drafting") is not True:
+        raise SystemExit(f"{tag}: vLLM ran without parallel drafting; its acceptance would mean nothing")
+    record = {
+        "variant": variant, "seed": seed, "train_flags": flags,
+        "al_vllm": vllm["acceptance_length"], "al_own": own["acceptance_length"],
+        "al_offline": offline["acceptance_length"], "per_depth": vllm["per_depth_acceptance"],
+        "per_depth_own": own["per_depth_acceptance"], "per_depth_offline": offline["per_depth_acceptance"],
+        "conditional_acceptance_vllm": [p / q if q else None for p, q in
+                                        zip(vllm["per_depth_acceptance"], [1.0] + vllm["per_depth_acceptance"][:-1])],
+        "greedy_output_matches_plain": own.get("greedy_output_matches_plain"),
+        "continuations": continuation_stats(report),
+        "final_loss": train_rows[-1]["loss"] if train_rows else None, "steps": train_rows[-1]["step"] if train_rows else None,
+        "train_seconds": seconds["train"], "seconds": seconds,
+        "cpu_seconds": {stage: stages.cpu_seconds[f"{stage}-{tag}"] for stage in seconds},
+    }
+    atomic_write_json(record_path, record)
+    return record
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma list of names in VARIANTS "
+                    "(baseline is always added: every other variant is compared with it)")
+    ap.add_argument("--seeds", default="0,1,2", help="comma list of training seeds")
+    ap.add_argument("--work", type=Path, default=None, help="working directory, reused on re-runs "
+                    "(default: quality-work, or quality-work-smoke with --smoke)")
+    ap.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("PEAGLE_CACHE_DIR",
+                                                                           Path.home() / ".cache" / "peagle")))
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu/quality.json"))
+    ap.add_argument("--smoke", action="store_true", help="tiny target, data and budget: checks the pipeline in minutes")
+    ap.add_argument("--no-variety", action="store_true", help="skip the target text-variety measurement")
+    ap.add_argument("--list", action="store_true", help="print the variant table and exit")
+    ap.add_argument("--verbose", action="store_true", help="stage output on this terminal instead of log files")
+    args = ap.parse_args(argv)
+    if args.list:
+        for name, flags in VARIANTS.items():
+            print(f"{name:<10} {' '.join(k if v is None else f'{k} {v}' for k, v in flags.items()) or '(base flags)'}")
+        return {}
+    variants = ["baseline"] + [v for v in args.variants.split(",") if v and v != "baseline"]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    budget = SMOKE if args.smoke else Budget()
+    work = (args.work or Path("quality-work-smoke" if args.smoke else "quality-work")).resolve()
+    stages = Stages(work, args.verbose)
+    started = time.monotonic()
+
+    splits = quality_chats(budget.target.max_answer_chars, budget.target.seed)
+    t0 = time.monotonic()
+    target = build_quality_target(args.cache_dir, budget.target, splits=splits, log=lambda m: print(m, flush=True))
+    target_seconds = time.monotonic() - t0
+    paths = write_data(work, splits, budget)
+    extract = extract_once(stages, work, target, paths, budget)
+    result: dict = {"settings": {"budget": asdict(budget), "base_train": BASE_TRAIN, "eval_k": EVAL_K,
+                                 "variants": {v: VARIANTS[v] for v in variants}, "seeds": seeds, "smoke": args.smoke},
+                    "target": {"dir": str(target), "build_seconds": target_seconds,
+                               **json.loads((target / "quality_target.json").read_text())},
+                    "extract": extract, "records": [],
+                    "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                                "load_average_start": os.getloadavg()}}
+    if not args.no_variety:
+        result["target"]["variety"] = text_variety(target, [c["messages"][:1] for c in splits["heldout"]
+                                                            [: budget.num_prompts]], budget.max_new_tokens)
+        result["demo_reference"] = demo_reference()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for variant in variants:
+        for seed in seeds:
+            result["records"].append(run_one(stages, work, target, paths, budget, variant, seed))
+            result["summary"] = summarise(result["records"])
+            atomic_write_json(args.out, result)  # partial results stay readable while later runs go on
+    result["machine"]["load_average_end"] = os.getloadavg()
+    result["wall_seconds"] = time.monotonic() - started
+    atomic_write_json(args.out, result)
+    print_table(result["summary"])
+    print(f"results: {args.out}")
+    return result
+
+
+def print_table(summary: dict) -> None:
+    def fmt(d: dict) -> str:
+        return f"{d['mean']:.3f}" + (f" ± {d['se']:.3f}" if d["se"] is not None else "")
+
+    print(f"{'variant':<10} {'AL vLLM':>15} {'AL own':>15} {'AL offline':>15}  per-depth (vLLM)   vs baseline (vLLM)")
+    for name, entry in summary.items():
+        vs = (entry.get("vs_baseline") or {}).get("al_vllm")
+        verdict = "" if vs is None else f"{vs['diff']:+.3f} " + {True: "(beyond noise)", False: "(noise)", None: "(n<2)"}[vs["beyond_noise"]]
+        print(f"{name:<10} {fmt(entry['al_vllm']):>15} {fmt(entry['al_own']):>15} {fmt(entry['al_offline']):>15}  "
+              + " ".join(f"{a:.2f}" for a in entry["per_depth"]) + f"   {verdict}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""benchmarks/quality.py: the variant table, the statistics, and a --smoke run through the real CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from peagle.schemas.train_config import TrainConfig
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "quality.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("quality_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module's annotations through sys.modules
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def test_every_variant_flag_is_a_train_flag(bench) -> None:
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    flags = set(bench.BASE_TRAIN) | {flag for variant in bench.VARIANTS.values() for flag in variant}
+    assert {flag[2:].replace("-", "_") for flag in flags} <= fields
+    assert set(bench.DEFAULT_VARIANTS) <= set(bench.VARIANTS) and bench.VARIANTS["baseline"] == {}
+
+
+def test_train_flags_replace_base_values(bench) -> None:
+    budget = bench.Budget()
+    base = bench.train_flags("baseline", budget, seed=2)
+    k3 = bench.train_flags("k3", budget, seed=2)
+    assert base[base.index("--num-depths") + 1] == "5" and k3[k3.index("--num-depths") + 1] == "3"
+    assert k3.count("--num-depths") == 1 and base[base.index("--seed") + 1] == "2"
+    assert base[base.index("--max-steps") + 1] == str(budget.train_steps)
+
+
+def test_welch(bench) -> None:
+    # a = 1, 2, 3 and b = 4, 5, 6: t = -3 / sqrt(2/3) = -3.674 at df = 4 (critical 2.776).
+    result = bench.welch([1.0, 2.0, 3.0], [4.0, 5.0, 6.0])
+    assert result["diff"] == pytest.approx(-3.0) and result["t"] == pytest.approx(-3.6742, abs=1e-4)
+    assert result["df"] == pytest.approx(4.0) and result["t_crit"] == 2.776 and result["beyond_noise"]
+    assert not bench.welch([1.0, 2.0, 3.0], [1.5, 2.5, 3.5])["beyond_noise"]
+    # Unequal variances: Welch's df, floored for the table (conservative).
+    uneven = bench.welch([1.0, 1.1, 0.9], [3.0, 5.0, 1.0, 4.0])
+    assert 3.0 < uneven["df"] < 3.2 and uneven["t_crit"] == 3.182
+    assert bench.welch([1.0], [2.0, 3.0])["beyond_noise"] is None
+
+
+def test_summary_per_variant(bench) -> None:
+    def record(variant: str, seed: int, al: float) -> dict:
+        return {"variant": variant, "seed": seed, "al_vllm": al, "al_own": al, "al_offline": al + 0.5,
+                "per_depth": [0.9, 0.7, 0.5, 0.4, 0.3], "train_seconds": 10.0}
+
+    records = [record("baseline", s, 3.0 + 0.01 * s) for s in range(3)] + [record("k3", s, 2.5 + 0.01 * s) for s in range(3)]
+    summary = bench.summarise(records)
+    assert summary["baseline"]["al_vllm"]["mean"] == pytest.approx(3.01) and "vs_baseline" not in summary["baseline"]
+    assert summary["k3"]["al_offline"]["n"] == 3 and summary["k3"]["al_vllm"]["se"] == pytest.approx(0.01 / 3**0.5)
+    assert summary["k3"]["vs_baseline"]["al_vllm"]["diff"] == pytest.approx(-0.5)
+    assert summary["k3"]["vs_baseline"]["al_vllm"]["beyond_noise"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True).returncode != 0,
+                    reason="vllm is not importable here")
+def test_smoke_run_writes_a_record_and_resumes(tmp_path) -> None:
+    out = tmp_path / "quality.json"
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--variants", "baseline", "--seeds", "0",
+                           "--work", str(tmp_path / "work"), "--cache-dir", str(tmp_path / "cache"), "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [(r["variant"], r["seed"]) for r in result["records"]] == [("baseline", 0)]
+    for rec in result["records"]:
+        assert {"variant", "seed", "al_vllm", "al_own", "per_depth", "al_offline"} <= set(rec)
+        assert 1.0 <= rec["al_vllm"] <= 6.0 and len(rec["per_depth"]) == 5
+        assert rec["al_vllm"] == pytest.approx(rec["al_own"], rel=0.05)  # vLLM and our loop agree
+    assert set(result["summary"]) == {"baseline"} and result["summary"]["baseline"]["al_vllm"]["n"] == 1
+    assert result["target"]["variety"]["num_prompts"] == 3 and result["records"][0]["continuations"]["num_prompts"] == 3
+    # A re-run reuses the finished records instead of training again.
+    again = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--variants", "baseline", "--seeds", "0",
+                            "--work", str(tmp_path / "work"), "--cache-dir", str(tmp_path / "cache"), "--out",
+                            str(tmp_path / "again.json"), "--no-variety"], capture_output=True, text=True, env=env,
+                           timeout=1200)
+    assert again.returncode == 0 and "reusing" in again.stdout
