@@ -9,7 +9,7 @@ an 8B target: hidden 4096, 3 aux layers, top-32 float16 log-probs (24,768 bytes/
 12,492 in fp8: float8 codes plus a float32 scale per token and layer), random tensors written
 through the real store writer (``init_store`` + ``write_shard_file`` + ``commit_shard``). Each sample has n = L + 1
 tokens (one row of L training positions per batch, as the reference harness runs) and supervises
-every position but the first (DESIGN §8), so COD lengths match the reference (~27.6k at L = 8192).
+every position but the first (docs/performance.md), so COD lengths match the reference (~27.6k at L = 8192).
 
 Measured per (L, S, attention), with K = 8, r = 0.7, r_min = 0.2, on one CPU thread (= one worker):
 

@@ -1,5 +1,5 @@
 """`peagle extract` and `peagle store` end to end, as real subprocesses on the tiny Llama target:
-the store layout of DESIGN §2, n workers == 1 worker byte for byte, resume after kill -9 at every
+the store layout of docs/store.md, n workers == 1 worker byte for byte, resume after kill -9 at every
 named failpoint and at a random moment, refused re-runs, one-line errors, disk full, appending."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`peagle train` end to end through the real CLI: extract -> vocab -> train, kill -9, resume, errors.
 
-A run killed with SIGKILL (failpoints mid-step and mid-checkpoint-write, DESIGN §7) and started again
+A run killed with SIGKILL (failpoints mid-step and mid-checkpoint-write, docs/reliability.md) and started again
 with the same command must end with the same per-step losses and the same final weights as a run
 that was never interrupted.
 """

@@ -1,4 +1,4 @@
-"""``peagle train``: flags generated from ``TrainConfig`` (DESIGN §1, §5, §7), then the trainer.
+"""``peagle train``: flags generated from ``TrainConfig`` (README.md, docs/draft-and-export.md, docs/reliability.md), then the trainer.
 
 Run it as is for one process, or under ``torchrun --nproc-per-node N`` for data parallelism (every
 rank runs this same command).

@@ -1,4 +1,4 @@
-"""``peagle vocab STORE --draft-vocab-size N``: build the draft vocabulary of a store (DESIGN §5)."""
+"""``peagle vocab STORE --draft-vocab-size N``: build the draft vocabulary of a store (docs/draft-and-export.md)."""
 
 from __future__ import annotations
 

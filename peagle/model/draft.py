@@ -1,4 +1,4 @@
-"""The P-EAGLE draft model (DESIGN §5): an EAGLE-3 Llama draft that predicts K tokens in one forward.
+"""The P-EAGLE draft model (docs/draft-and-export.md): an EAGLE-3 Llama draft that predicts K tokens in one forward.
 
 Input is one flat sequence of N elements (no batch, no padding to K·L). The first R are *real*
 (depth 0): element i reads ``(embed(token_i), fc(aux_i))``. The other M = N - R are *mask slots*
@@ -245,7 +245,7 @@ class PEagleDraft(nn.Module):
         ``token_ids_N`` holds the real tokens in its first R entries; entries R.. must be
         ``config.mask_token_id`` (they are not read: every mask slot's layer-0 input is computed once
         from it). ``aux_RAH`` is ``[R, A, T]`` (or ``[R, A*T]``, aux layers in ``aux_layer_ids`` order).
-        ``position_ids_N`` are RoPE positions (reference positions, DESIGN §3). A leading batch dim of
+        ``position_ids_N`` are RoPE positions (reference positions, docs/indexing.md). A leading batch dim of
         1 is accepted on every argument. ``flex`` runs flex attention when ``attn_mask`` is a
         BlockMask (see :func:`attend`); the compile decision is the caller's.
         """

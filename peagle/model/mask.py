@@ -1,11 +1,11 @@
 """The P-EAGLE attention rule over a flat COD sequence, as a flex ``mask_mod``, a dense mask and a BlockMask.
 
-A training row is one *flat COD sequence*: every COD element (DESIGN §4) of every sample packed into
+A training row is one *flat COD sequence*: every COD element (docs/cod.md) of every sample packed into
 the row, laid out as depth groups in order (all depth-0 elements, then all depth-1, ...), sorted by
 anchor inside each group. Element ``i`` carries ``anchor_pos[i]`` (the row offset where its chain
 starts) and ``depth[i]``; its reference position is ``anchor_pos[i] + depth[i]``.
 
-Visibility (DESIGN §4): query q may see key k iff both lie in the same document, q is not padding,
+Visibility (docs/mask.md): query q may see key k iff both lie in the same document, q is not padding,
 and either
 
 * k is depth 0 and ``anchor_k <= anchor_q`` (the real context the draft has read), or
@@ -20,7 +20,7 @@ Three consumers, one rule:
   (:func:`create_peagle_mask_mod` builds it from document lengths);
 * :func:`dense_mask` -- ``[N, N]`` bool for SDPA (:func:`dense_peagle_mask` from lengths);
 * :func:`cod_block_mask` -- a BlockMask built from metadata in O(N·K + blocks²) instead of evaluating
-  the mask_mod on every block pair (DESIGN §8); :func:`cod_block_indices` is its CPU half, for
+  the mask_mod on every block pair (docs/performance.md); :func:`cod_block_indices` is its CPU half, for
   DataLoader workers, and :func:`block_mask_from_indices` the device half, for the trainer.
 
 Shape letters: N = flat COD elements in the row, D = documents, L = ``total_seq_len`` (original-token
@@ -254,7 +254,7 @@ def block_mask_from_indices(indices: CodBlockIndices, mask_mod: MaskMod, *,
 
 def cod_block_mask(anchor_pos: Tensor, depth: Tensor, lengths: Tensor, total_seq_len: int, *,
                    block_size: int = DEFAULT_BLOCK_SIZE, device: torch.device | str | None = None) -> BlockMask:
-    """BlockMask of a flat COD row, equal to ``create_block_mask(mask_mod, None, None, N, N)`` (DESIGN §8).
+    """BlockMask of a flat COD row, equal to ``create_block_mask(mask_mod, None, None, N, N)`` (docs/performance.md).
 
     Indices come from :func:`cod_block_indices` on the CPU; the mask_mod is built on ``device``
     (default: ``anchor_pos``'s device).

@@ -1,7 +1,7 @@
 """The inference-time P-EAGLE proposer in plain torch: one draft forward yields K draft tokens.
 
 It builds the draft's input the way vLLM's parallel-drafting runtime does, so that the parity test
-(tests/model/test_proposer.py) proves the training layout (DESIGN §3) equals serving. What vLLM
+(tests/model/test_proposer.py) proves the training layout (docs/indexing.md) equals serving. What vLLM
 does, as read in its source (vllm-project/vllm):
 
 * ``vllm/v1/spec_decode/llm_base_proposer.py`` (``set_inputs_first_pass``) with the triton kernel

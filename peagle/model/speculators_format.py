@@ -1,4 +1,4 @@
-"""The speculators 'peagle' checkpoint format (DESIGN §6): the one module that writes and reads it.
+"""The speculators 'peagle' checkpoint format (docs/draft-and-export.md): the one module that writes and reads it.
 
 An export directory holds ``config.json`` and ``model.safetensors``. vLLM loads it unchanged with
 ``LLM(model=EXPORT_DIR)`` (it reads the verifier named inside and turns parallel drafting on), and

@@ -1,4 +1,4 @@
-"""Crash-safe file writes: temp name, fsync, rename, fsync the directory (DESIGN §7).
+"""Crash-safe file writes: temp name, fsync, rename, fsync the directory (docs/reliability.md).
 
 Nothing written through here is ever visible half-written: a reader sees the old file, no file, or
 the whole new file. Temp files are named ``.<name>.tmp-<pid>-<random>`` in the target's directory

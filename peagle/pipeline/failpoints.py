@@ -1,4 +1,4 @@
-"""Named failpoints for fault tests (DESIGN §7): the process SIGKILLs itself at a named phase.
+"""Named failpoints for fault tests (docs/reliability.md): the process SIGKILLs itself at a named phase.
 
 ``PEAGLE_FAILPOINT=name`` kills at the first hit of ``failpoint("name")``; ``name:N`` at the N-th
 hit (1-based). Unset, a failpoint is one dict lookup: cheap enough to leave in hot loops.

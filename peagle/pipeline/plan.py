@@ -1,6 +1,6 @@
 """Work planning for extract: which records form which shard, and which worker owns which shard.
 
-The split is a pure function of the input (DESIGN §2 "Planning"): the records of each input file are
+The split is a pure function of the input (docs/store.md "Planning"): the records of each input file are
 cut into runs of ``records_per_shard`` consecutive records, and each file owns a contiguous range of
 global shard indices. The range is fixed the first time a file (identified by the sha256 of its
 content, not its name) is registered in a store, under ``STORE/inputs/<sha256>.json``. Registration

@@ -1,6 +1,6 @@
 """The held-out split of a store: which samples training leaves out for evaluation.
 
-The split is a pure function of the sample's ``sample_id`` (DESIGN §2: a hash of the source record
+The split is a pure function of the sample's ``sample_id`` (docs/store.md: a hash of the source record
 and its position, stable across re-extractions), not of its place in the store. So the same samples
 are held out on every rank, worker count, resume and shard layout; a store extended with more data
 keeps its earlier split; and ``peagle eval`` picks out exactly the samples a training run held out

@@ -1,4 +1,4 @@
-"""Reading and writing the shard store (DESIGN §2): settings, shard commits, manifest, checks.
+"""Reading and writing the shard store (docs/store.md): settings, shard commits, manifest, checks.
 
 Writers: ``init_store`` (creates or checks ``store.json``), ``commit_shard`` (two files, then the
 commit record, then the manifest), all crash-safe. Readers: ``open_store`` sees exactly the shards

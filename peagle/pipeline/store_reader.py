@@ -1,11 +1,11 @@
-"""Reading a shard store's samples back, in training coordinates (DESIGN §2, §3): the one reader.
+"""Reading a shard store's samples back, in training coordinates (docs/store.md, docs/indexing.md): the one reader.
 
 Everything that reads samples out of a store goes through here: the training loader (its shard
 reader and the byte ranges of a batch's aux rows), draft-vocab counting, offline evaluation and the
 store summary. Opening a store (settings, commit records, size and sha256 checks) is
 :mod:`peagle.pipeline.store`; this module turns an opened store's files into samples.
 
-**Training coordinates (DESIGN §3), shifted once, in** :func:`shift_columns`. A sample of tokens
+**Training coordinates (docs/indexing.md), shifted once, in** :func:`shift_columns`. A sample of tokens
 ``x_0 … x_{n−1}`` becomes T = n − 1 training positions p ∈ [0, n−2]. At position p:
 
 * ``tokens[p] = x_{p+1}`` -- the depth-0 input token;
@@ -124,7 +124,7 @@ def shift_columns(sample_ids: list[str], input_ids: np.ndarray, loss_mask: np.nd
                   token_offset: np.ndarray) -> ShardColumns:
     """Raw flat columns (sample i = ``input_ids[offsets[i]:offsets[i+1]]``) -> training coordinates.
 
-    This is the index shift of DESIGN §3 (module docstring), the only place it is written.
+    This is the index shift of docs/indexing.md (module docstring), the only place it is written.
     """
     offsets = np.asarray(offsets, dtype=np.int64)
     lengths = np.diff(offsets)

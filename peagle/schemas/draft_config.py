@@ -1,4 +1,4 @@
-"""The draft model's shape: everything needed to build a `PEagleDraft` and to export it (DESIGN §5).
+"""The draft model's shape: everything needed to build a `PEagleDraft` and to export it (docs/draft-and-export.md).
 
 The decoder is always Llama-shaped (vLLM's P-EAGLE loader accepts llama or qwen3 and qwen3 would
 add untrained q/k norms), with hidden size, heads, head dim, RoPE and RMS eps copied from the
@@ -98,7 +98,7 @@ class DraftConfig:
         """Derive a draft config from a transformers target config (text config of multimodal ones).
 
         ``draft_vocab_size`` None means the full target vocab; ``aux_layer_ids`` None means
-        `default_aux_layer_ids`. Ids may go up to num_hidden_layers (the final stream, DESIGN §2).
+        `default_aux_layer_ids`. Ids may go up to num_hidden_layers (the final stream, docs/store.md).
         """
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         num_target_layers = int(text.num_hidden_layers)

@@ -13,7 +13,7 @@ DEVICES = ("auto", "cpu", "cuda")
 
 @dataclass(frozen=True, kw_only=True)
 class EvalConfig:
-    """Settings of `peagle eval` (DESIGN §5): what to measure, on which prompts, how to decode."""
+    """Settings of `peagle eval` (docs/draft-and-export.md): what to measure, on which prompts, how to decode."""
 
     source: str
     """Training run directory, checkpoint directory, or export directory (a run or checkpoint is first

@@ -11,7 +11,7 @@ EXPORT_DTYPES = ("float32", "bfloat16")
 
 @dataclass(frozen=True, kw_only=True)
 class ExportConfig:
-    """Settings of `peagle export` (DESIGN §6)."""
+    """Settings of `peagle export` (docs/draft-and-export.md)."""
 
     source: str
     """Training run directory (its newest valid checkpoint is exported) or one checkpoint directory

@@ -21,7 +21,7 @@ DEVICES = ("auto", "cpu", "cuda")
 
 @dataclass(frozen=True, kw_only=True)
 class ExtractConfig:
-    """Settings of `peagle extract` (DESIGN §2): inputs, target, store, and how to run the target."""
+    """Settings of `peagle extract` (docs/store.md): inputs, target, store, and how to run the target."""
 
     data: tuple[str, ...]
     """Input chat files (JSONL or Parquet; OpenAI `messages` or ShareGPT `conversations`). Repeat the
@@ -191,7 +191,7 @@ def _choice(flag: str, value: str, allowed: tuple[str, ...]) -> None:
 
 
 def check_aux_layer_ids(ids: tuple[int, ...], num_layers: int | None = None) -> None:
-    """Strictly ascending, no repeats, each in [1, N) (DESIGN §2: vLLM sorts and de-duplicates the ids
+    """Strictly ascending, no repeats, each in [1, N) (docs/store.md: vLLM sorts and de-duplicates the ids
     and then expects exactly that many states, so anything else would silently misalign)."""
     if not ids:
         raise UserError("--aux-layers must name at least one layer")

@@ -22,7 +22,7 @@ model wraps them (peagle.model.mask)."""
 
 @dataclass(frozen=True, kw_only=True)
 class CodSettings:
-    """How COD sampling draws a sample's elements (DESIGN §4)."""
+    """How COD sampling draws a sample's elements (docs/cod.md)."""
 
     num_depths: int = 8
     down_sample_ratio: float = 0.7

@@ -1,4 +1,4 @@
-"""The shard store's on-disk contract (DESIGN §2): file names, columns, tensor names, records.
+"""The shard store's on-disk contract (docs/store.md): file names, columns, tensor names, records.
 
 A store is a directory::
 

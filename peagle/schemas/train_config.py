@@ -56,7 +56,7 @@ def parse_store_spec(text: str) -> StoreSpec:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """Settings of `peagle train` (DESIGN §3-5, §7): data, draft shape, optimisation, run mechanics."""
+    """Settings of `peagle train` (docs/cod.md, docs/draft-and-export.md, docs/reliability.md): data, draft shape, optimisation, run mechanics."""
 
     store: tuple[str, ...]
     """Shard store(s) written by `peagle extract`, as PATH or PATH:WEIGHT. Repeat the flag to mix

@@ -1,6 +1,6 @@
 """A deterministic catalogue of malformed chat records, each with the skip reason extract must give it.
 
-DESIGN §7: a malformed record is skipped and counted, never turned into a silently wrong sample, and
+docs/reliability.md: a malformed record is skipped and counted, never turned into a silently wrong sample, and
 never a traceback. ``bad_records()`` returns well over 200 JSONL lines that no chat pipeline should
 train on: undecodable bytes, truncated or invalid JSON, values that are not objects, missing or
 mistyped fields, unknown roles, empty and huge turns, conversations without a trainable assistant

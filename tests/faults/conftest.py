@@ -1,4 +1,4 @@
-"""Fixtures of the fault-injection suite (DESIGN §7, issue 6).
+"""Fixtures of the fault-injection suite (docs/reliability.md, issue 6).
 
 * ``runner``: starts real ``peagle`` processes (warm fork server by default; ``PEAGLE_FAULTS_COLD=1``:
   fresh interpreters), to run, kill and re-run.

@@ -1,6 +1,6 @@
 """A full disk during `peagle extract` or `peagle train`: one clear line and a non-zero exit, nothing
 half-written visible, and the same command completes, with the uninterrupted result, once space is
-freed (DESIGN §7; issue 6).
+freed (docs/reliability.md; issue 6).
 
 Two ways to fill the disk: a file-size limit (RLIMIT_FSIZE: a write past it fails with EFBIG, as a
 full disk fails with ENOSPC; works everywhere) and a small tmpfs (ENOSPC for real; needs the right
@@ -96,7 +96,7 @@ def test_extract_file_size_limit(extract_baseline, runner, tmp_path, figures, li
 
 
 def test_extract_tmpfs_refused_before_start(extract_baseline, runner, figures, tmpfs):
-    """A disk too small for the plan: refused before any work, nothing written (DESIGN §2)."""
+    """A disk too small for the plan: refused before any work, nothing written (docs/store.md)."""
     mount = tmpfs(256 * 1024)
     res = runner.run(*extract_baseline.args(mount / "store"))
     figures.add(trials=1, faults_injected=1)

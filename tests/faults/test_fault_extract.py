@@ -1,5 +1,5 @@
 """kill -9 during `peagle extract`, then the same command again: the store must be byte-identical to
-an uninterrupted run and pass `peagle store verify` (DESIGN §7; issue 6).
+an uninterrupted run and pass `peagle store verify` (docs/reliability.md; issue 6).
 
 20 single-worker trials: named failpoints in every phase (mid-forward, mid-write before the rename,
 between the rename and the commit record, after the commit record) at several hit counts, and kills

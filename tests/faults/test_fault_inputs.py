@@ -1,4 +1,4 @@
-"""Malformed input records through `peagle extract` (DESIGN §7; issue 6): zero tracebacks, every bad
+"""Malformed input records through `peagle extract` (docs/reliability.md; issue 6): zero tracebacks, every bad
 record skipped and counted under its reason in the manifest, and no good record lost or altered.
 
 The bad records come from ``peagle.testing.bad_records`` (>= 200, each with its expected reason).

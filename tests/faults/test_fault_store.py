@@ -1,5 +1,5 @@
-"""A damaged shard store is refused before training, in one line, never with a traceback (DESIGN §2,
-§7; issue 6).
+"""A damaged shard store is refused before training, in one line, never with a traceback (docs/store.md,
+docs/reliability.md; issue 6).
 
 Damage a reader can see from sizes alone (truncated, extended or deleted files, a commit record with
 another size, unreadable commit records or settings) must stop `peagle train` before its first step
@@ -146,7 +146,7 @@ def test_train_without_verify_never_tracebacks_on_flipped_bytes(extract_baseline
                                                                  figures):
     """`peagle train` without --verify on flipped bytes: a finished run or one clear line, no traceback.
 
-    Without --verify a same-size corruption is not looked for (DESIGN §7: sizes only); reading it
+    Without --verify a same-size corruption is not looked for (docs/reliability.md: sizes only); reading it
     must still end either in a finished run or in one clear line."""
     def trial(target: str) -> str | None:
         store = tmp_path / target.replace(".", "_")
@@ -191,7 +191,7 @@ def test_verify_exits_non_zero_on_damage(extract_baseline, runner, tmp_path, fig
 def test_verify_detects_hand_edited_manifest(extract_baseline, runner, tmp_path, figures):
     """A hand-edited or truncated manifest.json is reported by `peagle store verify`.
 
-    manifest.json is derived from the commit records (DESIGN §2); issue 6 lists 'manifest edited by
+    manifest.json is derived from the commit records (docs/store.md); issue 6 lists 'manifest edited by
     hand' among the damages verify must find."""
     results = parallel_map(lambda d: _verify_damaged(extract_baseline, runner, tmp_path, d), MANIFEST_EDITS)
     found = [r.returncode != 0 and "manifest.json" in r.stderr and "Traceback" not in r.stderr for r in results]

@@ -1,5 +1,5 @@
 """kill -9 during `peagle train`, then the same command again: the same per-step losses and the same
-final weights as an uninterrupted run, on CPU (DESIGN §7; issue 6). A damaged newest checkpoint is
+final weights as an uninterrupted run, on CPU (docs/reliability.md; issue 6). A damaged newest checkpoint is
 detected, warned about on stderr, and the one before it is used.
 
 Kills: ``train.step:N`` at seeded steps, inside a checkpoint's part writes
@@ -203,7 +203,7 @@ def test_every_checkpoint_damaged_starts_over(train_baseline, runner, tmp_path, 
 
 
 def test_resume_restores_the_global_torch_rng(train_baseline, runner, tmp_path, figures):
-    """After kill -9 and resume, the global torch RNG state equals the uninterrupted run's (DESIGN §7).
+    """After kill -9 and resume, the global torch RNG state equals the uninterrupted run's (docs/reliability.md).
 
     The checkpoint's torch RNG state is restored on resume; the final state must then equal the
     baseline's (nothing else in a run is random in a process-dependent way)."""

@@ -1,4 +1,4 @@
-"""Training <-> serving parity (DESIGN §3): the training forward over a full-chain flat COD row gives,
+"""Training <-> serving parity (docs/indexing.md): the training forward over a full-chain flat COD row gives,
 at every anchor and depth, the logits the vLLM-layout proposer gives on that anchor's prefix."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def random_draft(seed: int, **overrides) -> PEagleDraft:
 
 
 def full_chain_row(samples: list[tuple[torch.Tensor, torch.Tensor]], num_depths: int):
-    """Pack samples (tokens x_0..x_{n-1}, aux [n, A, H]) into one training row, DESIGN §3/§4 layout.
+    """Pack samples (tokens x_0..x_{n-1}, aux [n, A, H]) into one training row, docs/indexing.md, docs/cod.md layout.
 
     Element (anchor a, depth d) of a sample has reference position p = a + d (RoPE position, counted
     from the sample's start); depth 0 reads (x_{p+1}, aux[p]), depth >= 1 (mask, mask_hidden). Every

@@ -1,4 +1,4 @@
-"""The store reader (pipeline/store_reader.py): DESIGN §3's shift against the raw files, the shard
+"""The store reader (pipeline/store_reader.py): docs/indexing.md's shift against the raw files, the shard
 tensor layout and header, memory-mapped tensors, aux byte ranges, and the sample iterators."""
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def raw_store(tmp_path, request) -> RawStore:
 
 
 def shifted_by_definition(ids: list[int], mask: list[int]) -> dict[str, list]:
-    """DESIGN §3 written out position by position, for comparison."""
+    """docs/indexing.md written out position by position, for comparison."""
     n = len(ids)
     return {"tokens": [ids[p + 1] for p in range(n - 1)],
             "targets": [ids[p + 2] if p + 2 < n else -1 for p in range(n - 1)],

@@ -1,4 +1,4 @@
-"""Acceptance length, defined once (DESIGN §5), and the histogram every evaluation feeds it.
+"""Acceptance length, defined once (docs/draft-and-export.md), and the histogram every evaluation feeds it.
 
 One verification step (or one teacher-forced chain) proposes K draft tokens and accepts a prefix of
 ``a`` of them (0 <= a <= K); the target then adds one token of its own, so the step yields a + 1

@@ -1,6 +1,6 @@
-"""Offline acceptance: teacher-forced full chains on held-out store samples (DESIGN §5).
+"""Offline acceptance: teacher-forced full chains on held-out store samples (docs/draft-and-export.md).
 
-For one sample ``x_0 … x_{n−1}``, read in training coordinates (DESIGN §3, by the store reader
+For one sample ``x_0 … x_{n−1}``, read in training coordinates (docs/indexing.md, by the store reader
 :mod:`peagle.pipeline.store_reader`: T = n − 1 positions, ``m[p] = loss_mask[p+2]``) every anchor
 p whose whole chain is supervised (``m[p] = … = m[p+K−1] = 1``; this is the set COD's chains are
 drawn from, without subsampling) gets all K drafts in one draft forward: the depth-0 element at p

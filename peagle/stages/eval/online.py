@@ -57,7 +57,7 @@ class HFTarget:
     """A transformers causal LM: ``forward(ids, cache) -> (logits_LV fp32 on CPU, aux_LAH, cache)``.
 
     Aux states are ``hidden_states[i]`` for the draft's aux layer ids: the stream entering layer i,
-    the same tensors extraction stores (DESIGN §2). They stay on the model's device; logits come
+    the same tensors extraction stores (docs/store.md). They stay on the model's device; logits come
     back to the CPU, where acceptance and sampling run.
     """
 

@@ -1,7 +1,7 @@
 """Acceptance in real vLLM: the exported draft served beside its verifier, metrics read from vLLM.
 
 ``LLM(model=EXPORT_DIR)`` is one of the two ways vLLM turns on parallel drafting for a P-EAGLE
-draft (DESIGN §6): it reads the speculators config, serves the verifier named inside, and sets
+draft (docs/draft-and-export.md): it reads the speculators config, serves the verifier named inside, and sets
 ``speculative_config.parallel_drafting``. Without that flag vLLM would run one-token EAGLE-3
 drafting and ignore ``mask_hidden``, so :func:`run_vllm` refuses to report numbers unless the engine
 says parallel drafting is on.

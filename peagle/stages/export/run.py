@@ -1,4 +1,4 @@
-"""`peagle export`: a training checkpoint -> a speculators 'peagle' directory vLLM serves (DESIGN §6).
+"""`peagle export`: a training checkpoint -> a speculators 'peagle' directory vLLM serves (docs/draft-and-export.md).
 
 The conversion is shared with `peagle eval` (which exports a run before measuring it), so it lives
 below the stages: :func:`peagle.model.checkpoint_export.export_checkpoint` reads the checkpoint's

@@ -13,7 +13,7 @@ import torch
 
 @dataclass(frozen=True, kw_only=True)
 class TargetOutput:
-    """The target's view of one sample, in DESIGN §2/§3 conventions.
+    """The target's view of one sample, in the conventions of docs/store.md and docs/indexing.md.
 
     ``aux_TAH[i, a]`` is HF ``hidden_states[aux_layer_ids[a]][i]`` (the stream entering that layer
     after reading x_0..x_i); ``topk_*_TK[i]`` is the target's distribution of x_{i+1}

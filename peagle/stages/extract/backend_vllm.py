@@ -1,6 +1,6 @@
 """The vLLM target backend: aux hidden states and top-k log-probs through a vLLM engine.
 
-How it works (DESIGN §2, §8): the engine runs with the ``extract_hidden_states`` speculative method,
+How it works (docs/store.md, docs/performance.md): the engine runs with the ``extract_hidden_states`` speculative method,
 which caches per token the hidden stream at ``eagle_aux_hidden_state_layer_ids``; our connector
 (``vllm_connector.py``) dumps each finished request's rows into one safetensors file in a staging
 dir (``/dev/shm`` when it has room). Each request is a prefill plus one sampled token. We dump the

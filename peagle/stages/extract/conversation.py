@@ -1,6 +1,6 @@
 """Turn one decoded chat record into OpenAI-style messages, or say exactly why it cannot be used.
 
-Two input shapes are accepted (DESIGN §7: a malformed record is skipped and counted, never turned
+Two input shapes are accepted (docs/reliability.md: a malformed record is skipped and counted, never turned
 into a silently wrong sample):
 
 * OpenAI: ``{"messages": [{"role": ..., "content": ...}, ...], "tools": [...]?}``. Every other key of

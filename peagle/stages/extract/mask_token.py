@@ -1,4 +1,4 @@
-"""Choose the draft's mask token once, for the whole store (DESIGN §3, §5).
+"""Choose the draft's mask token once, for the whole store (docs/store.md, docs/draft-and-export.md).
 
 P-EAGLE's depth >= 1 inputs are ``embed(mask_token_id)``: an id of the target's embedding that
 never occurs in the data, or the draft could not tell a mask slot from a real token. No released

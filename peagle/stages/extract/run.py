@@ -1,8 +1,7 @@
 """The `peagle extract` driver: plan, then for each of this worker's missing shards, records ->
 samples -> target forward in fixed batches -> write + commit (on the writer thread).
 
-Re-running the same command finishes what is missing and never redoes what is committed (DESIGN
-§1, §7). With the hf backend the shards are byte-identical to an uninterrupted one-worker run,
+Re-running the same command finishes what is missing and never redoes what is committed (docs/reliability.md). With the hf backend the shards are byte-identical to an uninterrupted one-worker run,
 because nothing here depends on timing: the split into shards is planned from the input alone, the
 batches are a fixed function of a shard's samples, and torch's thread count is fixed for the run.
 """
@@ -88,7 +87,7 @@ class ExtractSummary:
 
 
 def check_fits(plan: "ExtractPlan", root: Path) -> None:
-    """Refuse to start when the estimated store does not fit on the disk (DESIGN §2)."""
+    """Refuse to start when the estimated store does not fit on the disk (docs/store.md)."""
     if plan.estimated_bytes > plan.free_bytes:
         raise UserError(f"not enough disk for {root}: the plan needs ~{_human(plan.estimated_bytes)}, "
                         f"{_human(plan.free_bytes)} is free")

@@ -9,10 +9,10 @@ non-finite rows. Inference engines have shipped bugs that dump exactly such rows
 served.
 
 Rows here are the store's own (raw) rows: row i of a sample of n tokens is ``aux[i]`` (the state after
-x_0 … x_i) and ``topk[i]`` (the distribution of x_{i+1}), i ∈ [0, n) (DESIGN §3).
+x_0 … x_i) and ``topk[i]`` (the distribution of x_{i+1}), i ∈ [0, n) (docs/indexing.md).
 
 Floats in a record are rounded to 6 significant digits: the record is part of the manifest, whose
-bytes must not depend on summation order across machines (DESIGN §7).
+bytes must not depend on summation order across machines (docs/reliability.md).
 
 Shape letters: n rows of a sample, A aux layers, H hidden size, k stored top-k.
 """

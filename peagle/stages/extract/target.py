@@ -1,5 +1,5 @@
 """The target as extract sees it before loading weights: config, tokenizer, and the identity that
-goes into the store (DESIGN §2: path, content hash, architecture, sizes, dtype; tokenizer
+goes into the store (docs/store.md: path, content hash, architecture, sizes, dtype; tokenizer
 fingerprint; chat-template hash), from which ``StoreSettings`` are built."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Apply the target's chat template and mark the tokens the draft must learn (DESIGN §3 loss_mask).
+"""Apply the target's chat template and mark the tokens the draft must learn (docs/indexing.md loss_mask).
 
 Real chat templates have no generation markers, so each assistant turn is located by rendering
 prefixes (and variants) of the conversation as text (``spans``): the supervised part of a turn is

@@ -2,7 +2,7 @@
 
 A ``vllm.LLM`` runs its engine core in a child process (and the model in a grandchild). When the
 driver is killed (``kill -9``, the OOM killer, a pre-empted job), nothing tells the engine core: it
-idles on, holding the model and its KV cache, and on a GPU the re-run that DESIGN §7 promises then
+idles on, holding the model and its KV cache, and on a GPU the re-run that docs/reliability.md promises then
 finds no memory free. ``EngineReaper`` starts a small watchdog process before the engine starts. It
 learns the driver's ``VLLM::*`` descendants once a second and waits on a pipe whose only write end
 the driver holds: EOF without a goodbye means the driver is gone, however it went, and the watchdog

@@ -1,6 +1,6 @@
 """Write one shard's two files and commit it, on a writer thread that overlaps the model's compute.
 
-Files are byte-identical for identical input (DESIGN §7: a killed and resumed run, or n workers
+Files are byte-identical for identical input (docs/reliability.md: a killed and resumed run, or n workers
 instead of one, give the same store): the Parquet file is written with fixed settings and no
 varying metadata, and the safetensors file is serialised here directly (header, then each tensor's
 rows sample by sample), which also avoids concatenating a shard's tensors into one more copy.
@@ -67,7 +67,7 @@ class ShardContent:
 
 
 def drop_non_finite(content: ShardContent) -> ShardContent:
-    """Remove samples whose aux states or top-k log-probs hold NaN/inf (DESIGN §7), counting them."""
+    """Remove samples whose aux states or top-k log-probs hold NaN/inf (docs/reliability.md), counting them."""
     keep = [i for i, out in enumerate(content.outputs)
             if bool(torch.isfinite(out.aux_TAH).all()) and bool(torch.isfinite(out.topk_logprobs_TK).all())]
     num_dropped = len(content.outputs) - len(keep)
@@ -92,7 +92,7 @@ def sum_token_counts(samples: list[TokenizedSample]) -> dict[str, int]:
 
 
 def parquet_table(samples: list[TokenizedSample]) -> pa.Table:
-    """One row per sample (DESIGN §2); ``token_offset`` is the sample's first row in the tensors."""
+    """One row per sample (docs/store.md); ``token_offset`` is the sample's first row in the tensors."""
     lengths = [len(s.input_ids) for s in samples]
     offsets = list(itertools.accumulate(lengths, initial=0))[:-1]
     return pa.table({

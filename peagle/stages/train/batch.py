@@ -4,7 +4,7 @@ Shape letters: n = a sample's tokens; T = training positions (n − 1 per sample
 samples of a batch); A = aux layers; H = hidden size; k = stored top-k; D = samples (documents) in
 the batch; N = flat COD elements; E = supervised flat elements that have a target.
 
-**Training coordinates (DESIGN §3).** Samples arrive from the store reader
+**Training coordinates (docs/indexing.md).** Samples arrive from the store reader
 (:mod:`peagle.pipeline.store_reader`, where the index shift is done, once) as per-position arrays:
 for p ∈ [0, n−2] the depth-0 element at p reads ``x_{p+1}`` and ``aux[p]``; any element whose
 reference position (``anchor + depth``) is p predicts ``x_{p+2}``, with target distribution
@@ -15,11 +15,11 @@ here adds 1 or 2 to an index.
 of T positions under a token budget. The P-EAGLE forward is over the flat COD sequence, whose length
 N is random (COD sampling) even for one sample, so a "row per sample" layout would pad every row to
 the longest N of the batch; packing into one row pads nothing. Documents stay isolated through the
-mask (``doc_lengths_D``: an element sees only elements of its own sample, DESIGN §4), COD sampling
+mask (``doc_lengths_D``: an element sees only elements of its own sample, docs/cod.md), COD sampling
 stays per sample, and RoPE positions count from each sample's start (``position_ids_N``), so a packed
 sample is computed exactly as it would be alone.
 
-**Only supervised elements carry targets (DESIGN §8).** Targets are gathered for the E elements with
+**Only supervised elements carry targets (docs/performance.md).** Targets are gathered for the E elements with
 ``m[ref] = 1`` whose top-k holds at least one draft-vocab id, as draft ids (−1 for top-k ids outside
 the draft vocab, column order kept, so column 0 is the target's argmax) and probabilities
 renormalised over the in-vocab ids. Supervised elements whose top-k has no draft-vocab id are

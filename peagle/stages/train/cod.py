@@ -1,11 +1,11 @@
-"""COD (conditional-on-distribution) sampling: which draft elements one sample contributes (DESIGN §4).
+"""COD (conditional-on-distribution) sampling: which draft elements one sample contributes (docs/cod.md).
 
 P-EAGLE trains all K draft depths in one forward over a *flat* sequence. Depth 0 holds every
 training position (the real tokens); depth d >= 1 holds masked elements that continue a chain of
 d − 1 masked predictions started at ``anchor_pos``. Keeping every chain at every depth would make
 the flat sequence K·L long, so deeper depths are subsampled with geometric decay.
 
-Coordinates are per sample (DESIGN §3): ``seq_length`` = the sample's n − 1 training positions and
+Coordinates are per sample (docs/indexing.md): ``seq_length`` = the sample's n − 1 training positions and
 ``loss_mask`` is the *shifted* supervision mask ``m[p] = loss_mask_tokens[p + 2]``. An element of
 depth d at reference position p has ``anchor_pos = p − d`` and RoPE position p.
 
@@ -71,7 +71,7 @@ def generate_cod_sample_indices(
 ) -> tuple[Tensor, Tensor]:
     """COD-sample the elements of one sample; returns ``(anchor_pos, depth)``, int64, flat COD layout.
 
-    Algorithm (DESIGN §4; worked example in the module docstring), with ``m = loss_mask`` the
+    Algorithm (docs/cod.md; worked example in the module docstring), with ``m = loss_mask`` the
     shifted mask of length ``seq_length`` and ``n_valid = m.sum()``:
 
     1. depth 0 keeps every position 0..seq_length−1;
@@ -153,7 +153,7 @@ def pack_cod(per_sample: list[tuple[Tensor, Tensor]], doc_starts: list[int]) -> 
 
     Returns:
         ``(anchor_pos, depth, position_ids)``, int64 ``[N]``: row anchors, depths, and RoPE positions
-        ``anchor − doc_start + depth`` counted from the start of the element's own sample (DESIGN §3).
+        ``anchor − doc_start + depth`` counted from the start of the element's own sample (docs/indexing.md).
     """
     if len(per_sample) != len(doc_starts):
         raise ValueError(f"{len(per_sample)} samples but {len(doc_starts)} doc starts")

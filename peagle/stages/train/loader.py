@@ -11,7 +11,7 @@ stream is a function of (seed, epoch, world size, rank, store contents) for any 
 an item depends only on (seed, epoch, sample_id) (``cod_generator``). The loader's state is two
 integers (epoch, batches handed out) plus what must not change; resume = re-plan the epoch, skip.
 
-**Workers do the CPU work** (DESIGN §8): they read samples through the store reader
+**Workers do the CPU work** (docs/performance.md): they read samples through the store reader
 (``peagle.pipeline.store_reader.ShardReader``: training coordinates, shard tensors memory-mapped,
 only the rows of a batch touched), draw COD, pack, gather top-k targets at supervised elements,
 and compute segment plans and flex block indices. The trainer receives finished ``TrainBatch``es
@@ -242,7 +242,7 @@ class TrainLoader:
                               target_to_draft_V=self.target_to_draft_V, mask_token_id=self.mask_token_id)
         workers = self.config.num_workers
         # A dedicated generator: without one, every new iterator draws its workers' base seed from the
-        # global torch RNG, so a resumed run (one more iterator) would end one draw ahead (DESIGN §7).
+        # global torch RNG, so a resumed run (one more iterator) would end one draw ahead (docs/reliability.md).
         loader = DataLoader(dataset, batch_size=None, num_workers=workers, pin_memory=self.config.pin_memory,
                             prefetch_factor=self.config.prefetch_factor if workers else None,
                             generator=torch.Generator().manual_seed(self.config.seed + epoch))

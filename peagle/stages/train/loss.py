@@ -1,4 +1,4 @@
-"""Forward KL(target || draft) over the draft vocab from stored top-k targets (DESIGN §5).
+"""Forward KL(target || draft) over the draft vocab from stored top-k targets (docs/draft-and-export.md).
 
 The target distribution of an element is its stored top-k restricted to draft-vocab ids and
 renormalised (the caller's job: it owns the store and the vocab map); everything outside those
@@ -197,7 +197,7 @@ def acceptance_length_estimate(per_depth_agreement: Sequence[float] | Tensor) ->
 
     ``AL ≈ 1 + Σ_d Π_{j<=d} a_j``: the bonus token is always accepted, and depth d's draft is
     accepted when it and every shallower draft agree with the target's argmax. Depth d here is
-    DESIGN §5's draft_{d+1}. It treats the per-depth agreements as independent; the exact
+    docs/draft-and-export.md's draft_{d+1}. It treats the per-depth agreements as independent; the exact
     ``AL(K)`` (evaluation: full chains, per-anchor products) is higher when errors are correlated,
     so compare estimates only with estimates. A depth with no data (NaN rate) ends the chain.
     """

@@ -1,7 +1,7 @@
 """Sequence partitioning: split a row's flat COD sequence into S segments, one forward/backward each.
 
 With long contexts the single flat forward may not fit; P-EAGLE's Algorithm 1 splits it into S
-segments whose losses (and gradients) add up to the flat forward's exactly (DESIGN §4):
+segments whose losses (and gradients) add up to the flat forward's exactly (docs/mask.md):
 
 * ownership (:func:`assign_cod_segments`): a depth-0 element belongs to the segment of its position
   ``anchor``; a deeper element to the segment of ``anchor + 1``, its chain's depth-1 position, so all
@@ -52,7 +52,7 @@ class SegmentPlan:
 
 
 def assign_cod_segments(anchor_pos: Tensor, depth: Tensor, seq_length: int | Tensor, num_segments: int) -> Tensor:
-    """Segment id in [0, num_segments) of every element of one sample (DESIGN §4).
+    """Segment id in [0, num_segments) of every element of one sample (docs/mask.md).
 
     Depth 0 goes by ``anchor``, depth >= 1 by ``anchor + 1`` (P-EAGLE Algorithm 1: depth 1 by
     position, each deeper element inherits its parent's segment one position back, which ends at the

@@ -4,10 +4,10 @@
 (compiled or not: decided here, once per run), AdamW and the LR schedule. One call:
 
 1. sums the micro-batches' supervised counts and all-reduces them: ONE global count for the step
-   (DESIGN §5), known before any backward, so every unit charges ``loss_sum · world / count``
+   (docs/draft-and-export.md), known before any backward, so every unit charges ``loss_sum · world / count``
    (DDP/FSDP average gradients over ranks; the factor ``world`` undoes that) and nothing is
    averaged per micro-batch. The counts are host ints reduced over a gloo group: no GPU sync;
-2. runs one forward+backward per *unit* (a micro-batch, or one of its segments, DESIGN §4; planned
+2. runs one forward+backward per *unit* (a micro-batch, or one of its segments, docs/cod.md; planned
    by the loader workers, ``segments.plan_units``); gradients sync in the last unit's backward only
    (DDP ``no_sync`` / the FSDP2 flag);
 3. clips, steps AdamW (fp32 master weights; bf16 autocast on CUDA, FSDP2 gathering bf16 parameters
@@ -86,7 +86,7 @@ class DraftStep(nn.Module):
     """Draft forward + the chunked KL at the charged rows, as ONE module forward.
 
     DDP and FSDP2 hook into ``forward``: the lm_head matmul (and its gradient, when the head trains)
-    must happen inside it. Only the e charged rows reach ``lm_head`` (DESIGN §8), a chunk at a time
+    must happen inside it. Only the e charged rows reach ``lm_head`` (docs/performance.md), a chunk at a time
     (``chunked_kl_sum``): peak memory does not grow with e × V. Returns the KLStats fields as a
     tuple, which the wrappers' output hooks traverse.
     """

@@ -1,9 +1,9 @@
-"""The draft vocabulary (DESIGN §5): the N most frequent supervised target tokens of a store.
+"""The draft vocabulary (docs/draft-and-export.md): the N most frequent supervised target tokens of a store.
 
 The draft's ``lm_head`` covers only ``draft_vocab_size`` target tokens. They are chosen by counting
 the tokens the draft is charged for predicting, over the whole store, in one pass over the Parquet
 columns (``input_ids``, ``loss_mask``; no tensor is read), in training coordinates from the store
-reader (DESIGN §3):
+reader (docs/indexing.md):
 
 * a token counts iff it is the target of a supervised position: ``targets[p] = x_{p+2}`` with
   ``m[p] = 1``, i.e. the ``x_i`` with ``loss_mask[i] = 1`` and ``i >= 2`` (``x_0``, ``x_1`` are never

@@ -32,7 +32,7 @@ def test_histogram_views_agree():
 
 
 def test_teacher_forced_chain_formula():
-    """DESIGN §5: AL(K) = 1 + Σ_d mean_over_anchors(Π_{j<=d} correct_j), computed via the histogram."""
+    """docs/draft-and-export.md: AL(K) = 1 + Σ_d mean_over_anchors(Π_{j<=d} correct_j), computed via the histogram."""
     g = torch.Generator().manual_seed(0)
     correct_KC = torch.rand(4, 500, generator=g) < 0.7
     hist = AcceptanceHistogram(4)

@@ -196,7 +196,7 @@ if __name__ == "__main__":
 
 @pytest.mark.slow
 def test_kill_9_leaves_no_engine_and_no_dumps_behind(tiny_llama, tmp_path):
-    """DESIGN §7: after ``kill -9`` of the driver its engine processes stop (they would hold the
+    """docs/reliability.md: after ``kill -9`` of the driver its engine processes stop (they would hold the
     model and, on a GPU, the memory the re-run needs) and the next run removes its staging dir."""
     import signal
     import subprocess

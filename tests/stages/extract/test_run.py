@@ -1,5 +1,4 @@
-"""The extract driver in-process: plan and dry run, store conventions against transformers (DESIGN
-§2/§3), refused re-runs, --strict, non-finite targets, --regenerate, appending data."""
+"""The extract driver in-process: plan and dry run, store conventions against transformers (docs/store.md, docs/indexing.md), refused re-runs, --strict, non-finite targets, --regenerate, appending data."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The shard writer: exact DESIGN §2 columns and tensors, byte-identical output for identical input,
+"""The shard writer: exact docs/store.md columns and tensors, byte-identical output for identical input,
 non-finite samples dropped and counted, and a writer thread that reports its errors."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Training items and batches: DESIGN §3 index shifting against the raw store, packing, targets."""
+"""Training items and batches: docs/indexing.md index shifting against the raw store, packing, targets."""
 
 from __future__ import annotations
 

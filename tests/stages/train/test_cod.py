@@ -1,4 +1,4 @@
-"""COD sampling (DESIGN §4): counts, chain structure, supervision, layout, determinism, packing."""
+"""COD sampling (docs/cod.md): counts, chain structure, supervision, layout, determinism, packing."""
 
 from __future__ import annotations
 

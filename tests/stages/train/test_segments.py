@@ -1,4 +1,4 @@
-"""Sequence partitioning (DESIGN §4): ownership, chain cohesion, and exact causal completion."""
+"""Sequence partitioning (docs/cod.md): ownership, chain cohesion, and exact causal completion."""
 
 from __future__ import annotations
 
