@@ -25,7 +25,7 @@ CHECKPOINTS_DIR = "checkpoints"
 METADATA_FILE = "metadata.json"
 FORMAT_VERSION = 1
 
-# The Stateful parts, under constant keys (STYLE: torchtitan's checkpoint).
+# The Stateful parts, under constant keys (torchtitan's checkpoint layout).
 MODEL = "model"
 OPTIMIZER = "optimizer"
 LR_SCHEDULER = "lr_scheduler"

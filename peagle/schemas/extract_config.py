@@ -1,6 +1,6 @@
 """The configuration of one `peagle extract` run: every CLI flag is a field, its docstring the help.
 
-Validation happens here, before any model or file is touched (STYLE smell 1: typed configs checked
+Validation happens here, before any model or file is touched (typed configs checked
 before work starts). Checks that need the target (the aux layer ids against its layer count) live in
 ``resolve_aux_layer_ids``, which the driver calls once it has read the target's config.
 """

@@ -1,6 +1,6 @@
 """Field docstrings of the config dataclasses: the one source of every CLI flag's help text.
 
-Each config field carries a docstring right under it (STYLE: torchtitan's configs). The CLI reads
+Each config field carries a docstring right under it (as torchtitan's configs do). The CLI reads
 them from here for ``--help``, so the config and the help cannot drift apart; every config
 (extract, train, ...) shares this one reader.
 """

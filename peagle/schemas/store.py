@@ -77,7 +77,7 @@ class TargetIdentity:
     hidden_size: int
     vocab_size: int
     dtype: str
-    content_hash: str  # sha256 over the target's config + weight file names and sizes
+    content_hash: str  # sha256 over config.json and, per weight file, its name, size and byte samples
 
 
 HIDDEN_BF16 = "bf16"

@@ -1,6 +1,6 @@
 """The configuration of one `peagle train` run: every CLI flag is a field, its docstring the help.
 
-Validation happens here, before any model, store or process group is touched (STYLE smell 1).
+Validation happens here, before any model, store or process group is touched.
 Checks that need the target or the store (hidden size, aux layers, vocab) happen where those are
 opened. A checkpoint stores ``to_dict()``; resuming compares it field by field
 (:func:`config_mismatch`) and refuses a change, except for the fields in ``SAFE_TO_CHANGE``.

@@ -3,7 +3,7 @@
 Input is metadata only (a :class:`SampleIndex`: per sample its store, shard, row and training
 length); output is an :class:`EpochPlan` for *every* rank. No I/O, no global RNG: the same
 (metadata, settings, epoch, world size) give the same plan on every process, which is what makes
-the loader's state two integers (mosaicml/streaming's lesson; STYLE.md). Steps:
+the loader's state two integers (mosaicml/streaming's lesson). Steps:
 
 1. units: every shard of every store with eligible samples (a store with fewer shards than ranks is
    cut into sample ranges, so that every rank gets some of every store);

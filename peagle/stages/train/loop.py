@@ -1,4 +1,4 @@
-"""The trainer: named verbs over one training run (STYLE: torchtitan's trainer, nanoGPT's readability).
+"""The trainer: named verbs over one training run (after torchtitan's trainer, with nanoGPT's readability).
 
 ``run_training(config)`` = build, train, close. Each step takes ``grad_accum`` micro-batches from the
 loader (time spent waiting is the *data-wait share*) and hands them to the step (step.py: the global

@@ -7,7 +7,7 @@ gathered next to one log-sum-exp over the draft vocab: no dense [N, V] target is
 
 The loss is returned as a *sum* over supervised elements: the trainer divides by one count of
 supervised elements over the whole global batch (all ranks, micro-batches and segments), so that
-segment and micro-batch splits do not change the loss or its gradient (STYLE smell 6).
+segment and micro-batch splits do not change the loss or its gradient.
 
 Shape letters: N elements, V draft vocab, k top-k, K depths.
 """
