@@ -36,7 +36,9 @@ NUM_STEPS = 3
 def _failure(proc: subprocess.CompletedProcess) -> str:
     """The ranks' own error lines first (torchrun's summary at the end says little)."""
     lines = (proc.stdout + proc.stderr).splitlines()
-    return "\n".join([line for line in lines if "rank" in line and "]:" in line][-40:] + lines[-15:])
+    own = [line for line in lines if ("rank" in line and "]:" in line)
+           or any(word in line for word in ("terminate", "Error", "error:", "abort", "Abort"))]
+    return "\n".join(own[-40:] + lines[-15:])
 
 
 def _micro_batches(step: int, rank: int):
