@@ -317,8 +317,13 @@ class Trainer:
             self.loader.load_state_dict(state[ckpt.DATALOADER])
         ckpt.set_rng_state(state[ckpt.RNG])
 
-    def close(self) -> None:
+    def close(self, *, finished: bool = False) -> None:
+        """Tear the process group down. After a finished run the ranks first meet at a barrier, so no rank
+        hangs up while another is still inside a collective (gloo aborts a process whose peer closes its
+        connection mid-operation); after a failure there is no barrier, since a peer may never come."""
         if dist.is_available() and dist.is_initialized():
+            if finished:
+                dist.barrier()
             dist.destroy_process_group()
 
     # ---------------------------------------------------------------------------------------- helpers
@@ -366,8 +371,10 @@ def run_training(config: TrainConfig) -> None:
     """``peagle train``: build, train, close (every rank runs this)."""
     logging.basicConfig(level=logging.INFO, format="peagle: %(message)s")
     trainer = Trainer(config)
+    finished = False
     try:
         trainer.build()
         trainer.train()
+        finished = True
     finally:
-        trainer.close()
+        trainer.close(finished=finished)

@@ -36,9 +36,9 @@ NUM_STEPS = 3
 def _failure(proc: subprocess.CompletedProcess) -> str:
     """The ranks' own error lines first (torchrun's summary at the end says little)."""
     lines = (proc.stdout + proc.stderr).splitlines()
-    own = [line for line in lines if ("rank" in line and "]:" in line)
-           or any(word in line for word in ("terminate", "Error", "error:", "abort", "Abort"))]
-    return "\n".join(own[-40:] + lines[-15:])
+    own = [line for line in lines if ("rank" in line and "]:" in line) or line.lstrip().startswith("File ")
+           or any(word in line for word in ("terminate", "Error", "error:", "abort", "Abort", "Thread 0x"))]
+    return "\n".join(own[-60:] + lines[-15:])
 
 
 def _micro_batches(step: int, rank: int):
@@ -108,7 +108,8 @@ def _worker(out: str) -> None:
 
 def test_torchrun_two_processes_equal_one_process_with_the_same_global_batch(tmp_path):
     out = tmp_path / "ddp.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # PYTHONFAULTHANDLER: a rank killed by a native abort prints every thread's Python stack.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            "--standalone", str(HERE), str(out)],
                           capture_output=True, text=True, env=env, timeout=300)
@@ -155,7 +156,8 @@ def test_peagle_train_under_torchrun(tmp_path, tiny_store):
                 "--draft-vocab-size", "128", "--num-workers", "0", "--log-every", "1", "--num-depths", "3",
                 "--heldout-fraction", "0"]
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # PYTHONFAULTHANDLER: a rank killed by a native abort prints every thread's Python stack.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            "--standalone", "-m", "peagle", *args(2)], capture_output=True, text=True, env=env,
                           timeout=300)
