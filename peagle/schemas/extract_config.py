@@ -210,9 +210,9 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
 
 
 def resolve_aux_layer_ids(config: ExtractConfig, num_layers: int) -> tuple[int, ...]:
-    """The run's aux layer ids for an N-layer target (the default needs N >= 8 to be distinct)."""
+    """The run's aux layer ids for an N-layer target (the default needs N >= 7 to be distinct)."""
     ids = config.aux_layers if config.aux_layers is not None else default_aux_layer_ids(num_layers)
-    if config.aux_layers is None and num_layers < 6:
+    if config.aux_layers is None and num_layers < 7:
         raise UserError(f"the target has {num_layers} layers: the default aux layers 2,N//2,N-3 are not "
                         "distinct; pass --aux-layers")
     check_aux_layer_ids(ids, num_layers)

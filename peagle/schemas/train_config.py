@@ -81,7 +81,9 @@ class TrainConfig:
 
     sequence_partitions: int = 1
     """S: split each sample's COD sequence into S segments, one forward+backward each (exact: same
-    loss and gradients as S=1, with about 1/S of the activation memory). For long contexts."""
+    loss and gradients as S=1). A unit holds 1/S of the deeper-depth elements but the depth-0 context up
+    to its segment, so peak activation memory falls toward that of the depth-0 row, not to 1/S. For long
+    contexts (docs/mask.md)."""
 
     attention: str = "auto"
     """Attention backend: `flex` (flex_attention with a block mask; needs CUDA for training), `sdpa`
@@ -118,7 +120,8 @@ class TrainConfig:
     written by an older peagle that recorded none (it is then checked against all stored tokens)."""
 
     token_budget: int = 16384
-    """Original tokens per micro-batch on each rank (samples are packed up to this)."""
+    """Training positions per micro-batch on each rank: samples (n tokens give n - 1 positions) are
+    packed into one row up to this; COD then adds the deeper-depth elements on top."""
 
     grad_accum: int = 1
     """Micro-batches per optimizer step on each rank. Global batch = world size x grad_accum x
@@ -167,8 +170,9 @@ class TrainConfig:
     replicating them with DDP (for drafts that do not fit one device with their optimizer state)."""
 
     init_from: str | None = None
-    """Warm-start the draft from an exported P-EAGLE or EAGLE-3 draft directory (`peagle export`
-    output, or a speculators checkpoint) instead of the target's embeddings and lm_head."""
+    """Warm-start from an exported P-EAGLE or EAGLE-3 draft directory (`peagle export` output, or a
+    speculators checkpoint): every tensor whose name and shape match is copied (the draft vocab must be
+    the same); the rest keep their usual start (the target's embeddings and lm_head, random layers)."""
 
     heldout_fraction: float = 0.01
     """Share of training samples held out for evaluation when no --eval-store is given (0: none)."""

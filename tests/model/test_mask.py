@@ -1,4 +1,4 @@
-"""The P-EAGLE mask: mask_mod vs a brute-force reading of docs/cod.md, dense vs mask_mod, and the
+"""The P-EAGLE mask: mask_mod vs a brute-force reading of docs/mask.md, dense vs mask_mod, and the
 metadata-built BlockMask vs create_block_mask (block indices and flex forward)."""
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def random_flat_row(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 
 def brute_force_mask(anchor: list[int], depth: list[int], lengths: list[int], total: int) -> list[list[bool]]:
-    """docs/cod.md read literally, one pair at a time."""
+    """docs/mask.md read literally, one pair at a time."""
     doc_of_pos = [-1] * total
     pos = 0
     for doc, length in enumerate(lengths):

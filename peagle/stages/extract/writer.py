@@ -168,8 +168,8 @@ def write_and_commit(root: Path, content: ShardContent, settings: S.StoreSetting
     try:
         tensor_bytes, tensor_sha = write_shard_file(
             root, S.tensors_name(content.index), lambda tmp: write_tensors(tmp, encoded, settings))
-    except Exception:
-        # Readers would ignore it (no commit record), but a half shard should not even be on disk.
+    except BaseException:  # also an interrupt: readers would ignore the file (no commit record), but a
+        # half shard should not even be on disk.
         (root / S.parquet_name(content.index)).unlink(missing_ok=True)
         raise
     record = S.ShardRecord(

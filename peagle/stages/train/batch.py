@@ -15,7 +15,7 @@ here adds 1 or 2 to an index.
 of T positions under a token budget. The P-EAGLE forward is over the flat COD sequence, whose length
 N is random (COD sampling) even for one sample, so a "row per sample" layout would pad every row to
 the longest N of the batch; packing into one row pads nothing. Documents stay isolated through the
-mask (``doc_lengths_D``: an element sees only elements of its own sample, docs/cod.md), COD sampling
+mask (``doc_lengths_D``: an element sees only elements of its own sample, docs/mask.md), COD sampling
 stays per sample, and RoPE positions count from each sample's start (``position_ids_N``), so a packed
 sample is computed exactly as it would be alone.
 

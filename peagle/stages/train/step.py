@@ -7,7 +7,7 @@
    (docs/draft-and-export.md), known before any backward, so every unit charges ``loss_sum · world / count``
    (DDP/FSDP average gradients over ranks; the factor ``world`` undoes that) and nothing is
    averaged per micro-batch. The counts are host ints reduced over a gloo group: no GPU sync;
-2. runs one forward+backward per *unit* (a micro-batch, or one of its segments, docs/cod.md; planned
+2. runs one forward+backward per *unit* (a micro-batch, or one of its segments, docs/mask.md; planned
    by the loader workers, ``segments.plan_units``); gradients sync in the last unit's backward only
    (DDP ``no_sync`` / the FSDP2 flag);
 3. clips, steps AdamW (fp32 master weights; bf16 autocast on CUDA, FSDP2 gathering bf16 parameters

@@ -1,4 +1,4 @@
-"""Sequence partitioning is exact (docs/cod.md): S in {2, 4} gives S = 1's loss and every gradient.
+"""Sequence partitioning is exact (docs/mask.md): S in {2, 4} gives S = 1's loss and every gradient.
 
 Random batches through the real collate (COD sampling, packing, segment plans) and the real trainer
 step (``TrainStep.forward_backward``), on CPU in float32; then the same inside a 2-process gloo

@@ -1,4 +1,4 @@
-"""Sequence partitioning (docs/cod.md): ownership, chain cohesion, and exact causal completion."""
+"""Sequence partitioning (docs/mask.md): ownership, chain cohesion, and exact causal completion."""
 
 from __future__ import annotations
 
