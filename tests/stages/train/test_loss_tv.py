@@ -117,3 +117,19 @@ def test_chunked_tv_keeps_nothing_sized_rows_times_vocab():
     alive = [t.numel() * t.element_size() for ref in saved if (t := ref()) is not None]
     stats.loss_sum.backward()
     assert max(alive) <= num * hidden_size * 4 and h.grad.shape == (num, hidden_size)
+
+
+def test_a_tv_run_learns_and_reports_per_depth_stats(tmp_path, tiny_store):
+    """`peagle train --loss tv` in process: the logged loss (and the eval's) is the TV, in [0, 1]."""
+    from peagle.stages.train.loop import run_training
+    from test_loop import metrics, run_config
+
+    out = tmp_path / "tv"
+    run_training(run_config(tiny_store, out, loss="tv"))
+    records = metrics(out)
+    train = [r for r in records if r["kind"] == "train"]
+    assert train[-1]["loss"] < train[0]["loss"] and all(0 < r["loss"] <= 1 for r in records if "loss" in r)
+    for r in train:
+        assert len(r["depth_loss"]) == len(r["depth_agreement"]) == 4 and r["depth_count"][0] > 0
+        assert all(0 <= d <= 1 for d in r["depth_loss"] if d is not None)
+    assert [r["step"] for r in records if r["kind"] == "eval"] == [2, 4]

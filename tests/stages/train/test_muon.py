@@ -4,6 +4,8 @@ torch's AdamW, the param split on a real PEagleDraft, descent on a toy problem, 
 from __future__ import annotations
 
 import io
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +14,10 @@ from hypothesis import strategies as st
 
 from peagle.model.draft import PEagleDraft
 from peagle.schemas.draft_config import DraftConfig
+from peagle.schemas.errors import UserError
+from peagle.schemas.train_config import TrainConfig
 from peagle.stages.train.muon import CUBIC, QUINTIC, MuonAdamW, muon_param_groups, muon_scale, newton_schulz
+sys.path.insert(0, str(Path(__file__).parent))  # sibling test helpers (test_loop), whatever pytest's import mode
 
 
 def tiny_draft(num_layers: int = 2, train_lm_head: bool = False, seed: int = 0) -> PEagleDraft:
@@ -209,3 +214,74 @@ def test_state_dict_round_trip_resumes_exactly() -> None:
         assert torch.equal(a, b), name
     kinds = {frozenset(s) for s in resumed_opt.state.values()}
     assert kinds == {frozenset({"momentum_buffer"}), frozenset({"step", "exp_avg", "exp_avg_sq"})}
+
+
+# ------------------------------------------------------------------------------------------------
+# Wired into the trainer: `peagle train --optimizer muon --muon-lr LR`
+
+
+def test_build_optimizer_gives_muon_its_rate_and_the_schedule_keeps_the_ratio() -> None:
+    from peagle.stages.train.step import build_optimizer, lr_factor
+
+    config = TrainConfig(store=("s",), target="t", out="o", optimizer="muon", muon_lr=0.05, lr=1e-3, weight_decay=0.1)
+    draft = tiny_draft()
+    opt = build_optimizer(draft, config, torch.device("cpu"))
+    assert isinstance(opt, MuonAdamW)
+    assert {(g["muon"], g["lr"], g["weight_decay"]) for g in opt.param_groups} == {
+        (True, 0.05, 0.1), (False, 1e-3, 0.1), (False, 1e-3, 0.0)}
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, 2, 10))
+    for step in range(6):
+        rates = {g["muon"]: g["lr"] for g in opt.param_groups}
+        assert rates[True] == pytest.approx(0.05 * lr_factor(step, 2, 10))
+        assert rates[True] / rates[False] == pytest.approx(50.0)
+        opt.step()
+        sched.step()
+    adamw = build_optimizer(draft, TrainConfig(store=("s",), target="t", out="o"), torch.device("cpu"))
+    assert type(adamw) is torch.optim.AdamW
+
+
+def test_config_refuses_muon_with_fsdp_and_unknown_choices() -> None:
+    with pytest.raises(UserError, match="^--optimizer muon and --fsdp conflict: Muon orthogonalises whole matrices"):
+        TrainConfig(store=("s",), target="t", out="o", optimizer="muon", fsdp=True)
+    with pytest.raises(UserError, match="--optimizer must be one of adamw|muon, got 'sgd'"):
+        TrainConfig(store=("s",), target="t", out="o", optimizer="sgd")
+    with pytest.raises(UserError, match="--muon-lr must be > 0"):
+        TrainConfig(store=("s",), target="t", out="o", optimizer="muon", muon_lr=0.0)
+    TrainConfig(store=("s",), target="t", out="o", optimizer="adamw", fsdp=True)  # AdamW shards fine
+
+
+def test_a_muon_run_resumes_exactly_from_a_mid_checkpoint(tmp_path, tiny_store) -> None:
+    """4 steps straight vs killed after the step-2 checkpoint and re-run: the same metrics lines and
+    bit-identical weights; the checkpoint holds Muon's momentum and AdamW's moments by parameter."""
+    import json
+    import shutil
+
+    from peagle.pipeline import checkpoint_files as cf
+    from peagle.stages.train import checkpoint as ckpt
+    from peagle.stages.train.loop import run_training
+    from peagle.stages.train.step import lr_factor
+    from test_loop import TIMING, metrics, run_config
+
+    straight = tmp_path / "straight"
+    run_training(run_config(tiny_store, straight, optimizer="muon", muon_lr=0.02))
+    train = [r for r in metrics(straight) if r["kind"] == "train"]
+    assert train[-1]["loss"] < train[0]["loss"]
+    assert [r["lr"] for r in train] == pytest.approx([2e-3 * lr_factor(s, 1, 4) for s in range(4)])  # --lr's
+
+    state = ckpt.load_checkpoint(cf.latest_valid_checkpoint(straight))[ckpt.OPTIMIZER]
+    groups = {g["muon"]: g for g in state["param_groups"]}
+    assert groups[True]["initial_lr"] == 0.02 and groups[False]["initial_lr"] == 2e-3
+    kinds = {name: frozenset(s) for name, s in state["state"].items()}
+    assert kinds["layers.0.self_attn.q_proj.weight"] == {"momentum_buffer"}
+    assert kinds["fc.weight"] == {"step", "exp_avg", "exp_avg_sq"}
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step-00000004")
+    run_training(run_config(tiny_store, resumed, optimizer="muon", muon_lr=0.02))
+    assert metrics(resumed) == [r | ({} if r["kind"] == "eval" else {k: r2[k] for k in TIMING})
+                                for r, r2 in zip(metrics(straight), metrics(resumed))]
+    a = torch.load(straight / "checkpoints" / "step-00000004" / "model.pt")
+    b = torch.load(resumed / "checkpoints" / "step-00000004" / "model.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    json.dumps(state["param_groups"])  # plain values: the checkpoint's optimizer part stays portable
