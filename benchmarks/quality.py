@@ -68,6 +68,8 @@ VARIANTS: dict[str, dict[str, str | None]] = {
     "anchors8": {"--max-anchors": "8"},  # at most 8 chains per sample
     "layers2": {"--num-layers": "2"},
     "lr1e-3": {"--lr": "1e-3"},
+    "muon": {"--optimizer": "muon", "--muon-lr": "0.02"},  # Muon on the layers' matrices, AdamW (--lr 3e-3) on the rest
+    "tv": {"--loss": "tv"},  # total variation instead of forward KL (docs/loss.md)
     # Round two adds one line each, e.g. "qwen3": {"--draft-architecture": "qwen3"}.
 }
 """Named variants: flags that replace or extend :data:`BASE_TRAIN` (value None: a bare switch)."""

@@ -3,9 +3,9 @@
 The target distribution of an element is its stored top-k restricted to draft-vocab ids and
 renormalised (the caller's job: it owns the store and the vocab map); everything outside those
 ids has target probability 0. So per element only k draft logits are gathered next to one
-log-sum-exp over the draft vocab: no dense [N, V] target is ever built. Two losses (``LOSSES``):
-forward KL(target || draft), where ids of target probability 0 contribute nothing, and total
-variation ``½ Σ_v |p_v - q_v|``, whose sum over the ids outside the top-k is the draft's mass
+log-sum-exp over the draft vocab: no dense [N, V] target is ever built. Two losses
+(``ELEMENT_LOSSES``, ``--loss``): forward KL(target || draft), where ids of target probability 0
+contribute nothing, and total variation ``½ Σ_v |p_v - q_v|``, whose sum over the ids outside the top-k is the draft's mass
 there, ``1 - Σ_k q``: both need only the k gathered probabilities and the log-sum-exp.
 
 The loss is returned as a *sum* over supervised elements: the trainer divides by one count of

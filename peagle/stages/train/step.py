@@ -10,13 +10,14 @@
 2. runs one forward+backward per *unit* (a micro-batch, or one of its segments, docs/cod.md; planned
    by the loader workers, ``segments.plan_units``); gradients sync in the last unit's backward only
    (DDP ``no_sync`` / the FSDP2 flag);
-3. clips, steps AdamW (fp32 master weights; bf16 autocast on CUDA, FSDP2 gathering bf16 parameters
-   and reducing fp32 gradients) and the LR schedule (warmup, cosine).
+3. clips, steps the optimizer (AdamW, or Muon+AdamW with ``--optimizer muon``; fp32 master
+   weights; bf16 autocast on CUDA, FSDP2 gathering bf16 parameters and reducing fp32 gradients)
+   and the LR schedule (warmup, cosine).
 
 **No host sync before the clip.** Batches arrive pinned with every index a unit needs (document ids,
 unit plans, BlockMask indices) and are copied ``non_blocking``; masks are built from them with
-device ops; the loss is a chunked KL inside the wrapped forward; the stats stay on the device
-(:class:`KLStats`, read by the trainer once per logged step). tests/stages/train/test_step.py
+device ops; the loss is a chunked KL (or TV, ``--loss``) inside the wrapped forward; the stats
+stay on the device (:class:`KLStats`, read by the trainer once per logged step). tests/stages/train/test_step.py
 holds the forward+backward to that on the CPU (no op that would sync on a GPU), and the CUDA
 tests run it under ``torch.cuda.set_sync_debug_mode("error")``.
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from peagle.stages.train.loss import chunked_kl_sum, divergence_sum
+from peagle.schemas.train_config import LOSSES
+from peagle.stages.train.loss import ELEMENT_LOSSES, chunked_kl_sum, divergence_sum
 sys.path.insert(0, str(Path(__file__).parent))  # sibling test helpers, whatever pytest's import mode
 from test_loss import random_targets  # noqa: E402
 
@@ -133,3 +134,7 @@ def test_a_tv_run_learns_and_reports_per_depth_stats(tmp_path, tiny_store):
         assert len(r["depth_loss"]) == len(r["depth_agreement"]) == 4 and r["depth_count"][0] > 0
         assert all(0 <= d <= 1 for d in r["depth_loss"] if d is not None)
     assert [r["step"] for r in records if r["kind"] == "eval"] == [2, 4]
+
+
+def test_every_loss_flag_has_an_implementation():
+    assert tuple(ELEMENT_LOSSES) == LOSSES
