@@ -17,6 +17,8 @@ from typing import Any
 from peagle.schemas.errors import UserError
 
 ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
+OPTIMIZERS = ("adamw", "muon")
+LOSSES = ("forward_kl", "tv")
 
 SAFE_TO_CHANGE = frozenset({
     "out", "max_steps", "epochs", "eval_every", "save_every", "keep_checkpoints", "log_every", "num_workers",
@@ -99,7 +101,8 @@ class TrainConfig:
     """Stop after this many passes over the training data (exclusive with --max-steps)."""
 
     lr: float = 1e-4
-    """Peak learning rate of AdamW (after warmup; cosine decay to 10% of it by the last step)."""
+    """Peak learning rate of AdamW (after warmup; cosine decay to 10% of it by the last step). With
+    --optimizer muon: of the parameters AdamW still updates (--muon-lr is the matrices')."""
 
     seed: int = 0
     """Run seed: draft init, data order and every COD draw derive from it."""
@@ -131,10 +134,26 @@ class TrainConfig:
     """Linear learning-rate warmup from 0 over this many optimizer steps."""
 
     weight_decay: float = 0.01
-    """AdamW decoupled weight decay."""
+    """Decoupled weight decay on 2-D weights except embed_tokens (with --optimizer muon, on Muon's
+    matrices too, each scaled by its own learning rate)."""
 
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 turns clipping off)."""
+
+    optimizer: str = "adamw"
+    """`adamw`: AdamW on every parameter at --lr. `muon`: Muon (momentum orthogonalised by
+    Newton-Schulz) at --muon-lr on the decoder layers' 2-D weights (attention and MLP projections),
+    AdamW at --lr on the rest (embeddings, fc, lm_head, norms, mask_hidden). Not with --fsdp."""
+
+    muon_lr: float = 0.02
+    """Peak learning rate of Muon's matrices with --optimizer muon (warmup and cosine decay as --lr,
+    so the two keep their ratio). Muon's step has a fixed spectral size, so it needs a larger rate
+    than AdamW's."""
+
+    loss: str = "forward_kl"
+    """Training loss per element against the stored top-k, renormalised over the draft vocab:
+    `forward_kl` (KL(target || draft)) or `tv` (total variation distance, 1 - the acceptance
+    probability of speculative sampling). See docs/loss.md for what the untracked tail does to each."""
 
     max_anchors: int | None = None
     """Cap M on the draft chains of each sample: at most M of its positions start a chain (get
@@ -214,6 +233,15 @@ class TrainConfig:
             raise UserError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if not (math.isfinite(self.grad_clip) and self.grad_clip >= 0):
             raise UserError(f"--grad-clip must be >= 0 (0 = off), got {self.grad_clip}")
+        if self.optimizer not in OPTIMIZERS:
+            raise UserError(f"--optimizer must be one of {'|'.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if not (math.isfinite(self.muon_lr) and self.muon_lr > 0):
+            raise UserError(f"--muon-lr must be > 0, got {self.muon_lr}")
+        if self.optimizer == "muon" and self.fsdp:
+            raise UserError("--optimizer muon and --fsdp conflict: Muon orthogonalises whole matrices and FSDP2 "
+                            "shards them; use DDP (drop --fsdp) or --optimizer adamw")
+        if self.loss not in LOSSES:
+            raise UserError(f"--loss must be one of {'|'.join(LOSSES)}, got {self.loss!r}")
         if not 0 <= self.heldout_fraction < 1:
             raise UserError(f"--heldout-fraction must be in [0, 1), got {self.heldout_fraction}")
 

@@ -1,9 +1,12 @@
-"""Forward KL(target || draft) over the draft vocab from stored top-k targets (docs/draft-and-export.md).
+"""The training loss over the draft vocab from stored top-k targets (docs/draft-and-export.md, docs/loss.md).
 
 The target distribution of an element is its stored top-k restricted to draft-vocab ids and
 renormalised (the caller's job: it owns the store and the vocab map); everything outside those
-ids has target probability 0 and contributes nothing. So per element only k draft logits are
-gathered next to one log-sum-exp over the draft vocab: no dense [N, V] target is ever built.
+ids has target probability 0. So per element only k draft logits are gathered next to one
+log-sum-exp over the draft vocab: no dense [N, V] target is ever built. Two losses
+(``ELEMENT_LOSSES``, ``--loss``): forward KL(target || draft), where ids of target probability 0
+contribute nothing, and total variation ``½ Σ_v |p_v - q_v|``, whose sum over the ids outside the top-k is the draft's mass
+there, ``1 - Σ_k q``: both need only the k gathered probabilities and the log-sum-exp.
 
 The loss is returned as a *sum* over supervised elements: the trainer divides by one count of
 supervised elements over the whole global batch (all ranks, micro-batches and segments), so that
@@ -68,9 +71,33 @@ class KLStats:
         return (self.loss_sum, self.depth_loss_sum, self.depth_correct, self.depth_count, self.num_uncovered)
 
 
+def _forward_kl_N(p_Nk: Tensor, draft_logp_Nk: Tensor, in_vocab_Nk: Tensor) -> Tensor:
+    """KL = Σ p log p - Σ p log q; xlogy makes p = 0 terms exactly 0 (no 0 · -inf)."""
+    return (torch.xlogy(p_Nk, p_Nk) - p_Nk * draft_logp_Nk).sum(dim=-1)
+
+
+def _total_variation_N(p_Nk: Tensor, draft_logp_Nk: Tensor, in_vocab_Nk: Tensor) -> Tensor:
+    """TV = ½ (Σ_k |p - q| + Σ_{v outside the k} q_v), the second sum being ``1 - Σ_k q``: exact,
+    since p is 0 outside the k in-vocab ids. Its gradient reaches every draft logit through the
+    log-sum-exp. Columns of id -1 hold p = 0 and are masked out of q."""
+    q_Nk = torch.where(in_vocab_Nk, draft_logp_Nk.exp(), torch.zeros_like(draft_logp_Nk))
+    return 0.5 * ((p_Nk - q_Nk).abs().sum(dim=-1) + (1.0 - q_Nk.sum(dim=-1)))
+
+
+ELEMENT_LOSSES: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
+    "forward_kl": _forward_kl_N, "tv": _total_variation_N}
+"""Per-element loss from (target probs, draft log-probs at the k ids, in-vocab mask), all ``[N, k]``."""
+
+
 def forward_kl_sum(draft_logits_NV: Tensor, target_draft_ids_Nk: Tensor, target_probs_Nk: Tensor,
                    supervised_N: Tensor, depth_N: Tensor, num_depths: int) -> KLStats:
-    """Σ over supervised elements of KL(p ‖ softmax(draft_logits)), with per-depth statistics.
+    """`divergence_sum` with the forward KL (the default loss)."""
+    return divergence_sum(draft_logits_NV, target_draft_ids_Nk, target_probs_Nk, supervised_N, depth_N, num_depths)
+
+
+def divergence_sum(draft_logits_NV: Tensor, target_draft_ids_Nk: Tensor, target_probs_Nk: Tensor,
+                   supervised_N: Tensor, depth_N: Tensor, num_depths: int, loss: str = "forward_kl") -> KLStats:
+    """Σ over supervised elements of ``loss``(p, softmax(draft_logits)), with per-depth statistics.
 
     Args:
         draft_logits_NV: draft logits over the draft vocab (any float dtype; reduced in fp32).
@@ -81,7 +108,9 @@ def forward_kl_sum(draft_logits_NV: Tensor, target_draft_ids_Nk: Tensor, target_
         supervised_N: bool mask (or float weights: the KL is weighted, counts use weight > 0).
         depth_N: int depth of each element, in ``[0, num_depths)``.
         num_depths: K, the length of the per-depth statistics.
+        loss: a key of ``ELEMENT_LOSSES``; ``depth_loss_sum`` holds the same loss.
     """
+    element_loss = ELEMENT_LOSSES[loss]
     ids_Nk = target_draft_ids_Nk.long()
     in_vocab_Nk = ids_Nk >= 0
     covered_N = in_vocab_Nk.any(dim=-1)
@@ -93,8 +122,7 @@ def forward_kl_sum(draft_logits_NV: Tensor, target_draft_ids_Nk: Tensor, target_
     lse_N = torch.logsumexp(logits32_NV, dim=-1)
     draft_logp_Nk = logits32_NV.gather(1, ids_Nk.clamp_min(0)) - lse_N[:, None]
     p_Nk = torch.where(in_vocab_Nk, target_probs_Nk.float(), torch.zeros_like(draft_logp_Nk))
-    # KL = Σ p log p - Σ p log q; xlogy makes p = 0 terms exactly 0 (no 0 · -inf).
-    kl_N = (torch.xlogy(p_Nk, p_Nk) - p_Nk * draft_logp_Nk).sum(dim=-1)
+    kl_N = element_loss(p_Nk, draft_logp_Nk, in_vocab_Nk)
     weighted_kl_N = kl_N * weight_N
 
     correct_N = counted_N & (draft_logits_NV.argmax(dim=-1) == ids_Nk[:, 0])
@@ -114,8 +142,9 @@ DEFAULT_CHUNK_ROWS = 4096
 
 
 def chunked_kl_sum(hidden_EH: Tensor, head_weight_VH: Tensor, target_draft_ids_Ek: Tensor, target_probs_Ek: Tensor,
-                   depth_E: Tensor, num_depths: int, *, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> KLStats:
-    """`forward_kl_sum` of ``hidden_EH @ head_weight_VHᵀ`` (every row supervised), ``chunk_rows`` rows at a time.
+                   depth_E: Tensor, num_depths: int, *, chunk_rows: int = DEFAULT_CHUNK_ROWS,
+                   loss: str = "forward_kl") -> KLStats:
+    """`divergence_sum` of ``hidden_EH @ head_weight_VHᵀ`` (every row supervised), ``chunk_rows`` rows at a time.
 
     Peak memory holds one chunk's ``[chunk, V]`` logits, their fp32 copy and gradient, never
     ``[E, V]`` (~20 GB at E = 55k, V = 32k): each chunk's gradient with respect to ``hidden_EH``
@@ -123,7 +152,8 @@ def chunked_kl_sum(hidden_EH: Tensor, head_weight_VH: Tensor, target_draft_ids_E
     is dropped; what backward keeps is ``[E, H]`` (plus ``[V, H]`` for a trained head). The loss
     is linear in those gradients, so backward only scales them by the incoming gradient. The sums
     and gradients are the unchunked ones (the same ops per row; only the head's gradient adds
-    chunk partial sums in another order). Autocast applies inside as it would outside.
+    chunk partial sums in another order). Autocast applies inside as it would outside. ``loss``
+    (forward KL by default, or TV) does not change any of this: each is a sum of per-row terms.
 
     Call it where the head's gradient must reach DDP/FSDP: inside the wrapped module's forward
     (``step.DraftStep``); its weight gradient is returned through autograd like any other.
@@ -131,21 +161,21 @@ def chunked_kl_sum(hidden_EH: Tensor, head_weight_VH: Tensor, target_draft_ids_E
     if not (torch.is_grad_enabled() and (hidden_EH.requires_grad or head_weight_VH.requires_grad)):
         with torch.no_grad():
             return _chunk_sums(hidden_EH, head_weight_VH, target_draft_ids_Ek, target_probs_Ek, depth_E, num_depths,
-                               chunk_rows)
+                               chunk_rows, loss)
     loss_sum, *stats = _ChunkedKL.apply(hidden_EH, head_weight_VH, target_draft_ids_Ek, target_probs_Ek, depth_E,
-                                        num_depths, chunk_rows)
+                                        num_depths, chunk_rows, loss)
     return KLStats(loss_sum, *stats)
 
 
-def _chunk_sums(hidden_EH, weight_VH, ids_Ek, probs_Ek, depth_E, num_depths, chunk_rows,
+def _chunk_sums(hidden_EH, weight_VH, ids_Ek, probs_Ek, depth_E, num_depths, chunk_rows, loss,
                 on_chunk: Callable[[KLStats, Tensor, Tensor], None] | None = None) -> KLStats:
-    """Per-chunk `forward_kl_sum`, summed; ``on_chunk(stats, hidden_chunk, weight)`` sees each graph."""
+    """Per-chunk `divergence_sum`, summed; ``on_chunk(stats, hidden_chunk, weight)`` sees each graph."""
     total = KLStats.zeros(num_depths, hidden_EH.device)
     for start in range(0, hidden_EH.shape[0], chunk_rows):
         rows = slice(start, start + chunk_rows)
         hidden_cH = hidden_EH[rows]
-        stats = forward_kl_sum(F.linear(hidden_cH, weight_VH), ids_Ek[rows], probs_Ek[rows],
-                               torch.ones_like(depth_E[rows], dtype=torch.bool), depth_E[rows], num_depths)
+        stats = divergence_sum(F.linear(hidden_cH, weight_VH), ids_Ek[rows], probs_Ek[rows],
+                               torch.ones_like(depth_E[rows], dtype=torch.bool), depth_E[rows], num_depths, loss)
         if on_chunk is not None:
             on_chunk(stats, hidden_cH, weight_VH)
         total = total + stats.detach()
@@ -156,7 +186,7 @@ class _ChunkedKL(torch.autograd.Function):
     """Forward computes the sums and, chunk by chunk, d(loss_sum)/d(hidden, weight); backward scales them."""
 
     @staticmethod
-    def forward(ctx, hidden_EH, weight_VH, ids_Ek, probs_Ek, depth_E, num_depths, chunk_rows):
+    def forward(ctx, hidden_EH, weight_VH, ids_Ek, probs_Ek, depth_E, num_depths, chunk_rows, loss):
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden_EH = torch.zeros_like(hidden_EH) if want_hidden else None
         # The head's gradient adds up over chunks: in fp32, whatever the weight's (FSDP2: bf16) dtype.
@@ -177,7 +207,8 @@ class _ChunkedKL(torch.autograd.Function):
 
         with torch.enable_grad():
             # Slices of the leaf keep each chunk's graph separate (nothing accumulates in .grad).
-            total = _chunk_sums(hidden_leaf, weight_leaf, ids_Ek, probs_Ek, depth_E, num_depths, chunk_rows, on_chunk)
+            total = _chunk_sums(hidden_leaf, weight_leaf, ids_Ek, probs_Ek, depth_E, num_depths, chunk_rows, loss,
+                                on_chunk)
         ctx.save_for_backward(grad_hidden_EH, grad_weight_VH)
         ctx.weight_dtype = weight_VH.dtype
         stats = (total.depth_loss_sum, total.depth_correct, total.depth_count, total.num_uncovered)
@@ -189,7 +220,7 @@ class _ChunkedKL(torch.autograd.Function):
         grad_hidden_EH, grad_weight_VH = ctx.saved_tensors
         grad_weight = None if grad_weight_VH is None else (grad_weight_VH * grad_loss).to(ctx.weight_dtype)
         grad_hidden = None if grad_hidden_EH is None else grad_hidden_EH * grad_loss.to(grad_hidden_EH.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def acceptance_length_estimate(per_depth_agreement: Sequence[float] | Tensor) -> float:

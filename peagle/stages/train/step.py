@@ -10,13 +10,14 @@
 2. runs one forward+backward per *unit* (a micro-batch, or one of its segments, docs/mask.md; planned
    by the loader workers, ``segments.plan_units``); gradients sync in the last unit's backward only
    (DDP ``no_sync`` / the FSDP2 flag);
-3. clips, steps AdamW (fp32 master weights; bf16 autocast on CUDA, FSDP2 gathering bf16 parameters
-   and reducing fp32 gradients) and the LR schedule (warmup, cosine).
+3. clips, steps the optimizer (AdamW, or Muon+AdamW with ``--optimizer muon``; fp32 master
+   weights; bf16 autocast on CUDA, FSDP2 gathering bf16 parameters and reducing fp32 gradients)
+   and the LR schedule (warmup, cosine).
 
 **No host sync before the clip.** Batches arrive pinned with every index a unit needs (document ids,
 unit plans, BlockMask indices) and are copied ``non_blocking``; masks are built from them with
-device ops; the loss is a chunked KL inside the wrapped forward; the stats stay on the device
-(:class:`KLStats`, read by the trainer once per logged step). tests/stages/train/test_step.py
+device ops; the loss is a chunked KL (or TV, ``--loss``) inside the wrapped forward; the stats
+stay on the device (:class:`KLStats`, read by the trainer once per logged step). tests/stages/train/test_step.py
 holds the forward+backward to that on the CPU (no op that would sync on a GPU), and the CUDA
 tests run it under ``torch.cuda.set_sync_debug_mode("error")``.
 
@@ -91,16 +92,16 @@ class DraftStep(nn.Module):
     tuple, which the wrappers' output hooks traverse.
     """
 
-    def __init__(self, draft: PEagleDraft, num_depths: int, flex: FlexRunner | None = None):
+    def __init__(self, draft: PEagleDraft, num_depths: int, flex: FlexRunner | None = None, loss: str = "forward_kl"):
         super().__init__()
-        self.draft, self.num_depths, self.flex = draft, num_depths, flex
+        self.draft, self.num_depths, self.flex, self.loss = draft, num_depths, flex, loss
 
     def forward(self, token_ids_M: Tensor, aux_RAH: Tensor, position_ids_M: Tensor, attn_mask: Any,
                 supervised_idx_e: Tensor, target_ids_ek: Tensor, target_probs_ek: Tensor,
                 depth_e: Tensor) -> tuple[Tensor, ...]:
         hidden_MH = self.draft(token_ids_M, aux_RAH, position_ids_M, attn_mask, self.flex)
         stats = chunked_kl_sum(hidden_MH[supervised_idx_e], self.draft.lm_head.weight, target_ids_ek,
-                               target_probs_ek, depth_e, self.num_depths)
+                               target_probs_ek, depth_e, self.num_depths, loss=self.loss)
         return stats.loss_sum, stats.depth_loss_sum, stats.depth_correct, stats.depth_count, stats.num_uncovered
 
 
@@ -154,7 +155,7 @@ class TrainStep:
         self.draft = draft.to(device)
         # The compile decision, once per run: Inductor's flex kernels on CUDA, eager flex elsewhere.
         self.flex = FlexRunner(compile=device.type == "cuda") if attention == "flex" else None
-        self.model = self._parallelize(DraftStep(self.draft, config.num_depths, self.flex))
+        self.model = self._parallelize(DraftStep(self.draft, config.num_depths, self.flex, config.loss))
         self.optimizer = build_optimizer(self.draft, config, device)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, config.warmup_steps, total_steps))
@@ -190,7 +191,7 @@ class TrainStep:
             params = [p for p in self.draft.parameters() if p.requires_grad]
             grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip).detach()
         self.optimizer.step()
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.scheduler.get_last_lr()[-1]  # --lr's: the last group is AdamW's for both optimizers
         self.scheduler.step()
         return StepResult(stats, *counts, grad_norm=grad_norm, lr=lr)
 
@@ -289,7 +290,20 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
 
 def build_optimizer(draft: PEagleDraft, config: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
     """AdamW over the trainable fp32 parameters; weight decay on matrices only (not norms, embeddings
-    or ``mask_hidden``, which is an input rather than a weight). Fused on CUDA."""
+    or ``mask_hidden``, which is an input rather than a weight). Fused on CUDA.
+
+    ``--optimizer muon``: :class:`MuonAdamW` with the same decay split, Muon at ``--muon-lr`` on the
+    decoder layers' matrices and AdamW at ``--lr`` on the rest (muon.py says why each goes where).
+    Every group keeps its own base rate, so the LambdaLR schedule scales both by one factor and
+    keeps their ratio. Under DDP every rank holds the whole, already all-reduced gradient before
+    the step, so Muon's Newton-Schulz runs on identical matrices and the replicas stay identical;
+    FSDP2 shards are refused by the config (TrainConfig)."""
+    if config.optimizer == "muon":
+        from peagle.stages.train.muon import MuonAdamW, muon_param_groups
+
+        groups = muon_param_groups(draft, muon_lr=config.muon_lr, adamw_lr=config.lr,
+                                   weight_decay=config.weight_decay)
+        return MuonAdamW(groups, lr=config.lr, muon_lr=config.muon_lr, betas=(0.9, 0.95), eps=1e-8)
     decay, no_decay = [], []
     for name, p in draft.named_parameters():
         if not p.requires_grad:

@@ -1,5 +1,5 @@
 """torchrun --nproc-per-node 2 on CPU (gloo) trains exactly like one process with the same global batch,
-with DDP and with FSDP2 (whose checkpoint also resumes exactly); FSDP2 with the bf16 mixed-precision
+with DDP (AdamW and Muon) and with FSDP2 (whose checkpoint also resumes exactly); FSDP2 with the bf16 mixed-precision
 policy (what CUDA runs use) gathers bf16 parameters, keeps fp32 master weights and gradients, and
 trains like one process under bf16 autocast, within bf16 tolerance.
 
@@ -47,10 +47,11 @@ def _micro_batches(step: int, rank: int):
     return batch_of(random_items(1000 * step + rank, lengths), 2)
 
 
-def _trainer(world_size: int, *, fsdp: bool = False, compute_dtype: torch.dtype | None = None) -> Trainer:
+def _trainer(world_size: int, *, fsdp: bool = False, compute_dtype: torch.dtype | None = None,
+             optimizer: str = "adamw") -> Trainer:
     config = TrainConfig(store=("unused",), target="unused", out="unused", num_depths=5, sequence_partitions=2,
                          attention="sdpa", max_steps=NUM_STEPS + 1, grad_accum=2 // world_size, lr=3e-3,
-                         warmup_steps=1, fsdp=fsdp)
+                         warmup_steps=1, fsdp=fsdp, optimizer=optimizer)
     return Trainer.for_model(config, tiny_draft(num_layers=2), compute_dtype=compute_dtype)
 
 
@@ -69,8 +70,8 @@ def _weights(trainer) -> dict[str, torch.Tensor]:
     return get_model_state_dict(trainer.draft, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def _run(world_size: int, rank: int, compute_dtype: torch.dtype | None = None):
-    trainer = _trainer(world_size, compute_dtype=compute_dtype)
+def _run(world_size: int, rank: int, compute_dtype: torch.dtype | None = None, optimizer: str = "adamw"):
+    trainer = _trainer(world_size, compute_dtype=compute_dtype, optimizer=optimizer)
     losses = _steps(trainer, world_size, rank, range(NUM_STEPS))
     return losses, {k: v.detach().clone() for k, v in _weights(trainer).items()}
 
@@ -80,6 +81,7 @@ def _worker(out: str) -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     ddp_losses, ddp_weights = _run(2, rank)
+    muon_losses, muon_weights = _run(2, rank, optimizer="muon")  # Muon sees the all-reduced gradient
     fsdp = _trainer(2, fsdp=True)
     fsdp_losses = _steps(fsdp, 2, rank, range(NUM_STEPS))
     fsdp_weights = _weights(fsdp)
@@ -101,7 +103,8 @@ def _worker(out: str) -> None:
         assert path is not None
         torch.save({"losses": ddp_losses, "weights": ddp_weights, "fsdp_losses": fsdp_losses,
                     "fsdp_weights": fsdp_weights, "resumed_weights": resumed_weights, "next_losses": next_losses,
-                    "mixed_losses": mixed_losses, "mixed_dtypes": mixed_dtypes, "mixed_weights": mixed_weights},
+                    "mixed_losses": mixed_losses, "mixed_dtypes": mixed_dtypes, "mixed_weights": mixed_weights,
+                    "muon_losses": muon_losses, "muon_weights": muon_weights},
                    out)
     fresh.close()
 
@@ -120,6 +123,11 @@ def test_torchrun_two_processes_equal_one_process_with_the_same_global_batch(tmp
     assert len(set(losses)) == NUM_STEPS  # the steps did train
     for name, value in weights.items():
         torch.testing.assert_close(ddp["weights"][name], value, rtol=1e-4, atol=1e-6, msg=name)
+    # --optimizer muon: every rank orthogonalises the same all-reduced gradient, as one process does.
+    muon_losses, muon_weights = _run(1, 0, optimizer="muon")
+    assert ddp["muon_losses"] == pytest.approx(muon_losses, rel=1e-5) and muon_losses != pytest.approx(losses)
+    for name, value in muon_weights.items():
+        torch.testing.assert_close(ddp["muon_weights"][name], value, rtol=1e-4, atol=1e-6, msg=name)
     # FSDP2 (--fsdp) trains the same, and its checkpoint (full tensors, unwrapped keys) resumes exactly.
     assert ddp["fsdp_losses"] == pytest.approx(losses, rel=1e-5)
     assert ddp["fsdp_weights"].keys() == weights.keys()
