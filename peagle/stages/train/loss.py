@@ -9,7 +9,11 @@ The loss is returned as a *sum* over supervised elements: the trainer divides by
 supervised elements over the whole global batch (all ranks, micro-batches and segments), so that
 segment and micro-batch splits do not change the loss or its gradient.
 
-Shape letters: N elements, V draft vocab, k top-k, K depths.
+The same record carries the exact acceptance length of the batches' complete COD chains
+(:func:`chain_acceptance`): per-row top-1 agreement is reduced per chain to accepted drafts, on the
+device, where an element without a usable target rejects (docs/draft-and-export.md).
+
+Shape letters: N elements, V draft vocab, k top-k, K depths, E a batch's targets, C its chains.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@
    averaged per micro-batch. The counts are host ints reduced over a gloo group: no GPU sync;
 2. runs one forward+backward per *unit* (a micro-batch, or one of its segments, docs/cod.md; planned
    by the loader workers, ``segments.plan_units``); gradients sync in the last unit's backward only
-   (DDP ``no_sync`` / the FSDP2 flag);
+   (DDP ``no_sync`` / the FSDP2 flag); each unit also returns its rows' top-1 agreement, which
+   :func:`batch_chain_stats` turns into the batch's exact chain acceptance sums (loss.py);
 3. clips, steps AdamW (fp32 master weights; bf16 autocast on CUDA, FSDP2 gathering bf16 parameters
    and reducing fp32 gradients) and the LR schedule (warmup, cosine).
 
