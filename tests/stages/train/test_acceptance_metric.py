@@ -16,7 +16,6 @@ some targets are unusable.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
@@ -94,7 +93,8 @@ def with_planted_targets(draft: PEagleDraft, sample: TrainingSample, seed: int) 
 def planted(tiny_store):
     store = open_store(tiny_store.root)
     draft = draft_for(store, tiny_store.target_dir)
-    samples = [with_planted_targets(draft, s, seed=i) for i, s in enumerate(iter_training_samples(store, max_samples=6))]
+    originals = iter_training_samples(store, max_samples=6)
+    samples = [with_planted_targets(draft, s, seed=i) for i, s in enumerate(originals)]
     return draft, samples, tiny_store.mask_token_id
 
 
