@@ -309,7 +309,7 @@ class Figures:
 # Training runs
 
 REPEATABLE_METRICS = ("loss", "depth_loss", "depth_agreement", "depth_count", "lr", "grad_norm", "tokens_seen",
-                      "num_no_target", "num_uncovered", "epoch")
+                      "num_no_target", "acceptance_length_estimate", "num_chains", "epoch")
 
 
 def train_steps(run: Path) -> dict[int, dict]:

@@ -74,6 +74,7 @@ class TrainItem:
     topk_logprobs_Tk: Tensor  # float16/32, topk[p+1]
     anchor_pos: Tensor  # int64 [n_cod], COD draw in sample coordinates (flat COD layout)
     depth: Tensor  # int64 [n_cod]
+    num_depths: int  # K of the draw: a chain is complete when it reaches depth K − 1
 
     @property
     def num_positions(self) -> int:
@@ -99,6 +100,7 @@ def make_item(sample: TrainingSample, *, cod: CodSettings, seed: int, epoch: int
         topk_logprobs_Tk=sample.topk_logprobs_Tk,
         anchor_pos=anchor_pos,
         depth=depth,
+        num_depths=cod.num_depths,
     )
 
 
@@ -129,6 +131,10 @@ class TrainBatch:
         target_probs_Ek    fp32 [E, k]   renormalised over the in-vocab ids (0 at −1 ids)
         depth_E            int64 [E]     depth of each supervised element (per-depth metrics)
 
+    Chains, for the exact acceptance-length metric (:func:`chain_targets`):
+        chain_target_idx_CK  int64 [C, K]  the target (index into E) of chain c's depth-d element,
+                                           E where that element has none (it rejects)
+
     Counts: ``num_tokens`` = T, ``num_supervised`` = E, ``num_no_target`` = supervised elements
     dropped because no top-k id is in the draft vocab; ``num_elements`` = N.
 
@@ -154,6 +160,7 @@ class TrainBatch:
     target_ids_Ek: Tensor
     target_probs_Ek: Tensor
     depth_E: Tensor
+    chain_target_idx_CK: Tensor
     num_tokens: int
     num_supervised: int
     num_no_target: int
@@ -240,6 +247,8 @@ def collate(items: list[TrainItem], *, target_to_draft_V: Tensor, mask_token_id:
             ``item.aux`` (DataLoader workers).
     """
     assert items, "collate needs at least one item"
+    num_depths = items[0].num_depths
+    assert all(it.num_depths == num_depths for it in items), "one batch, one COD depth count"
     lengths = [it.num_positions for it in items]
     doc_lengths_D = torch.tensor(lengths, dtype=torch.long)
     doc_starts_D = torch.cumsum(doc_lengths_D, 0) - doc_lengths_D
@@ -283,6 +292,7 @@ def collate(items: list[TrainItem], *, target_to_draft_V: Tensor, mask_token_id:
         anchor_N=anchor_N, depth_N=depth_N, position_ids_N=position_ids_N, input_ids_N=input_ids_N,
         supervised_idx_E=supervised_idx_E, target_ids_Ek=draft_ids_Ck[keep],
         target_probs_Ek=probs_Ck[keep] / mass_C[keep, None], depth_E=depth_N[supervised_idx_E],
+        chain_target_idx_CK=chain_targets(anchor_N, depth_N, supervised_T, supervised_idx_E, num_depths),
         num_tokens=num_tokens, num_supervised=int(keep.numel()),
         num_no_target=int(candidate_C.numel() - keep.numel()),
         sample_ids=tuple(it.sample_id for it in items), doc_N=document_ids(anchor_N, doc_lengths_D, num_tokens),
@@ -292,4 +302,33 @@ def collate(items: list[TrainItem], *, target_to_draft_V: Tensor, mask_token_id:
     )
 
 
-__all__ = ["TrainItem", "TrainBatch", "make_item", "collate"]
+def chain_targets(anchor_N: Tensor, depth_N: Tensor, supervised_T: Tensor, supervised_idx_E: Tensor,
+                  num_depths: int) -> Tensor:
+    """``[C, K]``: for each complete chain of the row, the target (index into E) of its depth-d element.
+
+    The chains are those the offline evaluator reads (``peagle.stages.eval.offline.chain_anchors``):
+    anchors a whose K positions a … a+K−1 are all supervised. The COD draw keeps a random subset of
+    them: a has a depth-(K−1) element (its depth 1 … K−1 elements are supervised by construction,
+    and present because COD chains are complete, docs/cod.md) and its depth-0 element is supervised
+    (``m[a]``; depth 0 is drawn everywhere, supervised or not). Shorter chains are left out: a chain
+    COD stopped at depth d < K−1 says nothing of its deeper drafts, and averaging it in as if it
+    were rejected there would bias the estimate low. A chain element that is supervised but has no
+    target (no top-k id in the draft vocab: ``num_no_target``) gets index E, a rejection.
+
+    Computed here, in the loader worker, so the step only gathers (docs/performance.md).
+    """
+    K = num_depths
+    num_tokens = supervised_T.numel()
+    anchors_C = anchor_N[depth_N == K - 1]
+    anchors_C = anchors_C[supervised_T[anchors_C]]
+    # The flat layout is sorted by (depth, row anchor) without duplicates: one searchsorted finds (a, d).
+    key_N = depth_N * num_tokens + anchor_N
+    want_CK = torch.arange(K) * num_tokens + anchors_C[:, None]
+    flat_CK = torch.searchsorted(key_N, want_CK).clamp(max=max(key_N.numel() - 1, 0))
+    assert bool((key_N[flat_CK] == want_CK).all()), "a COD chain is incomplete"
+    E = supervised_idx_E.numel()
+    pos_CK = torch.searchsorted(supervised_idx_E, flat_CK)  # in [0, E]; E reads the −1 below
+    has_target_CK = torch.cat([supervised_idx_E, supervised_idx_E.new_full((1,), -1)])[pos_CK] == flat_CK
+    return torch.where(has_target_CK, pos_CK, torch.full_like(pos_CK, E))
+
+__all__ = ["TrainItem", "TrainBatch", "make_item", "collate", "chain_targets"]

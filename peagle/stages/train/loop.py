@@ -312,7 +312,11 @@ class Trainer:
         self.step, self.tokens_seen = int(train_state["step"]), int(train_state["tokens_seen"])
         # The logging window in flight at the checkpoint: the next metrics line covers the same steps.
         saved = {k: (v.to(self.device) if isinstance(v, Tensor) else v) for k, v in train_state["window"].items()}
-        self.window.update({**saved, "stats": KLStats.from_vector(saved["stats"])})
+        try:
+            self.window.update({**saved, "stats": KLStats.from_vector(saved["stats"], self.config.num_depths)})
+        except ValueError as err:  # an older peagle's window (no chain sums): its steps go unlogged
+            self._say(f"the checkpoint's metrics window has another layout ({err}); the first metrics line "
+                      "after resuming covers only the steps run since")
         if self.loader is not None:
             self.loader.load_state_dict(state[ckpt.DATALOADER])
         ckpt.set_rng_state(state[ckpt.RNG])

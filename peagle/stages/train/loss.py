@@ -12,13 +12,17 @@ The loss is returned as a *sum* over supervised elements: the trainer divides by
 supervised elements over the whole global batch (all ranks, micro-batches and segments), so that
 segment and micro-batch splits do not change the loss or its gradient.
 
-Shape letters: N elements, V draft vocab, k top-k, K depths.
+The same record carries the exact acceptance length of the batches' complete COD chains
+(:func:`chain_acceptance`): per-row top-1 agreement is reduced per chain to accepted drafts, on the
+device, where an element without a usable target rejects (docs/draft-and-export.md).
+
+Shape letters: N elements, V draft vocab, k top-k, K depths, E a batch's targets, C its chains.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,20 +36,23 @@ class KLStats:
 
     ``loss_sum`` carries the gradient. Per depth (``[K]``): ``depth_loss_sum`` (detached),
     ``depth_correct`` (draft argmax == target argmax, supervised elements only) and
-    ``depth_count`` (supervised elements). ``num_uncovered`` counts elements the caller marked
-    supervised but whose top-k has no draft-vocab id: they are dropped from loss and counts.
+    ``depth_count`` (supervised elements). Per chain (:func:`chain_acceptance`, filled per batch by
+    the step, zero in a single forward's record): ``chain_accepted_sum``, the drafts accepted over
+    the batch's complete chains, and ``chain_count``, those chains; the exact acceptance length
+    of those chains is ``1 + chain_accepted_sum / chain_count`` (:func:`chain_acceptance_length`).
     """
 
     loss_sum: Tensor
     depth_loss_sum: Tensor
     depth_correct: Tensor
     depth_count: Tensor
-    num_uncovered: Tensor
+    chain_accepted_sum: Tensor
+    chain_count: Tensor
 
     @classmethod
     def zeros(cls, num_depths: int, device: torch.device | str | None = None) -> "KLStats":
         return cls(torch.zeros((), device=device), *(torch.zeros(num_depths, device=device) for _ in range(3)),
-                   torch.zeros((), device=device))
+                   torch.zeros((), device=device), torch.zeros((), device=device))
 
     def __add__(self, other: "KLStats") -> "KLStats":
         return KLStats(*(a + b for a, b in zip(self._fields(), other._fields())))
@@ -54,21 +61,37 @@ class KLStats:
         """Detached float32 copy: the form sums over units, steps and ranks take."""
         return KLStats(*(t.detach().float() for t in self._fields()))
 
+    @property
+    def num_depths(self) -> int:
+        return int(self.depth_count.numel())
+
     def to_vector(self) -> Tensor:
-        """``[loss_sum, num_uncovered, depth_loss_sum[K], depth_correct[K], depth_count[K]]`` (detached,
-        float32): one tensor, so that a rank sum is one ``all_reduce`` and a checkpoint holds one entry."""
+        """``[loss_sum, chain_accepted_sum, chain_count, depth_loss_sum[K], depth_correct[K], depth_count[K]]``
+        (detached, float32): one tensor, so that a rank sum is one ``all_reduce`` and a checkpoint holds
+        one entry."""
         d = self.detach()
-        return torch.cat([d.loss_sum[None], d.num_uncovered[None], d.depth_loss_sum, d.depth_correct, d.depth_count])
+        return torch.cat([d.loss_sum[None], d.chain_accepted_sum[None], d.chain_count[None], d.depth_loss_sum,
+                          d.depth_correct, d.depth_count])
 
     @classmethod
-    def from_vector(cls, vector: Tensor) -> "KLStats":
-        """Inverse of :meth:`to_vector` (the one place that knows the layout)."""
-        K = (vector.numel() - 2) // 3
-        assert vector.numel() == 2 + 3 * K, "not a stats vector"
-        return cls(vector[0], vector[2:2 + K], vector[2 + K:2 + 2 * K], vector[2 + 2 * K:], vector[1])
+    def from_vector(cls, vector: Tensor, num_depths: int) -> "KLStats":
+        """Inverse of :meth:`to_vector` (the one place that knows the layout).
+
+        ``num_depths`` is required: a vector of another layout (an older peagle's checkpointed
+        logging window, ``2 + 3K`` long, without the chain sums) must not be read as this one.
+
+        Raises:
+            ValueError: when the vector is not ``3 + 3·num_depths`` long.
+        """
+        K = num_depths
+        if vector.dim() != 1 or vector.numel() != 3 + 3 * K:
+            raise ValueError(f"a stats vector for {K} depths has {3 + 3 * K} entries "
+                             f"([loss, chain sums, 3 x {K} per-depth sums]), this one has {vector.numel()}")
+        return cls(vector[0], vector[3:3 + K], vector[3 + K:3 + 2 * K], vector[3 + 2 * K:], vector[1], vector[2])
 
     def _fields(self) -> tuple[Tensor, ...]:
-        return (self.loss_sum, self.depth_loss_sum, self.depth_correct, self.depth_count, self.num_uncovered)
+        return (self.loss_sum, self.depth_loss_sum, self.depth_correct, self.depth_count, self.chain_accepted_sum,
+                self.chain_count)
 
 
 def _forward_kl_N(p_Nk: Tensor, draft_logp_Nk: Tensor, in_vocab_Nk: Tensor) -> Tensor:
@@ -106,10 +129,21 @@ def divergence_sum(draft_logits_NV: Tensor, target_draft_ids_Nk: Tensor, target_
             element whose argmax is outside the draft vocab can never count as correct.
         target_probs_Nk: target probabilities renormalised over the in-vocab ids (0 at -1 ids).
         supervised_N: bool mask (or float weights: the KL is weighted, counts use weight > 0).
+            A supervised element none of whose ids is in the draft vocab has no target: it is left
+            out of the loss and the counts (the trainer's ``collate`` drops such elements before
+            the loss and counts them as ``num_no_target``).
         depth_N: int depth of each element, in ``[0, num_depths)``.
         num_depths: K, the length of the per-depth statistics.
         loss: a key of ``ELEMENT_LOSSES``; ``depth_loss_sum`` holds the same loss.
     """
+    return _divergence_terms(draft_logits_NV, target_draft_ids_Nk, target_probs_Nk, supervised_N, depth_N,
+                             num_depths, loss)[0]
+
+
+def _divergence_terms(draft_logits_NV: Tensor, target_draft_ids_Nk: Tensor, target_probs_Nk: Tensor,
+                      supervised_N: Tensor, depth_N: Tensor, num_depths: int, loss: str) -> tuple[KLStats, Tensor]:
+    """`divergence_sum` and the per-element ``correct_N`` (bool) its ``depth_correct`` sums: the chain
+    statistics need which elements agree, not only how many per depth."""
     element_loss = ELEMENT_LOSSES[loss]
     ids_Nk = target_draft_ids_Nk.long()
     in_vocab_Nk = ids_Nk >= 0
@@ -128,13 +162,15 @@ def divergence_sum(draft_logits_NV: Tensor, target_draft_ids_Nk: Tensor, target_
     correct_N = counted_N & (draft_logits_NV.argmax(dim=-1) == ids_Nk[:, 0])
     depth_N = depth_N.long()
     zeros_K = torch.zeros(num_depths, dtype=torch.float32, device=draft_logits_NV.device)
-    return KLStats(
+    zero = torch.zeros((), dtype=torch.float32, device=draft_logits_NV.device)
+    stats = KLStats(
         loss_sum=weighted_kl_N.sum(),
         depth_loss_sum=zeros_K.index_add(0, depth_N, weighted_kl_N.detach()),
         depth_correct=zeros_K.index_add(0, depth_N, correct_N.float()),
         depth_count=zeros_K.index_add(0, depth_N, counted_N.float()),
-        num_uncovered=((supervised_N.float() > 0) & ~covered_N).sum(),
+        chain_accepted_sum=zero, chain_count=zero,
     )
+    return stats, correct_N
 
 
 DEFAULT_CHUNK_ROWS = 4096
@@ -143,8 +179,9 @@ DEFAULT_CHUNK_ROWS = 4096
 
 def chunked_kl_sum(hidden_EH: Tensor, head_weight_VH: Tensor, target_draft_ids_Ek: Tensor, target_probs_Ek: Tensor,
                    depth_E: Tensor, num_depths: int, *, chunk_rows: int = DEFAULT_CHUNK_ROWS,
-                   loss: str = "forward_kl") -> KLStats:
-    """`divergence_sum` of ``hidden_EH @ head_weight_VHᵀ`` (every row supervised), ``chunk_rows`` rows at a time.
+                   loss: str = "forward_kl") -> tuple[KLStats, Tensor]:
+    """`divergence_sum` of ``hidden_EH @ head_weight_VHᵀ`` (every row supervised), ``chunk_rows`` rows at a
+    time, and each row's top-1 agreement ``correct_E`` (bool, no gradient: the chain statistics).
 
     Peak memory holds one chunk's ``[chunk, V]`` logits, their fp32 copy and gradient, never
     ``[E, V]`` (~20 GB at E = 55k, V = 32k): each chunk's gradient with respect to ``hidden_EH``
@@ -162,24 +199,29 @@ def chunked_kl_sum(hidden_EH: Tensor, head_weight_VH: Tensor, target_draft_ids_E
         with torch.no_grad():
             return _chunk_sums(hidden_EH, head_weight_VH, target_draft_ids_Ek, target_probs_Ek, depth_E, num_depths,
                                chunk_rows, loss)
-    loss_sum, *stats = _ChunkedKL.apply(hidden_EH, head_weight_VH, target_draft_ids_Ek, target_probs_Ek, depth_E,
-                                        num_depths, chunk_rows, loss)
-    return KLStats(loss_sum, *stats)
+    loss_sum, *stats, correct_E = _ChunkedKL.apply(hidden_EH, head_weight_VH, target_draft_ids_Ek, target_probs_Ek,
+                                                   depth_E, num_depths, chunk_rows, loss)
+    zero = torch.zeros_like(loss_sum.detach())
+    return KLStats(loss_sum, *stats, chain_accepted_sum=zero, chain_count=zero), correct_E
 
 
 def _chunk_sums(hidden_EH, weight_VH, ids_Ek, probs_Ek, depth_E, num_depths, chunk_rows, loss,
-                on_chunk: Callable[[KLStats, Tensor, Tensor], None] | None = None) -> KLStats:
-    """Per-chunk `divergence_sum`, summed; ``on_chunk(stats, hidden_chunk, weight)`` sees each graph."""
+                on_chunk: Callable[[KLStats, Tensor, Tensor], None] | None = None) -> tuple[KLStats, Tensor]:
+    """Per-chunk `divergence_sum`, summed, and the rows' ``correct_E``; ``on_chunk(stats, hidden_chunk,
+    weight)`` sees each graph."""
     total = KLStats.zeros(num_depths, hidden_EH.device)
+    correct = [torch.zeros(0, dtype=torch.bool, device=hidden_EH.device)]
     for start in range(0, hidden_EH.shape[0], chunk_rows):
         rows = slice(start, start + chunk_rows)
         hidden_cH = hidden_EH[rows]
-        stats = divergence_sum(F.linear(hidden_cH, weight_VH), ids_Ek[rows], probs_Ek[rows],
-                               torch.ones_like(depth_E[rows], dtype=torch.bool), depth_E[rows], num_depths, loss)
+        stats, correct_c = _divergence_terms(F.linear(hidden_cH, weight_VH), ids_Ek[rows], probs_Ek[rows],
+                                             torch.ones_like(depth_E[rows], dtype=torch.bool), depth_E[rows],
+                                             num_depths, loss)
         if on_chunk is not None:
             on_chunk(stats, hidden_cH, weight_VH)
         total = total + stats.detach()
-    return total
+        correct.append(correct_c)
+    return total, torch.cat(correct)
 
 
 class _ChunkedKL(torch.autograd.Function):
@@ -207,13 +249,13 @@ class _ChunkedKL(torch.autograd.Function):
 
         with torch.enable_grad():
             # Slices of the leaf keep each chunk's graph separate (nothing accumulates in .grad).
-            total = _chunk_sums(hidden_leaf, weight_leaf, ids_Ek, probs_Ek, depth_E, num_depths, chunk_rows, loss,
-                                on_chunk)
+            total, correct_E = _chunk_sums(hidden_leaf, weight_leaf, ids_Ek, probs_Ek, depth_E, num_depths,
+                                           chunk_rows, loss, on_chunk)
         ctx.save_for_backward(grad_hidden_EH, grad_weight_VH)
         ctx.weight_dtype = weight_VH.dtype
-        stats = (total.depth_loss_sum, total.depth_correct, total.depth_count, total.num_uncovered)
-        ctx.mark_non_differentiable(*stats)
-        return (total.loss_sum, *stats)
+        outputs = (total.depth_loss_sum, total.depth_correct, total.depth_count, correct_E)
+        ctx.mark_non_differentiable(*outputs)
+        return (total.loss_sum, *outputs)
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
@@ -223,17 +265,31 @@ class _ChunkedKL(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
-def acceptance_length_estimate(per_depth_agreement: Sequence[float] | Tensor) -> float:
-    """Chain estimate of mean accepted length from per-depth top-1 agreement rates a_0 .. a_{K-1}.
+def chain_acceptance(correct_E: Tensor, chain_target_idx_CK: Tensor) -> KLStats:
+    """The chain sums of one batch: drafts accepted over its C complete chains, and C.
 
-    ``AL ≈ 1 + Σ_d Π_{j<=d} a_j``: the bonus token is always accepted, and depth d's draft is
-    accepted when it and every shallower draft agree with the target's argmax. Depth d here is
-    docs/draft-and-export.md's draft_{d+1}. It treats the per-depth agreements as independent; the exact
-    ``AL(K)`` (evaluation: full chains, per-anchor products) is higher when errors are correlated,
-    so compare estimates only with estimates. A depth with no data (NaN rate) ends the chain.
+    ``correct_E`` is the top-1 agreement of each of the batch's E targets (the units' ``correct_e``
+    put back in target order); ``chain_target_idx_CK`` (``TrainBatch``, built by the loader) names
+    the target of chain c's depth-d element, or E where that element has no usable target. A chain
+    accepts its leading run of agreeing drafts, ``Σ_d Π_{j<=d} correct[c, j]``, the offline
+    evaluator's count for the same chain (docs/draft-and-export.md); index E reads an appended
+    False, so an element without a target rejects, and stops its chain, as verification would.
+    Gathers and a cumprod only: no host sync.
     """
-    rates = torch.as_tensor(per_depth_agreement, dtype=torch.float64).nan_to_num(0.0)
-    return float(1.0 + torch.cumprod(rates, dim=0).sum())
+    correct_E1 = torch.cat([correct_E.bool(), correct_E.new_zeros(1, dtype=torch.bool)])
+    accepted_C = correct_E1[chain_target_idx_CK].float().cumprod(dim=1).sum(dim=1)
+    K = chain_target_idx_CK.shape[1]
+    zeros = KLStats.zeros(K, correct_E.device)
+    return KLStats(zeros.loss_sum, zeros.depth_loss_sum, zeros.depth_correct, zeros.depth_count,
+                   chain_accepted_sum=accepted_C.sum(),
+                   chain_count=torch.full((), chain_target_idx_CK.shape[0], dtype=torch.float32,
+                                          device=correct_E.device))
+
+
+def chain_acceptance_length(chain_accepted_sum: float, chain_count: float) -> float | None:
+    """``1 + accepted / chains``: the exact mean acceptance length of the chains summed (the bonus token
+    always counts); None without chains."""
+    return 1.0 + chain_accepted_sum / chain_count if chain_count > 0 else None
 
 
 def agreement_rates(depth_correct: Tensor, depth_count: Tensor) -> Tensor:

@@ -9,7 +9,8 @@
    averaged per micro-batch. The counts are host ints reduced over a gloo group: no GPU sync;
 2. runs one forward+backward per *unit* (a micro-batch, or one of its segments, docs/mask.md; planned
    by the loader workers, ``segments.plan_units``); gradients sync in the last unit's backward only
-   (DDP ``no_sync`` / the FSDP2 flag);
+   (DDP ``no_sync`` / the FSDP2 flag); each unit also returns its rows' top-1 agreement, which
+   :func:`batch_chain_stats` turns into the batch's exact chain acceptance sums (loss.py);
 3. clips, steps the optimizer (AdamW, or Muon+AdamW with ``--optimizer muon``; fp32 master
    weights; bf16 autocast on CUDA, FSDP2 gathering bf16 parameters and reducing fp32 gradients)
    and the LR schedule (warmup, cosine).
@@ -43,7 +44,8 @@ from peagle.model.mask import block_mask_from_indices, dense_mask, peagle_mask_m
 from peagle.schemas.errors import UserError
 from peagle.schemas.train_config import TrainConfig
 from peagle.stages.train.batch import TrainBatch
-from peagle.stages.train.loss import KLStats, acceptance_length_estimate, agreement_rates, chunked_kl_sum
+from peagle.stages.train.loss import (KLStats, agreement_rates, chain_acceptance, chain_acceptance_length,
+                                      chunked_kl_sum)
 from peagle.stages.train.segments import UnitPlan
 
 MIN_LR_RATIO = 0.1
@@ -88,8 +90,9 @@ class DraftStep(nn.Module):
 
     DDP and FSDP2 hook into ``forward``: the lm_head matmul (and its gradient, when the head trains)
     must happen inside it. Only the e charged rows reach ``lm_head`` (docs/performance.md), a chunk at a time
-    (``chunked_kl_sum``): peak memory does not grow with e × V. Returns the KLStats fields as a
-    tuple, which the wrappers' output hooks traverse.
+    (``chunked_kl_sum``): peak memory does not grow with e × V. Returns the per-forward KLStats
+    fields and the rows' top-1 agreement ``correct_e`` as a tuple, which the wrappers' output
+    hooks traverse.
     """
 
     def __init__(self, draft: PEagleDraft, num_depths: int, flex: FlexRunner | None = None, loss: str = "forward_kl"):
@@ -100,14 +103,15 @@ class DraftStep(nn.Module):
                 supervised_idx_e: Tensor, target_ids_ek: Tensor, target_probs_ek: Tensor,
                 depth_e: Tensor) -> tuple[Tensor, ...]:
         hidden_MH = self.draft(token_ids_M, aux_RAH, position_ids_M, attn_mask, self.flex)
-        stats = chunked_kl_sum(hidden_MH[supervised_idx_e], self.draft.lm_head.weight, target_ids_ek,
-                               target_probs_ek, depth_e, self.num_depths, loss=self.loss)
-        return stats.loss_sum, stats.depth_loss_sum, stats.depth_correct, stats.depth_count, stats.num_uncovered
+        stats, correct_e = chunked_kl_sum(hidden_MH[supervised_idx_e], self.draft.lm_head.weight, target_ids_ek,
+                                          target_probs_ek, depth_e, self.num_depths, loss=self.loss)
+        return stats.loss_sum, stats.depth_loss_sum, stats.depth_correct, stats.depth_count, correct_e
 
 
 def unit_forward(model: nn.Module, batch: TrainBatch, plan: UnitPlan, *, attention: str,
-                 compute_dtype: torch.dtype) -> KLStats:
-    """One unit's KL sums (``loss_sum`` has grad) from a batch already on the device: gathers only."""
+                 compute_dtype: torch.dtype) -> tuple[KLStats, Tensor]:
+    """One unit's KL sums (``loss_sum`` has grad) and the top-1 agreement ``correct_e`` of the rows it
+    charges, from a batch already on the device: gathers only."""
     idx = plan.element_idx_M
 
     def pick(t: Tensor) -> Tensor:
@@ -128,7 +132,19 @@ def unit_forward(model: nn.Module, batch: TrainBatch, plan: UnitPlan, *, attenti
     with torch.autocast(device_type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
         out = model(pick(b.input_ids_N), aux_RAH, pick(b.position_ids_N), attn_mask, plan.supervised_idx_e,
                     charged(b.target_ids_Ek), charged(b.target_probs_Ek), charged(b.depth_E))
-    return KLStats(*out)
+    loss_sum, depth_loss_sum, depth_correct, depth_count, correct_e = out
+    zero = torch.zeros_like(loss_sum.detach())
+    return KLStats(loss_sum, depth_loss_sum, depth_correct, depth_count, zero, zero), correct_e
+
+
+def batch_chain_stats(batch: TrainBatch, correct_per_unit: list[Tensor]) -> KLStats:
+    """The chain sums of a batch (``loss.chain_acceptance``): its units' ``correct_e`` put back in the
+    batch's target order first, because one chain's elements may be charged by different units (a
+    segment owns a depth-0 element by its anchor, the deeper ones by anchor + 1, docs/mask.md)."""
+    correct_E = torch.zeros(batch.num_supervised, dtype=torch.bool, device=batch.chain_target_idx_CK.device)
+    for plan, correct_e in zip(batch.units, correct_per_unit, strict=True):
+        correct_E = correct_e if plan.target_idx_e is None else correct_E.index_copy(0, plan.target_idx_e, correct_e)
+    return chain_acceptance(correct_E, batch.chain_target_idx_CK)
 
 
 @dataclass(frozen=True)
@@ -209,14 +225,19 @@ class TrainStep:
             counts = reduced.tolist()
         num_supervised, num_tokens, num_no_target = counts
         loss_scale = self.world_size / max(num_supervised, 1.0)
-        units = [(batch, plan) for batch in self.to_device(micro_batches) for plan in batch.units]
+        batches = self.to_device(micro_batches)
+        units = [(j, plan) for j, batch in enumerate(batches) for plan in batch.units]
+        correct: list[list[Tensor]] = [[] for _ in batches]
         total = KLStats.zeros(self.config.num_depths, self.device)
-        for i, (batch, plan) in enumerate(units):
+        for i, (j, plan) in enumerate(units):
             with self._gradient_sync(i == len(units) - 1):
-                stats = unit_forward(self.model, batch, plan, attention=self.attention,
-                                     compute_dtype=self.compute_dtype)
+                stats, correct_e = unit_forward(self.model, batches[j], plan, attention=self.attention,
+                                                compute_dtype=self.compute_dtype)
                 _backward(stats.loss_sum * loss_scale)
             total = total + stats.detach()
+            correct[j].append(correct_e)
+        for batch, correct_per_unit in zip(batches, correct):
+            total = total + batch_chain_stats(batch, correct_per_unit)
         return total, (num_supervised, num_tokens, num_no_target)
 
     @torch.no_grad()
@@ -225,9 +246,13 @@ class TrainStep:
         self.model.eval()
         total = KLStats.zeros(self.config.num_depths, self.device)
         for batch in self.to_device_each(batches):
+            correct_per_unit = []
             for plan in batch.units:
-                total = total + unit_forward(self.model, batch, plan, attention=self.attention,
-                                             compute_dtype=self.compute_dtype).detach()
+                stats, correct_e = unit_forward(self.model, batch, plan, attention=self.attention,
+                                                compute_dtype=self.compute_dtype)
+                total = total + stats.detach()
+                correct_per_unit.append(correct_e)
+            total = total + batch_chain_stats(batch, correct_per_unit)
         self.model.train()
         return all_reduce_stats(total) if self.world_size > 1 else total
 
@@ -263,20 +288,27 @@ def all_reduce_stats(stats: KLStats) -> KLStats:
     """Sum a stats record over ranks: one ``all_reduce`` of its vector (asynchronous for the host on a GPU)."""
     vector = stats.to_vector()
     dist.all_reduce(vector)
-    return KLStats.from_vector(vector)
+    return KLStats.from_vector(vector, stats.num_depths)
 
 
 def summarise(stats: KLStats) -> dict[str, Any]:
-    """Loss over the supervised count, per-depth loss / agreement / count, and the AL estimate (host read)."""
-    s = KLStats.from_vector(stats.to_vector().double().cpu())
+    """Loss over the supervised count, per-depth loss / agreement / count, and the acceptance length of
+    the complete chains drawn (host read).
+
+    ``acceptance_length_estimate`` is exact over its chains: ``1 + Σ accepted / num_chains``, each
+    chain's accepted drafts its leading run of agreements (``loss.chain_acceptance``), the offline
+    evaluator's AL(K) on the same chains. It is an estimate only in that COD draws a random subset
+    of the chains offline evaluation reads (``batch.chain_targets``). None without chains.
+    """
+    s = KLStats.from_vector(stats.to_vector().double().cpu(), stats.num_depths)
     agreement = agreement_rates(s.depth_correct, s.depth_count)
     return {
         "loss": float(s.loss_sum) / max(float(s.depth_count.sum()), 1.0),
         "depth_loss": [float(l / c) if c > 0 else None for l, c in zip(s.depth_loss_sum, s.depth_count)],
         "depth_agreement": [None if math.isnan(a) else float(a) for a in agreement],
         "depth_count": [int(c) for c in s.depth_count],
-        "acceptance_length_estimate": acceptance_length_estimate(agreement),
-        "num_uncovered": int(s.num_uncovered),
+        "acceptance_length_estimate": chain_acceptance_length(float(s.chain_accepted_sum), float(s.chain_count)),
+        "num_chains": int(s.chain_count),
     }
 
 

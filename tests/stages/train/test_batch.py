@@ -148,3 +148,27 @@ def test_to_and_pin_memory_keep_every_field(tiny_store):
     pinned = batch.pin_memory()
     assert pinned.aux_TAH.is_pinned() and pinned.units[0].element_idx_M.is_pinned() and pinned.doc_N.is_pinned()
     assert pinned.units[0].block_indices.kv_indices.is_pinned()
+
+
+def test_chain_targets_name_each_complete_chain_and_reject_where_no_target(tiny_store):
+    """``chain_target_idx_CK`` against the definition, element by element: one row per anchor with a
+    depth-(K−1) element and a supervised depth-0 element, column d its depth-d element's target, E
+    (a rejection) where that element was dropped for having no draft-vocab id."""
+    raws = supervised_samples(tiny_store, 4)
+    v = tiny_store.vocab_size
+    selected = torch.arange(0, v, 8)  # a small draft vocab: some chain elements have no target
+    t2d = torch.full((v,), -1, dtype=torch.long)
+    t2d[selected] = torch.arange(selected.numel())
+    cod = CodSettings(num_depths=3, down_sample_ratio=0.9, down_sample_ratio_min=0.5)
+    batch = collate([item_of(r, cod=cod) for r in raws], target_to_draft_V=t2d, mask_token_id=tiny_store.mask_token_id)
+    E, K = batch.num_supervised, 3
+    target_of = {int(i): e for e, i in enumerate(batch.supervised_idx_E)}
+    element_of = {(int(a), int(d)): i for i, (a, d) in enumerate(zip(batch.anchor_N, batch.depth_N))}
+    want = [[target_of.get(element_of[(a, d)], E) for d in range(K)]
+            for (a, depth) in sorted(element_of, key=lambda ad: (ad[1], ad[0]))
+            if depth == K - 1 and bool(batch.supervised_T[a])]
+    assert batch.chain_target_idx_CK.tolist() == want and len(want) > 0
+    assert any(E in row for row in want) and any(E not in row for row in want)
+    # A supervised element without a target is what breaks a chain here: nothing else maps to E.
+    dropped = {element_of[(a, d)] for a, d in element_of if bool(batch.supervised_T[a + d])} - set(target_of)
+    assert len(dropped) == batch.num_no_target

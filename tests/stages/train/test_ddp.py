@@ -55,12 +55,16 @@ def _trainer(world_size: int, *, fsdp: bool = False, compute_dtype: torch.dtype 
     return Trainer.for_model(config, tiny_draft(num_layers=2), compute_dtype=compute_dtype)
 
 
-def _steps(trainer, world_size: int, rank: int, steps: range) -> list[float]:
+def _steps(trainer, world_size: int, rank: int, steps: range, chains: list | None = None) -> list[float]:
+    """Per-step losses; ``chains`` collects each step's (num_chains, acceptance_length_estimate)."""
     losses = []
     for step in steps:
         micro = [_micro_batches(step, r) for r in range(2)] if world_size == 1 else [_micro_batches(step, rank)]
         trainer.train_step(micro)
-        losses.append(trainer.window_metrics(1.0)["loss"])
+        record = trainer.window_metrics(1.0)
+        losses.append(record["loss"])
+        if chains is not None:
+            chains.append((record["num_chains"], record["acceptance_length_estimate"]))
     return losses
 
 
@@ -72,16 +76,17 @@ def _weights(trainer) -> dict[str, torch.Tensor]:
 
 def _run(world_size: int, rank: int, compute_dtype: torch.dtype | None = None, optimizer: str = "adamw"):
     trainer = _trainer(world_size, compute_dtype=compute_dtype, optimizer=optimizer)
-    losses = _steps(trainer, world_size, rank, range(NUM_STEPS))
-    return losses, {k: v.detach().clone() for k, v in _weights(trainer).items()}
+    chains = []
+    losses = _steps(trainer, world_size, rank, range(NUM_STEPS), chains)
+    return losses, {k: v.detach().clone() for k, v in _weights(trainer).items()}, chains
 
 
 def _worker(out: str) -> None:
     """DDP steps; FSDP2 steps; an FSDP2 checkpoint written, loaded into a fresh trainer, trained on."""
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
-    ddp_losses, ddp_weights = _run(2, rank)
-    muon_losses, muon_weights = _run(2, rank, optimizer="muon")  # Muon sees the all-reduced gradient
+    ddp_losses, ddp_weights, ddp_chains = _run(2, rank)
+    muon_losses, muon_weights, _ = _run(2, rank, optimizer="muon")  # Muon sees the all-reduced gradient
     fsdp = _trainer(2, fsdp=True)
     fsdp_losses = _steps(fsdp, 2, rank, range(NUM_STEPS))
     fsdp_weights = _weights(fsdp)
@@ -101,7 +106,7 @@ def _worker(out: str) -> None:
     mixed_weights = _weights(mixed)
     if rank == 0:
         assert path is not None
-        torch.save({"losses": ddp_losses, "weights": ddp_weights, "fsdp_losses": fsdp_losses,
+        torch.save({"losses": ddp_losses, "weights": ddp_weights, "chains": ddp_chains, "fsdp_losses": fsdp_losses,
                     "fsdp_weights": fsdp_weights, "resumed_weights": resumed_weights, "next_losses": next_losses,
                     "mixed_losses": mixed_losses, "mixed_dtypes": mixed_dtypes, "mixed_weights": mixed_weights,
                     "muon_losses": muon_losses, "muon_weights": muon_weights},
@@ -118,13 +123,16 @@ def test_torchrun_two_processes_equal_one_process_with_the_same_global_batch(tmp
                           capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, _failure(proc)
     ddp = torch.load(out)
-    losses, weights = _run(1, 0)
+    losses, weights, chains = _run(1, 0)
     assert ddp["losses"] == pytest.approx(losses, rel=1e-5)
     assert len(set(losses)) == NUM_STEPS  # the steps did train
+    # The chain sums are sums over ranks too: the same chains, the same acceptance length.
+    assert [n for n, _ in ddp["chains"]] == [n for n, _ in chains] and all(n > 0 for n, _ in chains)
+    assert [al for _, al in ddp["chains"]] == pytest.approx([al for _, al in chains], rel=1e-9)
     for name, value in weights.items():
         torch.testing.assert_close(ddp["weights"][name], value, rtol=1e-4, atol=1e-6, msg=name)
     # --optimizer muon: every rank orthogonalises the same all-reduced gradient, as one process does.
-    muon_losses, muon_weights = _run(1, 0, optimizer="muon")
+    muon_losses, muon_weights, _ = _run(1, 0, optimizer="muon")
     assert ddp["muon_losses"] == pytest.approx(muon_losses, rel=1e-5) and muon_losses != pytest.approx(losses)
     for name, value in muon_weights.items():
         torch.testing.assert_close(ddp["muon_weights"][name], value, rtol=1e-4, atol=1e-6, msg=name)
@@ -140,7 +148,7 @@ def test_torchrun_two_processes_equal_one_process_with_the_same_global_batch(tmp
     dtypes = ddp["mixed_dtypes"]
     assert dtypes["gathered"] and all(d == {torch.bfloat16} for d in dtypes["gathered"])
     assert dtypes["master"] == {torch.float32} and dtypes["grads"] == {torch.float32}
-    bf16_losses, bf16_weights = _run(1, 0, compute_dtype=torch.bfloat16)
+    bf16_losses, bf16_weights, _ = _run(1, 0, compute_dtype=torch.bfloat16)
     assert ddp["mixed_losses"] == pytest.approx(bf16_losses, rel=2e-2)
     assert ddp["mixed_losses"] != pytest.approx(losses, rel=1e-5)  # bf16 did change the arithmetic
     initial = tiny_draft(num_layers=2).state_dict()

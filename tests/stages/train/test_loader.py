@@ -301,7 +301,7 @@ def test_the_step_on_fp8_rows_equals_the_step_on_rows_dequantised_in_workers(fp8
     for in_workers in (True, False):
         batch = next(iter(TrainLoader(config(StoreSpec(str(fp8_store)), dequantize_in_workers=in_workers))))
         (plan,) = batch.units
-        loss.append(unit_forward(model, batch, plan, attention="sdpa", compute_dtype=torch.float32).loss_sum)
+        loss.append(unit_forward(model, batch, plan, attention="sdpa", compute_dtype=torch.float32)[0].loss_sum)
     assert torch.equal(loss[0], loss[1])
 
 

@@ -19,7 +19,8 @@ from peagle.stages.train import checkpoint as ckpt
 from peagle.stages.train.loop import Trainer, run_training
 from peagle.stages.train.step import lr_factor, resolve_attention
 sys.path.insert(0, str(Path(__file__).parent))  # sibling test helpers, whatever pytest's import mode
-from test_partition_equivalence import assert_same, loss_and_grads, random_items  # noqa: E402
+from test_partition_equivalence import (assert_same, batch_of, loss_and_grads, random_items, tiny_draft,  # noqa: E402
+                                        trainer_for)
 
 
 def test_lr_warms_up_then_decays_to_a_tenth():
@@ -43,6 +44,25 @@ def test_micro_batches_are_not_averaged_one_count_normalises_the_step():
 def test_activation_checkpointing_changes_memory_not_results():
     micro = [random_items(9, [45, 20])]
     assert_same(loss_and_grads(micro, 2), loss_and_grads(micro, 2, activation_checkpointing=True))
+
+
+def test_the_checkpointed_metrics_window_resumes_and_an_older_layout_is_dropped_not_misread(capsys):
+    """The window's stats vector comes back as it was; one of an older peagle (``2 + 3K`` entries, no
+    chain sums) is not read as today's layout: the resumed run starts its window afresh and says so."""
+    trainer = trainer_for(tiny_draft(), 1)
+    trainer.train_step([batch_of(random_items(3, [40, 30]), 1)])
+    state = trainer.state_dict()
+    saved = state[ckpt.TRAIN_STATE]["window"]["stats"]
+    assert float(trainer.window["stats"].chain_count) > 0
+    fresh = trainer_for(tiny_draft(), 1)
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.window["stats"].to_vector(), saved)
+    K = trainer.config.num_depths
+    state[ckpt.TRAIN_STATE]["window"]["stats"] = torch.ones(2 + 3 * K)
+    older = trainer_for(tiny_draft(), 1)
+    older.load_state_dict(state)
+    assert older.window["stats"].to_vector().tolist() == [0.0] * (3 + 3 * K) and older.step == 1
+    assert "metrics window has another layout" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""forward_kl_sum against a slow, obvious dense implementation; the acceptance-length estimate."""
+"""forward_kl_sum against a slow, obvious dense implementation; chunking; the chain acceptance sums."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import weakref
 import pytest
 import torch
 
-from peagle.stages.train.loss import (KLStats, acceptance_length_estimate, agreement_rates, chunked_kl_sum,
-                                      forward_kl_sum)
+from peagle.stages.train.loss import (KLStats, agreement_rates, chain_acceptance, chain_acceptance_length,
+                                      chunked_kl_sum, forward_kl_sum)
 
 
 def random_targets(num: int, vocab: int, topk: int, generator: torch.Generator):
@@ -76,7 +76,7 @@ def test_forward_kl_matches_dense_reference(dtype, seed):
     torch.testing.assert_close(stats.depth_loss_sum.double(), torch.tensor(depth_loss, dtype=torch.float64), **tol)
     assert stats.depth_correct.tolist() == correct and sum(correct) > 0
     assert stats.depth_count.tolist() == count
-    assert int(stats.num_uncovered) == uncovered > 0
+    assert uncovered > 0  # left out of the loss and the counts (compared above)
 
     stats.loss_sum.backward()
     ref_loss.backward()
@@ -93,13 +93,28 @@ def test_bool_mask_and_exact_match_give_zero_kl():
     assert stats.depth_correct.tolist() == [1.0, 1.0] and stats.depth_count.tolist() == [1.0, 1.0]
 
 
-def test_acceptance_length_estimate_is_the_chain_product():
-    assert acceptance_length_estimate([1.0, 1.0, 1.0]) == pytest.approx(4.0)
-    assert acceptance_length_estimate([0.5, 0.5]) == pytest.approx(1.75)
-    assert acceptance_length_estimate([0.8, 0.5, float("nan"), 1.0]) == pytest.approx(1 + 0.8 + 0.4)
-    assert acceptance_length_estimate(torch.zeros(3)) == pytest.approx(1.0)
+def test_agreement_rates():
     rates = agreement_rates(torch.tensor([3.0, 1.0, 0.0]), torch.tensor([4.0, 2.0, 0.0]))
     assert rates[:2].tolist() == [0.75, 0.5] and math.isnan(float(rates[2]))
+
+
+def test_chains_accept_their_leading_agreements_and_stop_at_a_missing_target():
+    """Per chain, the leading run of agreeing drafts; index E (no usable target) rejects like a miss."""
+    correct_E = torch.tensor([True, True, False, True, True, True])  # E = 6
+    chains_CK = torch.tensor([[0, 1, 3],    # agree, agree, agree: 3
+                              [0, 2, 3],    # agree, miss: 1 (the agreement after the miss is not accepted)
+                              [6, 4, 5],    # no target at depth 0: 0
+                              [4, 6, 5],    # agree, no target: 1
+                              [2, 0, 1]])   # miss first: 0
+    stats = chain_acceptance(correct_E, chains_CK)
+    assert float(stats.chain_accepted_sum) == 5 and float(stats.chain_count) == 5
+    assert float(stats.loss_sum) == 0 and stats.depth_count.tolist() == [0.0] * 3
+    assert chain_acceptance_length(5.0, 5.0) == 2.0 and chain_acceptance_length(0.0, 0.0) is None
+    # It is not the product of per-depth rates: correlated errors make them differ.
+    rates = [float(torch.cat([correct_E, torch.tensor([False])])[chains_CK[:, d]].float().mean()) for d in range(3)]
+    assert 1 + sum(math.prod(rates[:d + 1]) for d in range(3)) != pytest.approx(2.0)
+    empty = chain_acceptance(correct_E, torch.zeros(0, 3, dtype=torch.long))
+    assert float(empty.chain_count) == 0 and float(empty.chain_accepted_sum) == 0
 
 
 def _chunked_or_not(chunk_rows, hidden, weight, ids, probs, depth, num_depths, *, train_head, scale=2.5):
@@ -110,7 +125,10 @@ def _chunked_or_not(chunk_rows, hidden, weight, ids, probs, depth, num_depths, *
         stats = forward_kl_sum(torch.nn.functional.linear(h, w), ids, probs, torch.ones_like(depth, dtype=torch.bool),
                                depth, num_depths)
     else:
-        stats = chunked_kl_sum(h, w, ids, probs, depth, num_depths, chunk_rows=chunk_rows)
+        stats, correct = chunked_kl_sum(h, w, ids, probs, depth, num_depths, chunk_rows=chunk_rows)
+        assert correct.dtype == torch.bool and correct.shape == depth.shape
+        assert torch.equal(correct.float().new_zeros(num_depths).index_add(0, depth, correct.float()),
+                           stats.depth_correct)
     (stats.loss_sum * scale).backward()
     return stats, h.grad, w.grad
 
@@ -127,7 +145,7 @@ def test_chunked_equals_unchunked_with_gradients(chunk_rows, train_head):
     part, h_grad_c, w_grad_c = _chunked_or_not(chunk_rows, hidden, weight, ids, probs, depth, num_depths,
                                                train_head=train_head)
     torch.testing.assert_close(part.to_vector(), full.to_vector(), atol=1e-5, rtol=1e-5)
-    assert int(part.num_uncovered) == 3 and float(part.depth_correct.sum()) >= 0
+    assert float(part.depth_count.sum()) == 37 - 3 and float(part.depth_correct.sum()) >= 0  # 3 uncovered rows
     torch.testing.assert_close(h_grad_c, h_grad, atol=1e-5, rtol=1e-5)
     if train_head:
         torch.testing.assert_close(w_grad_c, w_grad, atol=1e-5, rtol=1e-5)
@@ -160,11 +178,12 @@ def test_chunked_without_grad_and_with_no_rows():
     hidden, weight = torch.randn(20, 8, generator=generator), torch.randn(30, 8, generator=generator)
     depth = torch.zeros(20, dtype=torch.long)
     with torch.no_grad():
-        stats = chunked_kl_sum(hidden, weight, ids, probs, depth, 1, chunk_rows=6)
+        stats, correct = chunked_kl_sum(hidden, weight, ids, probs, depth, 1, chunk_rows=6)
     want = forward_kl_sum(hidden @ weight.T, ids, probs, torch.ones(20, dtype=torch.bool), depth, 1)
     torch.testing.assert_close(stats.to_vector(), want.to_vector())
+    assert float(correct.sum()) == float(want.depth_correct.sum())
     h = hidden[:0].clone().requires_grad_()
-    empty = chunked_kl_sum(h, weight, ids[:0], probs[:0], depth[:0], 1)
+    empty, _ = chunked_kl_sum(h, weight, ids[:0], probs[:0], depth[:0], 1)
     empty.loss_sum.backward()
     assert float(empty.loss_sum.detach()) == 0 and h.grad.shape == (0, 8)
 
@@ -195,7 +214,7 @@ def test_chunked_loss_memory_does_not_grow_with_rows_times_vocab():
             if chunk_rows is None:
                 stats = forward_kl_sum(hidden @ weight.T, ids, probs, torch.ones(num, dtype=torch.bool), depth, 1)
             else:
-                stats = chunked_kl_sum(hidden, weight, ids, probs, depth, 1, chunk_rows=chunk_rows)
+                stats, _ = chunked_kl_sum(hidden, weight, ids, probs, depth, 1, chunk_rows=chunk_rows)
         gc.collect()
         alive = {id(t): t.numel() * t.element_size() for ref in saved if (t := ref()) is not None}
         stats.loss_sum.backward()
@@ -209,11 +228,20 @@ def test_chunked_loss_memory_does_not_grow_with_rows_times_vocab():
 
 def test_stats_vector_round_trips_and_adds():
     a = KLStats(torch.tensor(1.5), torch.tensor([1.0, 0.5]), torch.tensor([2.0, 1.0]), torch.tensor([3.0, 2.0]),
-                torch.tensor(4))
+                torch.tensor(5.0), torch.tensor(4))
     vector = a.to_vector()
-    assert vector.tolist() == [1.5, 4.0, 1.0, 0.5, 2.0, 1.0, 3.0, 2.0]
-    assert (KLStats.from_vector(vector) + a.detach()).to_vector().tolist() == (2 * vector).tolist()
-    assert KLStats.zeros(3).to_vector().tolist() == [0.0] * 11
+    assert vector.tolist() == [1.5, 5.0, 4.0, 1.0, 0.5, 2.0, 1.0, 3.0, 2.0]
+    assert (KLStats.from_vector(vector, 2) + a.detach()).to_vector().tolist() == (2 * vector).tolist()
+    assert KLStats.zeros(3).to_vector().tolist() == [0.0] * 12
+
+
+def test_a_vector_of_another_layout_is_refused():
+    """An older peagle's window (``2 + 3K``: no chain sums) or another K is never read as this layout."""
+    old_layout = torch.zeros(2 + 3 * 4)
+    with pytest.raises(ValueError, match="for 4 depths has 15 entries.*this one has 14"):
+        KLStats.from_vector(old_layout, 4)
+    with pytest.raises(ValueError, match="for 3 depths"):
+        KLStats.from_vector(KLStats.zeros(4).to_vector(), 3)
 
 
 def test_a_bf16_head_alone_gets_its_gradient_summed_in_fp32():
@@ -229,7 +257,7 @@ def test_a_bf16_head_alone_gets_its_gradient_summed_in_fp32():
             stats = forward_kl_sum(hidden.to(torch.bfloat16) @ weight.T, ids, probs, torch.ones(64, dtype=torch.bool),
                                    depth, 1)
         else:
-            stats = chunked_kl_sum(hidden.to(torch.bfloat16), weight, ids, probs, depth, 1, chunk_rows=chunk_rows)
+            stats, _ = chunked_kl_sum(hidden.to(torch.bfloat16), weight, ids, probs, depth, 1, chunk_rows=chunk_rows)
         stats.loss_sum.backward()
         grads.append(weight.grad)
     assert grads[1].dtype == torch.bfloat16
