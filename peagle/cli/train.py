@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from peagle.cli import app
 from peagle.cli.config_command import ConfigCommand
-from peagle.schemas.train_config import ATTENTION_BACKENDS, TrainConfig
+from peagle.schemas.train_config import ATTENTION_BACKENDS, DRAFT_ARCHITECTURES, TrainConfig
 
 _HELP = """Train a P-EAGLE draft on shard stores written by `peagle extract`.
 
@@ -30,5 +30,6 @@ def _run(config: TrainConfig) -> None:
 COMMAND = ConfigCommand(
     name="train", config_class=TrainConfig, run=_run, help=_HELP,
     metavars={"store": "PATH[:WEIGHT]", "target": "MODEL_DIR", "out": "RUN_DIR", "attention": "|".join(ATTENTION_BACKENDS),
+              "draft_architecture": "|".join(DRAFT_ARCHITECTURES),
               "eval_store": "STORE", "init_from": "EXPORT_DIR"})
 COMMAND.register(app)
