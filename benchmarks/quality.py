@@ -69,6 +69,10 @@ VARIANTS: dict[str, dict[str, str | None]] = {
     "layers2": {"--num-layers": "2"},
     "lr1e-3": {"--lr": "1e-3"},
     # Round two adds one line each, e.g. "qwen3": {"--draft-architecture": "qwen3"}.
+    "qwen3": {"--draft-architecture": "qwen3"},  # q/k RMSNorm on every head before RoPE
+    "norm-before-residual": {"--norm-before-residual": None},
+    "norm-before-fc": {"--norm-before-fc": None},
+    "fc-norm": {"--fc-norm": None},
 }
 """Named variants: flags that replace or extend :data:`BASE_TRAIN` (value None: a bare switch)."""
 
