@@ -74,6 +74,10 @@ VARIANTS: dict[str, dict[str, str | None]] = {
     "muon": {"--optimizer": "muon", "--muon-lr": "0.02"},
     "tv": {"--loss": "tv"},  # total variation instead of forward KL (docs/loss.md)
     # Round two adds one line each, e.g. "qwen3": {"--draft-architecture": "qwen3"}.
+    "qwen3": {"--draft-architecture": "qwen3"},  # q/k RMSNorm on every head before RoPE
+    "norm-before-residual": {"--norm-before-residual": None},
+    "norm-before-fc": {"--norm-before-fc": None},
+    "fc-norm": {"--fc-norm": None},
 }
 """Named variants: flags that replace or extend :data:`BASE_TRAIN` (value None: a bare switch)."""
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from peagle.cli import app
 from peagle.cli.config_command import ConfigCommand
-from peagle.schemas.train_config import ATTENTION_BACKENDS, LOSSES, OPTIMIZERS, TrainConfig
+from peagle.schemas.train_config import ATTENTION_BACKENDS, DRAFT_ARCHITECTURES, LOSSES, OPTIMIZERS, TrainConfig
 
 _HELP = """Train a P-EAGLE draft on shard stores written by `peagle extract`.
 
@@ -30,6 +30,7 @@ def _run(config: TrainConfig) -> None:
 COMMAND = ConfigCommand(
     name="train", config_class=TrainConfig, run=_run, help=_HELP,
     metavars={"store": "PATH[:WEIGHT]", "target": "MODEL_DIR", "out": "RUN_DIR", "attention": "|".join(ATTENTION_BACKENDS),
+              "draft_architecture": "|".join(DRAFT_ARCHITECTURES),
               "eval_store": "STORE", "init_from": "EXPORT_DIR", "optimizer": "|".join(OPTIMIZERS),
               "loss": "|".join(LOSSES)})
 COMMAND.register(app)

@@ -1,4 +1,4 @@
-"""The P-EAGLE draft model (docs/draft-and-export.md): an EAGLE-3 Llama draft that predicts K tokens in one forward.
+"""The P-EAGLE draft model (docs/draft-and-export.md): an EAGLE-3 draft that predicts K tokens in one forward.
 
 Input is one flat sequence of N elements (no batch, no padding to K·L). The first R are *real*
 (depth 0): element i reads ``(embed(token_i), fc(aux_i))``. The other M = N - R are *mask slots*
@@ -6,8 +6,11 @@ Input is one flat sequence of N elements (no batch, no padding to K·L). The fir
 the caller's attention mask (peagle.model.mask for training, causal for the inference proposer).
 
 Layer 0 attends over ``cat[input_layernorm(embeds), hidden_norm(fc_hidden)]`` (2H wide q/k/v) with
-its residual taken from the hidden stream; layers 1.. are plain pre-norm Llama layers. Parameter
-names equal the speculators/vLLM P-EAGLE checkpoint keys, so export is a near-identity key map.
+its residual taken from the hidden stream; layers 1.. are plain pre-norm Llama layers. The variants
+are vLLM's: a Qwen3 decoder (q/k head norms), ``norm_before_residual``, and the norms before ``fc``
+(``norm_before_fc``, ``fc_norm``), all computed as vLLM 0.32 computes them (llama_eagle3.py,
+qwen3_eagle3.py). Parameter names equal the speculators/vLLM P-EAGLE checkpoint keys, so export is a
+near-identity key map.
 
 Mask slots share one layer-0 input, so its q/k/v (before RoPE) and residual are computed once and
 broadcast: layer 0's projections cost R rows instead of N (R is ~40% of N in COD training).
@@ -91,7 +94,8 @@ def attend(q_hND: Tensor, k_gND: Tensor, v_gND: Tensor, attn_mask: AttnMask, fle
 
 
 class Attention(nn.Module):
-    """Llama attention (no bias) whose q/k/v read ``in_features`` (H, or 2H in layer 0)."""
+    """Llama attention (no bias) whose q/k/v read ``in_features`` (H, or 2H in layer 0); Qwen3's adds
+    ``q_norm``/``k_norm``, an RMSNorm over each head's D features before RoPE (vLLM's Qwen3Attention)."""
 
     def __init__(self, config: DraftConfig, in_features: int):
         super().__init__()
@@ -100,13 +104,19 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(in_features, config.num_kv_heads * config.head_dim, bias=False)
         self.v_proj = nn.Linear(in_features, config.num_kv_heads * config.head_dim, bias=False)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=False)
+        qwen3 = config.architecture == "qwen3"
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qwen3 else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qwen3 else None
 
     def attend_projected(self, q_N: Tensor, k_N: Tensor, v_N: Tensor, cos_ND: Tensor, sin_ND: Tensor,
                          attn_mask: AttnMask, flex: FlexFn | None = None) -> Tensor:
         """RoPE, attention and o_proj on already projected q/k/v rows."""
         n = q_N.shape[0]
-        q = q_N.view(n, self.num_heads, self.head_dim).transpose(0, 1)
-        k = k_N.view(n, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        q = q_N.view(n, self.num_heads, self.head_dim)
+        k = k_N.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # back to the projection's dtype: fp32 norm weights must not upcast under autocast
+            q, k = self.q_norm(q).to(q.dtype), self.k_norm(k).to(k.dtype)
+        q, k = q.transpose(0, 1), k.transpose(0, 1)
         v = v_N.view(n, self.num_kv_heads, self.head_dim).transpose(0, 1)
         cos, sin = cos_ND.to(q.dtype), sin_ND.to(q.dtype)
         q = q * cos + rotate_half(q) * sin
@@ -188,6 +198,10 @@ class PEagleDraft(nn.Module):
         self.activation_checkpointing = activation_checkpointing
         self.embed_tokens = nn.Embedding(config.target_vocab_size, config.hidden_size)
         self.fc = nn.Linear(config.num_aux * config.target_hidden_size, config.hidden_size, bias=False)
+        self.input_norm = (RMSNorm(config.num_aux * config.target_hidden_size, config.rms_norm_eps)
+                           if config.norm_before_fc else None)
+        self.fc_norm = (nn.ModuleList([RMSNorm(config.target_hidden_size, config.rms_norm_eps)
+                                       for _ in range(config.num_aux)]) if config.fc_norm else None)
         self.layers = nn.ModuleList([FirstLayer(config)]
                                     + [DecoderLayer(config) for _ in range(config.num_layers - 1)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -257,8 +271,8 @@ class PEagleDraft(nn.Module):
         num_mask = token_ids_N.shape[0] - num_real
         assert num_mask >= 0 and position_ids_N.shape[0] == token_ids_N.shape[0], "token/position/aux sizes disagree"
 
-        hidden_RH = self.fc(aux_R)
-        mask_hidden_1H = self.fc(self.mask_hidden.reshape(1, -1).to(aux_R.dtype))
+        hidden_RH = self.combine_hidden_states(aux_R)
+        mask_hidden_1H = self.combine_hidden_states(self.mask_hidden.reshape(1, -1).to(aux_R.dtype))
         embeds_RH = self.embed_tokens(token_ids_N[:num_real])
         mask_embed_1H = self.embed_tokens.weight[self.config.mask_token_id][None]
         cos_ND, sin_ND = self.rope(position_ids_N)
@@ -268,6 +282,17 @@ class PEagleDraft(nn.Module):
         for layer in self.layers[1:]:
             h = self._run(layer, h, cos_ND, sin_ND, attn_mask, flex)
         return self.norm(h)
+
+    def combine_hidden_states(self, aux_RF: Tensor) -> Tensor:
+        """``fc`` over ``[R, A*T]`` aux rows, after the optional norms, in vLLM's order and for the
+        same inputs: its ``combine_hidden_states`` runs on the target's aux states and on
+        ``mask_hidden`` (which is why the mask slots' hidden goes through the norms too)."""
+        if self.input_norm is not None:
+            aux_RF = self.input_norm(aux_RF)
+        if self.fc_norm is not None:
+            chunks = aux_RF.chunk(self.config.num_aux, dim=-1)
+            aux_RF = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)
+        return self.fc(aux_RF)
 
     def _run(self, layer: nn.Module, *args: Any) -> Tensor:
         # Activation checkpointing trades one extra layer forward for not keeping its activations;

@@ -5,11 +5,12 @@ An export directory holds ``config.json`` and ``model.safetensors``. vLLM loads 
 the ``speculators`` library loads it with ``PEagleDraftModel.from_pretrained``.
 
 Write side: :data:`KEY_MAP` (draft state-dict key -> checkpoint key), :func:`expected_shapes`,
-:func:`export_state_dict`, :func:`build_config` and :func:`write_export` (atomic directory;
-``peagle export``). Read side: :func:`draft_config_from_speculators` (config.json -> DraftConfig),
+:func:`export_state_dict`, ``build_config`` and :func:`write_export` (atomic directory;
+``peagle export``). Read side: ``draft_config_from_speculators`` (config.json -> DraftConfig),
 :func:`load_export` (a whole draft: ``peagle eval``) and :func:`load_weights_into` (the tensors that
 fit another draft: ``peagle train --init-from``). Both sides check keys and shapes against
-:func:`expected_shapes`, so what one writes the other reads.
+:func:`expected_shapes`, so what one writes the other reads. config.json's two directions live in
+peagle/model/speculators_config.py (re-exported here).
 
 What was verified against speculators 0.9.0 and vLLM 0.32 (read from the installed packages, not
 from memory), and how: docs/draft-and-export.md, "What the format was checked against".
@@ -18,7 +19,6 @@ from memory), and how: docs/draft-and-export.md, "What the format was checked ag
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import os
 import re
@@ -30,32 +30,32 @@ import torch
 from torch import Tensor
 
 from peagle.model.draft import PEagleDraft
+from peagle.model.speculators_config import (ARCHITECTURE, PROVENANCE_KEY, SPECULATORS_VERSION,  # noqa: F401
+                                             VARIANT_FLAGS, build_config, draft_config_from_speculators, variant_of)
 from peagle.pipeline.atomic import atomic_dir, canonical_json
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.errors import UserError
 
-SPECULATORS_VERSION = "0.9.0"
-"""The speculators release whose format this writes (config field ``speculators_version``)."""
-
-ARCHITECTURE = "PEagleDraftModel"
-"""What speculators 0.9.0 writes in ``architectures`` when it saves a P-EAGLE draft."""
-
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-PROVENANCE_KEY = "peagle"
 
 # peagle's PEagleDraft state-dict key -> the speculators/vLLM checkpoint key. ``{i}`` is any layer
-# index; ``layers.0.hidden_norm`` exists on layer 0 only. The names were chosen equal, so the map is
+# index (any aux index in ``fc_norm``); ``layers.0.hidden_norm`` exists on layer 0 only, q/k norms
+# in qwen3 drafts, ``input_norm`` and ``fc_norm`` with norm_before_fc / fc_norm (vLLM's names). The names were chosen equal, so the map is
 # an identity on purpose: it is written out so a rename on either side fails a test, not a load.
 KEY_MAP: dict[str, str] = {
     "embed_tokens.weight": "embed_tokens.weight",
     "fc.weight": "fc.weight",
+    "input_norm.weight": "input_norm.weight",
+    "fc_norm.{i}.weight": "fc_norm.{i}.weight",
     "layers.0.hidden_norm.weight": "layers.0.hidden_norm.weight",
     "layers.{i}.input_layernorm.weight": "layers.{i}.input_layernorm.weight",
     "layers.{i}.self_attn.q_proj.weight": "layers.{i}.self_attn.q_proj.weight",
     "layers.{i}.self_attn.k_proj.weight": "layers.{i}.self_attn.k_proj.weight",
     "layers.{i}.self_attn.v_proj.weight": "layers.{i}.self_attn.v_proj.weight",
     "layers.{i}.self_attn.o_proj.weight": "layers.{i}.self_attn.o_proj.weight",
+    "layers.{i}.self_attn.q_norm.weight": "layers.{i}.self_attn.q_norm.weight",
+    "layers.{i}.self_attn.k_norm.weight": "layers.{i}.self_attn.k_norm.weight",
     "layers.{i}.post_attention_layernorm.weight": "layers.{i}.post_attention_layernorm.weight",
     "layers.{i}.mlp.gate_proj.weight": "layers.{i}.mlp.gate_proj.weight",
     "layers.{i}.mlp.up_proj.weight": "layers.{i}.mlp.up_proj.weight",
@@ -112,6 +112,13 @@ def expected_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
             f"layers.{i}.mlp.up_proj.weight": (config.intermediate_size, H),
             f"layers.{i}.mlp.down_proj.weight": (H, config.intermediate_size),
         })
+        if config.architecture == "qwen3":
+            shapes[f"layers.{i}.self_attn.q_norm.weight"] = (config.head_dim,)
+            shapes[f"layers.{i}.self_attn.k_norm.weight"] = (config.head_dim,)
+    if config.norm_before_fc:
+        shapes["input_norm.weight"] = (A * T,)
+    if config.fc_norm:
+        shapes.update({f"fc_norm.{j}.weight": (T,) for j in range(A)})
     if config.has_vocab_map:
         shapes["d2t"] = (config.draft_vocab_size,)
         shapes["t2d"] = (config.target_vocab_size,)
@@ -152,52 +159,14 @@ def check_tensors(tensors: dict[str, Tensor], config: DraftConfig, where: str) -
     expected = expected_shapes(config)
     unexpected, missing = sorted(set(tensors) - set(expected)), sorted(set(expected) - set(tensors))
     if unexpected:
-        raise UserError(f"{where}: {unexpected[0]!r} does not fit the draft config ({config.num_layers} layers, "
-                        f"draft vocab {config.draft_vocab_size} of {config.target_vocab_size})")
+        raise UserError(f"{where}: {unexpected[0]!r} does not fit the draft config ({config.architecture}, "
+                        f"{config.num_layers} layers, draft vocab {config.draft_vocab_size} of {config.target_vocab_size}"
+                        f"{''.join(f', {n}' for n in ('norm_before_fc', 'fc_norm') if getattr(config, n))})")
     if missing:
         raise UserError(f"{where} lacks {missing[:3]}{' ...' if len(missing) > 3 else ''} of the speculators format")
     for key, tensor in tensors.items():
         if tuple(tensor.shape) != expected[key]:
             raise UserError(f"{where}: {key} has shape {tuple(tensor.shape)}, the draft config needs {expected[key]}")
-
-
-def build_config(config: DraftConfig, *, verifier_name: str, verifier_architectures: list[str],
-                 speculative_tokens: int, dtype: str = "float32",
-                 provenance: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The export's ``config.json`` (speculators 0.9.0 fields; what vLLM 0.32's loader reads).
-
-    ``speculative_tokens`` is K, the number of draft tokens vLLM proposes per step (the served
-    default; ``LLM(..., speculative_config={"num_speculative_tokens": k})`` overrides it).
-    ``provenance`` becomes the ``peagle`` section (speculators keeps unknown keys; vLLM ignores them).
-    """
-    if speculative_tokens < 1:
-        raise UserError(f"--speculative-tokens must be >= 1, got {speculative_tokens}")
-    layer_config = copy.deepcopy(config.llama_config_dict())
-    layer_config["dtype"] = dtype
-    if config.num_aux != 3:
-        # vLLM sizes fc as target_hidden_size * num_aux_hidden_states with a default of 3, and reads
-        # the attribute from the draft's HF config, which is built from transformer_layer_config.
-        layer_config["num_aux_hidden_states"] = config.num_aux
-    out: dict[str, Any] = {
-        "architectures": [ARCHITECTURE], "speculators_model_type": "peagle",
-        "speculators_version": SPECULATORS_VERSION, "dtype": dtype,
-        "draft_vocab_size": config.draft_vocab_size, "target_hidden_size": config.target_hidden_size,
-        "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids), "mask_token_id": config.mask_token_id,
-        "norm_before_residual": config.norm_before_residual, "norm_before_fc": False, "fc_norm": False,
-        "norm_output": False, "embed_requires_grad": True, "tie_word_embeddings": False,
-        "transformer_layer_config": layer_config,
-        "speculators_config": {
-            "algorithm": "peagle", "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "verifier": {"name_or_path": verifier_name, "architectures": list(verifier_architectures)},
-        },
-    }
-    if config.num_aux != 3:
-        out["num_aux_hidden_states"] = config.num_aux
-    if provenance is not None:
-        out[PROVENANCE_KEY] = provenance
-    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -237,40 +206,6 @@ def is_export_dir(path: str | os.PathLike) -> bool:
     with contextlib.suppress(OSError, json.JSONDecodeError, AttributeError):
         return json.loads((Path(path) / CONFIG_FILE).read_text()).get("speculators_model_type") == "peagle"
     return False
-
-
-def draft_config_from_speculators(config_json: dict[str, Any]) -> DraftConfig:
-    """The DraftConfig a speculators 'peagle' config.json describes (Llama decoder, no extra norms).
-
-    Raises:
-        UserError: for a config this draft model cannot represent.
-    """
-    if config_json.get("speculators_model_type") != "peagle":
-        raise UserError(f"not a speculators 'peagle' checkpoint (speculators_model_type="
-                        f"{config_json.get('speculators_model_type')!r})")
-    for flag in ("norm_before_fc", "fc_norm", "norm_output"):
-        if config_json.get(flag):
-            raise UserError(f"checkpoint uses {flag}=true, which peagle's draft model does not implement")
-    layer = config_json.get("transformer_layer_config") or {}
-    if layer.get("model_type", "llama") != "llama":
-        raise UserError(f"checkpoint decoder is {layer.get('model_type')!r}; peagle reads llama decoders only")
-    if config_json.get("mask_token_id") is None:
-        raise UserError("checkpoint config has no mask_token_id")
-    hidden, heads = int(layer["hidden_size"]), int(layer["num_attention_heads"])
-    aux_ids = list(config_json.get("eagle_aux_hidden_state_layer_ids") or [])
-    num_aux = int(layer.get("num_aux_hidden_states") or config_json.get("num_aux_hidden_states") or len(aux_ids) or 3)
-    rope = layer.get("rope_parameters") or {"rope_type": "default", "rope_theta": float(layer.get("rope_theta", 10000.0))}
-    return DraftConfig(
-        hidden_size=hidden, num_heads=heads, num_kv_heads=int(layer.get("num_key_value_heads") or heads),
-        head_dim=int(layer.get("head_dim") or hidden // heads), intermediate_size=int(layer["intermediate_size"]),
-        rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)), rope_parameters=dict(rope),
-        num_layers=int(layer["num_hidden_layers"]), target_hidden_size=int(config_json.get("target_hidden_size") or hidden),
-        num_aux=num_aux, target_vocab_size=int(layer["vocab_size"]),
-        draft_vocab_size=int(config_json.get("draft_vocab_size") or layer["vocab_size"]),
-        mask_token_id=int(config_json["mask_token_id"]),
-        max_position_embeddings=int(layer.get("max_position_embeddings", 4096)), aux_layer_ids=aux_ids,
-        norm_before_residual=bool(config_json.get("norm_before_residual", False)),
-    )
 
 
 def read_export_config(path: str | os.PathLike) -> dict[str, Any]:
@@ -354,15 +289,17 @@ def load_weights_into(draft: PEagleDraft, export_dir: str | os.PathLike) -> str:
 
     Tensors whose key and shape match are copied; the draft vocab must be the same one (``d2t``).
     Keys the export lacks (an EAGLE-3 draft has no ``mask_hidden``; fewer layers) keep their values
-    and are named in the returned summary line.
+    and are named in the returned summary line. The export must be the same variant (decoder type
+    and norm options, :func:`check_same_variant`): a warm start continues a draft, never changes it.
 
     Raises:
-        UserError: missing files, a shape that differs, or another draft vocab.
+        UserError: missing files, another variant, a shape that differs, or another draft vocab.
     """
     if not (Path(export_dir) / WEIGHTS_FILE).is_file():
         raise UserError(f"--init-from {export_dir}: no {WEIGHTS_FILE} there (expected a `peagle export` "
                         "or speculators draft directory)")
     tensors = _read_tensors(Path(export_dir))
+    check_same_variant(draft.config, export_dir, tensors)
     own = draft.state_dict()
     if "d2t" in tensors and "d2t" in own and not torch.equal(tensors["d2t"].long(), own["d2t"].long().cpu()):
         raise UserError(f"--init-from {export_dir} was trained with another draft vocab (d2t differs); "
@@ -385,3 +322,29 @@ def load_weights_into(draft: PEagleDraft, export_dir: str | os.PathLike) -> str:
     if kept:
         summary += f"; {len(kept)} kept at init ({', '.join(kept[:4])}{', ...' if len(kept) > 4 else ''})"
     return summary
+
+
+_VARIANT_KEYS = {"architecture": re.compile(r"^layers\.\d+\.self_attn\.[qk]_norm\.weight$"),
+                 "norm_before_fc": re.compile(r"^input_norm\.weight$"), "fc_norm": re.compile(r"^fc_norm\.\d+\.weight$")}
+
+
+def check_same_variant(config: DraftConfig, export_dir: str | os.PathLike, tensors: dict[str, Tensor]) -> None:
+    """Refuse, in one line naming the flag, an export of another variant than ``config``: what its
+    config.json states (when it has a speculators one), and any variant tensor ``config`` has no place for."""
+    config_json: dict[str, Any] = {}
+    with contextlib.suppress(UserError):  # a bare weights directory states nothing
+        config_json = read_export_config(export_dir)
+    stated = variant_of(config_json) if config_json.get("speculators_model_type") else {}
+    for name, value in stated.items():
+        if getattr(config, name) != value:
+            flag = VARIANT_FLAGS[name]
+            wanted = f"{flag} {value}" if name == "architecture" else flag if value else f"--no-{flag[2:]}"
+            raise UserError(f"--init-from {export_dir} was trained with {wanted} ({name}={value}, this run has "
+                            f"{getattr(config, name)}); pass {wanted}: a warm start keeps the draft's variant")
+    has = {"architecture": config.architecture == "qwen3", "norm_before_fc": config.norm_before_fc,
+           "fc_norm": config.fc_norm}
+    foreign = sorted(key for key in tensors for name, pattern in _VARIANT_KEYS.items()
+                     if not has[name] and pattern.match(key))
+    if foreign:
+        raise UserError(f"--init-from {export_dir} has {foreign[0]!r}, which this run's draft lacks; pass the "
+                        "--draft-architecture / --norm-before-fc / --fc-norm it was trained with")

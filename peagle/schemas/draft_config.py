@@ -1,8 +1,11 @@
 """The draft model's shape: everything needed to build a `PEagleDraft` and to export it (docs/draft-and-export.md).
 
-The decoder is always Llama-shaped (vLLM's P-EAGLE loader accepts llama or qwen3 and qwen3 would
-add untrained q/k norms), with hidden size, heads, head dim, RoPE and RMS eps copied from the
-target so that `embed_tokens` and `lm_head` rows can be taken from it. Plain data: JSON in and out.
+The decoder is Llama-shaped or Qwen3-shaped (``architecture``: the two decoder types vLLM 0.32's
+P-EAGLE loader serves; Qwen3 adds RMSNorms on each query and key head before RoPE), with hidden
+size, heads, head dim, RoPE and RMS eps copied from the target so that `embed_tokens` and `lm_head`
+rows can be taken from it. The EAGLE-3.1 norm options (``norm_before_residual``, ``norm_before_fc``,
+``fc_norm``) are the ones vLLM applies in a parallel-drafting forward (docs/draft-and-export.md).
+Plain data: JSON in and out.
 """
 
 from __future__ import annotations
@@ -15,6 +18,10 @@ from typing import Any
 from peagle.schemas.errors import UserError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+DRAFT_ARCHITECTURES = ("llama", "qwen3")
+"""Decoder types: the ``transformer_layer_config.model_type`` values vLLM 0.32 maps to a P-EAGLE
+model (``PeagleLlamaForCausalLM`` -> llama_eagle3.py, ``PeagleQwen3ForCausalLM`` -> qwen3_eagle3.py)."""
 
 
 def default_aux_layer_ids(num_target_layers: int) -> list[int]:
@@ -47,9 +54,18 @@ class DraftConfig:
     max_position_embeddings: int
     aux_layer_ids: list[int]
     """Target layers whose entering hidden stream is an aux state (HF hidden_states index)."""
+    architecture: str = "llama"
+    """Decoder type, one of DRAFT_ARCHITECTURES: ``qwen3`` adds ``q_norm``/``k_norm`` (RMSNorm over
+    each head's D features, before RoPE) to every layer's attention, as Qwen3 and vLLM's qwen3_eagle3 do."""
     norm_before_residual: bool = False
     """Layer 0's residual is hidden_norm(fc(aux)) when True, fc(aux) when False (vLLM reads the
     same key; its P-EAGLE config loader assumes False when absent, so export must write it)."""
+    norm_before_fc: bool = False
+    """One RMSNorm (``input_norm``, A*T wide) over the concatenated aux states before ``fc``; vLLM's
+    ``combine_hidden_states`` applies it to the aux rows and to ``mask_hidden`` alike."""
+    fc_norm: bool = False
+    """One RMSNorm per aux layer (``fc_norm.{j}``, T wide) on its chunk before ``fc`` (after
+    ``input_norm`` when both are on, vLLM's order)."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
@@ -81,6 +97,9 @@ class DraftConfig:
             raise UserError(
                 f"draft config: rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
             )
+        if self.architecture not in DRAFT_ARCHITECTURES:
+            raise UserError(f"draft config: architecture {self.architecture!r} is not one of "
+                            f"{'|'.join(DRAFT_ARCHITECTURES)}")
         if "rope_theta" not in self.rope_parameters:
             raise UserError(f"draft config: rope_parameters {self.rope_parameters} has no rope_theta")
 
@@ -93,7 +112,10 @@ class DraftConfig:
         draft_vocab_size: int | None = None,
         mask_token_id: int,
         aux_layer_ids: list[int] | None = None,
+        architecture: str = "llama",
         norm_before_residual: bool = False,
+        norm_before_fc: bool = False,
+        fc_norm: bool = False,
     ) -> "DraftConfig":
         """Derive a draft config from a transformers target config (text config of multimodal ones).
 
@@ -130,7 +152,10 @@ class DraftConfig:
             mask_token_id=int(mask_token_id),
             max_position_embeddings=int(text.max_position_embeddings),
             aux_layer_ids=ids,
+            architecture=architecture,
             norm_before_residual=norm_before_residual,
+            norm_before_fc=norm_before_fc,
+            fc_norm=fc_norm,
         )
 
     @property
@@ -175,3 +200,12 @@ class DraftConfig:
             "attention_bias": False,
             "mlp_bias": False,
         }
+
+    def layer_config_dict(self) -> dict[str, Any]:
+        """The draft decoder as a transformers config dict of its ``architecture`` (speculators'
+        ``transformer_layer_config``, whose ``model_type`` picks vLLM's model class)."""
+        config = self.llama_config_dict()
+        if self.architecture == "qwen3":
+            del config["mlp_bias"]  # a Llama-only field
+            config.update({"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "use_sliding_window": False})
+        return config

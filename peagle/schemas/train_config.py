@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from peagle.schemas.draft_config import DRAFT_ARCHITECTURES
 from peagle.schemas.errors import UserError
 
 ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
@@ -92,7 +93,22 @@ class TrainConfig:
     (dense boolean mask), or `auto` (flex on CUDA, sdpa on CPU)."""
 
     num_layers: int = 4
-    """Draft decoder layers (layer 0 reads [embeddings, fc(aux)]; the rest are plain Llama layers)."""
+    """Draft decoder layers (layer 0 reads [embeddings, fc(aux)]; the rest are plain decoder layers)."""
+
+    draft_architecture: str = "llama"
+    """Draft decoder type: `llama`, or `qwen3` (RMSNorm on every query and key head before RoPE, as
+    Qwen3 does). Either is exported in the format vLLM serves with parallel drafting."""
+
+    norm_before_residual: bool = False
+    """EAGLE-3.1 option: layer 0's residual is hidden_norm(fc(aux)) instead of fc(aux)."""
+
+    norm_before_fc: bool = False
+    """EAGLE-3.1 option: one RMSNorm over the concatenated aux hidden states before fc (also on
+    mask_hidden, as vLLM applies it)."""
+
+    fc_norm: bool = False
+    """EAGLE-3.1 option: one RMSNorm per aux layer on its hidden state before fc (after the
+    --norm-before-fc norm when both are on)."""
 
     max_steps: int | None = None
     """Stop after this many optimizer steps (exclusive with --epochs). Default: one epoch."""
@@ -211,6 +227,9 @@ class TrainConfig:
         self.stores()  # validates weights
         if self.attention not in ATTENTION_BACKENDS:
             raise UserError(f"--attention must be one of {'|'.join(ATTENTION_BACKENDS)}, got {self.attention!r}")
+        if self.draft_architecture not in DRAFT_ARCHITECTURES:
+            raise UserError(f"--draft-architecture must be one of {'|'.join(DRAFT_ARCHITECTURES)}, "
+                            f"got {self.draft_architecture!r}")
         if self.max_steps is not None and self.epochs is not None:
             raise UserError(f"--max-steps {self.max_steps} and --epochs {self.epochs} are exclusive; pass one")
         for name in ("num_depths", "sequence_partitions", "num_layers", "token_budget", "grad_accum",

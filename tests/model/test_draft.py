@@ -1,5 +1,6 @@
-"""PEagleDraft against an obvious reference built from transformers' Llama modules, plus its backends,
-gradients, checkpointing and loading from a target (both tiny target architectures)."""
+"""PEagleDraft against an obvious reference built from transformers' Llama and Qwen3 modules (the norms
+before fc as vLLM's ``combine_hidden_states`` writes them), plus its backends, gradients,
+checkpointing and loading from a target (both tiny target architectures)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
-from transformers import AutoConfig, LlamaConfig
+from transformers import AutoConfig, LlamaConfig, Qwen3Config
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer, LlamaRotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
 from peagle.model.draft import PEagleDraft, build_draft_from_target, rope_inv_freq
 from peagle.model.mask import cod_block_mask, dense_peagle_mask
@@ -34,9 +37,9 @@ def small_config(**overrides) -> DraftConfig:
 def random_draft(config: DraftConfig, seed: int = 0, **kwargs) -> PEagleDraft:
     torch.manual_seed(seed)
     draft = PEagleDraft(config, **kwargs)
-    with torch.no_grad():  # non-trivial norms so that a swapped norm would show
+    with torch.no_grad():  # non-trivial norms (fc_norm.{j} too) so that a swapped or skipped norm would show
         for name, param in draft.named_parameters():
-            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+            if "norm" in name:
                 param.uniform_(0.5, 1.5)
     return draft
 
@@ -45,32 +48,56 @@ def hf_llama_config(config: DraftConfig) -> LlamaConfig:
     return LlamaConfig(**{k: v for k, v in config.llama_config_dict().items() if k not in ("model_type", "architectures")})
 
 
+def hf_modules(config: DraftConfig):
+    """transformers' config, attention, decoder layer and rotary classes of the draft's architecture."""
+    if config.architecture == "qwen3":
+        layer = {k: v for k, v in config.layer_config_dict().items() if k not in ("model_type", "architectures")}
+        return Qwen3Config(**layer), Qwen3Attention, Qwen3DecoderLayer, Qwen3RotaryEmbedding
+    return hf_llama_config(config), LlamaAttention, LlamaDecoderLayer, LlamaRotaryEmbedding
+
+
+def vllm_combine_hidden_states(draft: PEagleDraft, x_RF: torch.Tensor) -> torch.Tensor:
+    """vLLM 0.32's ``Eagle3LlamaForCausalLM.combine_hidden_states`` (the same in qwen3_eagle3.py):
+    ``input_norm`` over the whole row if norm_before_fc, then ``fc_norm[j]`` on each of the A chunks
+    if fc_norm, then fc. Written with ``F.rms_norm``, not the draft's RMSNorm modules."""
+    cfg = draft.config
+    if cfg.norm_before_fc:
+        x_RF = F.rms_norm(x_RF, (x_RF.shape[-1],), draft.input_norm.weight, cfg.rms_norm_eps)
+    if cfg.fc_norm:
+        x_RF = torch.cat([F.rms_norm(chunk, (chunk.shape[-1],), norm.weight, cfg.rms_norm_eps)
+                          for chunk, norm in zip(x_RF.chunk(cfg.num_aux, dim=-1), draft.fc_norm)], dim=-1)
+    return x_RF @ draft.fc.weight.T
+
+
 def reference_forward(draft: PEagleDraft, token_ids_N, aux_RAH, position_ids_N, allowed_NN) -> torch.Tensor:
     """The obvious computation: every row builds its own layer-0 input (no sharing), transformers'
-    Llama attention (eager, additive mask), decoder layers and rotary embedding."""
+    Llama or Qwen3 attention (eager, additive mask), decoder layers and rotary embedding."""
     cfg = draft.config
-    hf_cfg = hf_llama_config(cfg)
+    hf_cfg, attention_cls, layer_cls, rotary_cls = hf_modules(cfg)
     hf_cfg._attn_implementation = "eager"
     num_real, n = aux_RAH.shape[0], token_ids_N.shape[0]
-    cos, sin = LlamaRotaryEmbedding(hf_cfg)(torch.zeros(1), position_ids_N[None])
+    cos, sin = rotary_cls(hf_cfg)(torch.zeros(1), position_ids_N[None])
     additive = torch.zeros(n, n).masked_fill(~allowed_NN, float("-inf"))[None, None]
 
     hidden = torch.cat([aux_RAH.reshape(num_real, -1), draft.mask_hidden.reshape(1, -1).expand(n - num_real, -1)])
-    hidden = draft.fc(hidden)
+    hidden = vllm_combine_hidden_states(draft, hidden)
     ids = token_ids_N.clone()
     ids[num_real:] = cfg.mask_token_id
     layer0 = draft.layers[0]
     normed_hidden = layer0.hidden_norm(hidden)
     x = torch.cat([layer0.input_layernorm(draft.embed_tokens(ids)), normed_hidden], dim=-1)
-    attn = LlamaAttention(hf_cfg, layer_idx=0)
+    attn = attention_cls(hf_cfg, layer_idx=0)
     attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj = (layer0.self_attn.q_proj, layer0.self_attn.k_proj,
                                                           layer0.self_attn.v_proj, layer0.self_attn.o_proj)
+    if cfg.architecture == "qwen3":  # transformers' own Qwen3RMSNorm modules, given the draft's weights
+        attn.q_norm.load_state_dict(layer0.self_attn.q_norm.state_dict())
+        attn.k_norm.load_state_dict(layer0.self_attn.k_norm.state_dict())
     residual = normed_hidden if cfg.norm_before_residual else hidden
     h = residual + attn(x[None], position_embeddings=(cos, sin), attention_mask=additive)[0][0]
     h = h + layer0.mlp(layer0.post_attention_layernorm(h))
     h = h[None]
     for i, layer in enumerate(draft.layers[1:], start=1):
-        hf_layer = LlamaDecoderLayer(hf_cfg, layer_idx=i)
+        hf_layer = layer_cls(hf_cfg, layer_idx=i)
         hf_layer.load_state_dict(layer.state_dict())
         h = hf_layer(h, attention_mask=additive, position_embeddings=(cos, sin))
     return draft.norm(h[0])
@@ -87,10 +114,18 @@ def cod_row(lengths: list[int], num_depths: int):
     return anchor_N, depth_N, position_N
 
 
-@pytest.mark.parametrize("norm_before_residual", [False, True])
+VARIANTS = {  # every option alone, and all of them together on each decoder type
+    "llama": {}, "norm_before_residual": {"norm_before_residual": True}, "norm_before_fc": {"norm_before_fc": True},
+    "fc_norm": {"fc_norm": True}, "qwen3": {"architecture": "qwen3"},
+    "llama_all": {"norm_before_residual": True, "norm_before_fc": True, "fc_norm": True},
+    "qwen3_all": {"architecture": "qwen3", "norm_before_residual": True, "norm_before_fc": True, "fc_norm": True},
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("rope", [None, LLAMA3_ROPE])
-def test_forward_matches_transformers_reference(norm_before_residual, rope):
-    overrides = {"norm_before_residual": norm_before_residual}
+def test_forward_matches_transformers_reference(variant, rope):
+    overrides = dict(VARIANTS[variant])
     if rope:
         overrides["rope_parameters"] = rope
     draft = random_draft(small_config(**overrides))
@@ -105,6 +140,25 @@ def test_forward_matches_transformers_reference(norm_before_residual, rope):
     got = draft(token_ids_N, aux_RAH, position_N, allowed_NN)
     want = reference_forward(draft, token_ids_N, aux_RAH, position_N, allowed_NN)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("option", ["architecture", "norm_before_residual", "norm_before_fc", "fc_norm"])
+def test_every_option_changes_the_forward(option):
+    """Not a no-op anywhere: the same weights without one option give other hidden states."""
+    import dataclasses
+
+    on = random_draft(small_config(**VARIANTS["qwen3_all"]))
+    off = PEagleDraft(dataclasses.replace(on.config, **{option: "llama" if option == "architecture" else False}))
+    missing, unexpected = off.load_state_dict(on.state_dict(), strict=False)
+    assert not missing and bool(unexpected) == (option != "norm_before_residual")  # the option's own tensors
+    anchor_N, depth_N, position_N = cod_row([7, 5], num_depths=3)
+    num_real = int((depth_N == 0).sum())
+    token_ids_N = torch.randint(0, 199, (anchor_N.numel(),))
+    token_ids_N[num_real:] = 199
+    aux_RAH, allowed_NN = 3 * torch.randn(num_real, 3, 64), dense_peagle_mask(anchor_N, depth_N, torch.tensor([7, 5]), 12)
+    with torch.no_grad():
+        diff = (on(token_ids_N, aux_RAH, position_N, allowed_NN) - off(token_ids_N, aux_RAH, position_N, allowed_NN)).abs()
+    assert diff.max() > 1e-2
 
 
 def test_rope_inv_freq_matches_transformers():

@@ -27,7 +27,7 @@ def random_draft(seed: int, **overrides) -> PEagleDraft:
     draft.set_vocab_map(torch.arange(0, 256, 4))
     with torch.no_grad():
         for name, param in draft.named_parameters():
-            if name.endswith("norm.weight"):
+            if "norm" in name:
                 param.uniform_(0.5, 1.5)
     return draft
 
@@ -63,7 +63,8 @@ def make_sample(n: int, generator: torch.Generator):
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])
 @pytest.mark.parametrize("overrides", [{}, {"norm_before_residual": True, "num_layers": 3, "rope_parameters": {
     "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}])
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 16}},
+    {"architecture": "qwen3", "norm_before_fc": True, "fc_norm": True}])
 def test_training_forward_equals_proposer_at_every_anchor_and_depth(backend, overrides):
     num_depths = 4
     draft = random_draft(seed=0, **overrides)

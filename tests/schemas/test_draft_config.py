@@ -51,6 +51,26 @@ def test_llama_config_dict_is_a_transformers_llama_config(target_config):
     assert llama.rope_parameters["rope_theta"] == 10000.0
 
 
+def test_qwen3_layer_config_is_a_transformers_qwen3_config(target_config):
+    from transformers import Qwen3Config
+
+    config = DraftConfig.from_target_config(target_config, mask_token_id=7, architecture="qwen3", fc_norm=True)
+    layer = config.layer_config_dict()
+    assert (layer["model_type"], layer["architectures"]) == ("qwen3", ["Qwen3ForCausalLM"])
+    qwen3 = Qwen3Config(**{k: v for k, v in layer.items() if k != "model_type"})
+    assert qwen3.head_dim == 32 and qwen3.num_hidden_layers == 4 and not qwen3.attention_bias
+    assert DraftConfig.from_target_config(target_config, mask_token_id=7).layer_config_dict()["model_type"] == "llama"
+
+
+def test_a_config_saved_before_the_variants_is_a_plain_llama_draft(target_config):
+    """Checkpoints written before --draft-architecture and the norm flags existed resume as what they were."""
+    data = DraftConfig.from_target_config(target_config, mask_token_id=7).to_dict()
+    for name in ("architecture", "norm_before_fc", "fc_norm"):
+        del data[name]
+    config = DraftConfig.from_dict(data)
+    assert (config.architecture, config.norm_before_fc, config.fc_norm) == ("llama", False, False)
+
+
 def test_default_aux_layer_ids():
     assert default_aux_layer_ids(8) == [2, 4, 5]
     assert default_aux_layer_ids(32) == [2, 16, 29]
@@ -67,6 +87,7 @@ def test_default_aux_layer_ids():
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0}}, "not supported"),
     ({"rope_parameters": {"rope_type": "default"}}, "rope_theta"),
     ({"surprise": 1}, "unknown keys"),
+    ({"architecture": "mistral"}, r"architecture .mistral. is not one of llama\|qwen3"),
 ])
 def test_invalid_configs_are_user_errors(target_config, change, message):
     data = DraftConfig.from_target_config(target_config, mask_token_id=7).to_dict()

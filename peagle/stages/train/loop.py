@@ -105,7 +105,9 @@ class Trainer:
 
         self.draft_config = DraftConfig.from_target_config(
             target_cfg, num_layers=c.num_layers, draft_vocab_size=draft_vocab_size,
-            mask_token_id=self.loader.mask_token_id, aux_layer_ids=list(settings.aux_layer_ids))
+            mask_token_id=self.loader.mask_token_id, aux_layer_ids=list(settings.aux_layer_ids),
+            architecture=c.draft_architecture, norm_before_residual=c.norm_before_residual,
+            norm_before_fc=c.norm_before_fc, fc_norm=c.fc_norm)
         torch.manual_seed(c.seed)  # the same initial draft on every rank and in every run
         draft = build_draft_from_target(c.target, self.draft_config, None if vocab is None else vocab.selected_ids_N,
                                         train_lm_head=c.train_lm_head,

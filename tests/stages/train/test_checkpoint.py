@@ -204,6 +204,20 @@ def test_a_changed_config_names_the_field_and_both_values():
     assert "--num-layers was 4" in config_mismatch(saved, config(num_layers=2))
 
 
+def test_a_resumed_run_keeps_its_draft_variant():
+    """The variant flags rebuild the draft on resume, so none may change; a checkpoint from before
+    they existed reads as the plain Llama draft it was."""
+    saved = config(draft_architecture="qwen3", fc_norm=True).to_dict()
+    assert "--draft-architecture was 'qwen3'" in config_mismatch(saved, config(fc_norm=True))
+    assert "--fc-norm was True" in config_mismatch(saved, config(draft_architecture="qwen3"))
+    old = {k: v for k, v in config().to_dict().items()
+           if k not in ("draft_architecture", "norm_before_residual", "norm_before_fc", "fc_norm")}
+    assert config_mismatch(old, config()) is None
+    assert "--norm-before-fc was False" in config_mismatch(old, config(norm_before_fc=True))
+    with pytest.raises(UserError, match=r"--draft-architecture must be one of llama\|qwen3"):
+        config(draft_architecture="mistral")
+
+
 def test_safe_fields_may_change_and_paths_compare_resolved(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     saved = config(max_steps=10, store=("s",)).to_dict()
