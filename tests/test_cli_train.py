@@ -113,3 +113,35 @@ def test_a_store_from_another_target_is_refused(store, tiny_qwen3, tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "was extracted from a target with architecture LlamaForCausalLM, --target has architecture " \
            "Qwen3ForCausalLM" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_variant_run_trains_exports_and_resumes_only_as_itself(store, tiny_llama, tmp_path):
+    """The issue-13 variants through the real CLI at once: a Qwen3-style draft with every norm option,
+    Muon and the TV loss trains, its export reads back as the same variant, and a resume that drops a
+    variant flag is refused in one line (the checkpoint would not fit another architecture)."""
+    from peagle.model.speculators_format import load_export
+
+    out, export = tmp_path / "run", tmp_path / "export"
+    variant = ["--draft-architecture", "qwen3", "--norm-before-residual", "--norm-before-fc", "--fc-norm",
+               "--optimizer", "muon", "--muon-lr", "0.02", "--loss", "tv"]
+    args = [*train_args(store, tiny_llama, out, *variant)]
+    args[args.index("--max-steps") + 1] = "2"
+    proc = peagle(*args)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    train = [r for kind, _, r in losses(out) if kind == "train"]
+    assert len(train) == 2 and all(0.0 <= r["loss"] <= 1.0 for r in train)  # TV lies in [0, 1]
+    assert all(r["acceptance_length_estimate"] is None or r["acceptance_length_estimate"] >= 1.0 for r in train)
+
+    proc = peagle("export", out, "--out", export)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    config = load_export(export).draft.config
+    assert (config.architecture, config.norm_before_residual, config.norm_before_fc, config.fc_norm) == (
+        "qwen3", True, True, True)
+
+    plain = [a for a in args if a not in ("--norm-before-fc",)]
+    plain[plain.index("--max-steps") + 1] = "4"
+    proc = peagle(*plain)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("peagle: error: ") and "norm" in lines[-1], proc.stderr
