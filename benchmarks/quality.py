@@ -367,8 +367,8 @@ def main(argv: list[str] | None = None) -> dict:
                                                             [: budget.num_prompts]], budget.max_new_tokens)
         result["demo_reference"] = demo_reference()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    for variant in variants:
-        for seed in seeds:
+    for seed in seeds:  # seed-major: a run cut short still compares every variant on the seeds it finished
+        for variant in variants:
             result["records"].append(run_one(stages, work, target, paths, budget, variant, seed))
             result["summary"] = summarise(result["records"])
             atomic_write_json(args.out, result)  # partial results stay readable while later runs go on
