@@ -111,7 +111,8 @@ def _worker(out: str) -> None:
                     "mixed_losses": mixed_losses, "mixed_dtypes": mixed_dtypes, "mixed_weights": mixed_weights,
                     "muon_losses": muon_losses, "muon_weights": muon_weights},
                    out)
-    fresh.close()
+    del fsdp, mixed  # their FSDP modules hold the process group: freed before it is destroyed
+    fresh.close(finished=True)
 
 
 def test_torchrun_two_processes_equal_one_process_with_the_same_global_batch(tmp_path):
