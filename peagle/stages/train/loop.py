@@ -325,16 +325,16 @@ class Trainer:
         ckpt.set_rng_state(state[ckpt.RNG])
 
     def close(self, *, finished: bool = False) -> None:
-        """Tear the process group down. After a finished run the ranks first meet at a barrier, so no rank
-        hangs up while another is still inside a collective (gloo aborts a process whose peer closes its
-        connection mid-operation); after a failure there is no barrier, since a peer may never come."""
+        """Tear the process group down. After a finished run the ranks first meet at a barrier, so every
+        rank is past its last collective before any rank leaves (a peer that leaves early fails a collective
+        still waiting on it); after a failure there is no barrier, since a peer may never come."""
         if dist.is_available() and dist.is_initialized():
             if finished:
                 dist.barrier()
             # Free what holds the process group (the DDP/FSDP wrapper and its hooks' reference cycles,
             # the CPU group) while the interpreter is whole, so gloo's threads stop now: left to
             # interpreter shutdown, gloo's teardown aborted a rank (std::terminate in a gloo thread,
-            # then SIGSEGV) in about one CPU torchrun run in twenty.
+            # then SIGSEGV) in about one in three CPU torchrun runs that followed the compile tests.
             self.step_fn = self.cpu_group = None
             gc.collect()
             dist.destroy_process_group()

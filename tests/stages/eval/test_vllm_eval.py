@@ -26,8 +26,10 @@ K, MAX_NEW = 3, 24
 TEXTS = ["Explain what a context manager is.", "Parse a CSV line into fields.", "What does json.dumps return?"]
 
 
-@pytest.fixture(scope="module")
-def setup(tiny_llama):
+def target_setup(tiny_llama) -> dict:
+    """What both vLLM test files start from: the test prompts, the HF target, its greedy
+    continuations (prompt + continuation sequences), a 1-layer draft config and a 512-token draft
+    vocab (the continuations' tokens, filled up with low ids)."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                              tokenize=True, return_dict=False) for t in TEXTS]
@@ -35,13 +37,20 @@ def setup(tiny_llama):
     continuations = [plain_generate(target, p, max_new_tokens=MAX_NEW + K, sampler=Sampler()).tokens for p in prompts]
     config = DraftConfig.from_target_config(AutoConfig.from_pretrained(tiny_llama), num_layers=1, draft_vocab_size=512,
                                             mask_token_id=tokenizer.convert_tokens_to_ids("<|mask|>"))
-    used = {t for c in continuations for t in c}  # the draft vocab: these, filled up with low ids to 512
-    vocab_ids = sorted(used | set([i for i in range(1024) if i not in used][: 512 - len(used)]))
+    used = {t for c in continuations for t in c}
+    vocab_ids = torch.tensor(sorted(used | set([i for i in range(1024) if i not in used][: 512 - len(used)])))
+    return {"target_dir": tiny_llama, "target": target, "prompts": prompts, "config": config, "vocab_ids": vocab_ids,
+            "sequences": [p + c for p, c in zip(prompts, continuations)]}
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_llama):
+    base = target_setup(tiny_llama)
     torch.manual_seed(0)
-    random_draft = build_draft_from_target(tiny_llama, config, torch.tensor(vocab_ids))
-    fitted = fit_to_continuations(build_draft_from_target(tiny_llama, config, torch.tensor(vocab_ids)), target,
-                                  [p + c for p, c in zip(prompts, continuations)])
-    return {"target_dir": tiny_llama, "target": target, "prompts": prompts, "random": random_draft, "fitted": fitted}
+    random_draft = build_draft_from_target(tiny_llama, base["config"], base["vocab_ids"])
+    fitted = fit_to_continuations(build_draft_from_target(tiny_llama, base["config"], base["vocab_ids"]),
+                                  base["target"], base["sequences"])
+    return {**base, "random": random_draft, "fitted": fitted}
 
 
 def fit_to_continuations(draft: PEagleDraft, target: HFTarget, sequences: list[list[int]], steps: int = 60) -> PEagleDraft:

@@ -21,15 +21,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoTokenizer
 
 from peagle.model.draft import PEagleDraft, build_draft_from_target
-from peagle.schemas.draft_config import DraftConfig
-from peagle.stages.eval.online import HFTarget, Sampler, plain_generate
 from peagle.stages.eval.vllm_eval import run_vllm, vllm_available
 
 sys.path.insert(0, str(Path(__file__).parent))  # the sibling test's helpers, any import mode
-from test_vllm_eval import K, MAX_NEW, TEXTS, export, fit_to_continuations, own_loop  # noqa: E402
+from test_vllm_eval import K, MAX_NEW, export, fit_to_continuations, own_loop, target_setup  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason="vllm is not importable here")]
 
@@ -41,17 +38,7 @@ EXPORTS = {
 
 @pytest.fixture(scope="module")
 def setup(tiny_llama):
-    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=False) for t in TEXTS]
-    target = HFTarget.load(str(tiny_llama), [2, 4, 5])
-    continuations = [plain_generate(target, p, max_new_tokens=MAX_NEW + K, sampler=Sampler()).tokens for p in prompts]
-    config = DraftConfig.from_target_config(AutoConfig.from_pretrained(tiny_llama), num_layers=1, draft_vocab_size=512,
-                                            mask_token_id=tokenizer.convert_tokens_to_ids("<|mask|>"))
-    used = {t for c in continuations for t in c}
-    vocab_ids = torch.tensor(sorted(used | set([i for i in range(1024) if i not in used][: 512 - len(used)])))
-    return {"target_dir": tiny_llama, "target": target, "prompts": prompts, "config": config, "vocab_ids": vocab_ids,
-            "sequences": [p + c for p, c in zip(prompts, continuations)]}
+    return target_setup(tiny_llama)
 
 
 def fitted_variant(setup, variant: dict) -> PEagleDraft:

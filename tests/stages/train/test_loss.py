@@ -188,6 +188,26 @@ def test_chunked_without_grad_and_with_no_rows():
     assert float(empty.loss_sum.detach()) == 0 and h.grad.shape == (0, 8)
 
 
+def bytes_kept_for_backward(loss_of_hidden, num: int, hidden_size: int, generator: torch.Generator) -> list[int]:
+    """Sizes (bytes) of the tensors autograd still keeps for backward once ``loss_of_hidden`` (a
+    random [num, hidden_size] non-leaf hidden -> loss stats) has returned: chunk graphs that were
+    freed do not count. Runs the backward afterwards, so the graph is whole."""
+    saved = []
+
+    def pack(t):
+        saved.append(weakref.ref(t))
+        return t
+
+    h = torch.randn(num, hidden_size, generator=generator).requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        stats = loss_of_hidden(h * 1.0)  # a non-leaf, as the draft's output is
+    gc.collect()
+    alive = {id(t): t.numel() * t.element_size() for ref in saved if (t := ref()) is not None}
+    stats.loss_sum.backward()
+    assert h.grad.shape == (num, hidden_size)
+    return sorted(alive.values())
+
+
 def test_chunked_loss_memory_does_not_grow_with_rows_times_vocab():
     """What autograd keeps for backward: [E, H] (the hidden gradient), never [E, V] logits.
 
@@ -201,24 +221,11 @@ def test_chunked_loss_memory_does_not_grow_with_rows_times_vocab():
     depth = torch.zeros(num, dtype=torch.long)
 
     def kept_for_backward(chunk_rows) -> list[int]:
-        """Sizes of the saved tensors still alive when the forward has returned (chunk graphs are gone)."""
-        saved = []
-
-        def pack(t):
-            saved.append(weakref.ref(t))
-            return t
-
-        h = torch.randn(num, hidden_size, generator=generator).requires_grad_()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            hidden = h * 1.0  # a non-leaf, as the draft's output is
-            if chunk_rows is None:
-                stats = forward_kl_sum(hidden @ weight.T, ids, probs, torch.ones(num, dtype=torch.bool), depth, 1)
-            else:
-                stats, _ = chunked_kl_sum(hidden, weight, ids, probs, depth, 1, chunk_rows=chunk_rows)
-        gc.collect()
-        alive = {id(t): t.numel() * t.element_size() for ref in saved if (t := ref()) is not None}
-        stats.loss_sum.backward()
-        return sorted(alive.values())
+        if chunk_rows is None:
+            return bytes_kept_for_backward(lambda hidden: forward_kl_sum(
+                hidden @ weight.T, ids, probs, torch.ones(num, dtype=torch.bool), depth, 1), num, hidden_size, generator)
+        return bytes_kept_for_backward(lambda hidden: chunked_kl_sum(hidden, weight, ids, probs, depth, 1,
+                                                                     chunk_rows=chunk_rows)[0], num, hidden_size, generator)
 
     unchunked, chunked = kept_for_backward(None), kept_for_backward(64)
     assert max(unchunked) >= num * vocab * 4  # the E × V logits are kept for backward

@@ -4,9 +4,7 @@ probability, and the chunked memory bound it keeps."""
 
 from __future__ import annotations
 
-import gc
 import sys
-import weakref
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,7 @@ import torch
 from peagle.schemas.train_config import LOSSES
 from peagle.stages.train.loss import ELEMENT_LOSSES, chunked_kl_sum, divergence_sum
 sys.path.insert(0, str(Path(__file__).parent))  # sibling test helpers, whatever pytest's import mode
-from test_loss import random_targets  # noqa: E402
+from test_loss import bytes_kept_for_backward, random_targets  # noqa: E402
 
 
 def dense_target(ids: torch.Tensor, probs: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -105,20 +103,10 @@ def test_chunked_tv_keeps_nothing_sized_rows_times_vocab():
     num, hidden_size, vocab = 512, 8, 2048
     ids, probs = random_targets(num, vocab, 4, generator)
     weight = torch.randn(vocab, hidden_size, generator=generator)
-    saved = []
-
-    def pack(t):
-        saved.append(weakref.ref(t))
-        return t
-
-    h = torch.randn(num, hidden_size, generator=generator).requires_grad_()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        stats, _ = chunked_kl_sum(h * 1.0, weight, ids, probs, torch.zeros(num, dtype=torch.long), 1,
-                                  chunk_rows=64, loss="tv")
-    gc.collect()
-    alive = [t.numel() * t.element_size() for ref in saved if (t := ref()) is not None]
-    stats.loss_sum.backward()
-    assert max(alive) <= num * hidden_size * 4 and h.grad.shape == (num, hidden_size)
+    alive = bytes_kept_for_backward(lambda hidden: chunked_kl_sum(
+        hidden, weight, ids, probs, torch.zeros(num, dtype=torch.long), 1, chunk_rows=64, loss="tv")[0],
+        num, hidden_size, generator)
+    assert max(alive) <= num * hidden_size * 4
 
 
 def test_a_tv_run_learns_and_reports_per_depth_stats(tmp_path, tiny_store):
