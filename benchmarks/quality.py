@@ -3,6 +3,7 @@ target whose text is varied enough to tell a better draft from a worse one.
 
     python benchmarks/quality.py                                   # baseline + default variants, 3 seeds
     python benchmarks/quality.py --variants baseline,k3 --seeds 0,1,2 --out quality.json
+    python benchmarks/quality.py --variants muon --train-steps 600 --out quality_600steps.json  # a longer budget
     python benchmarks/quality.py --smoke --work /tmp/q --out /tmp/q/quality.json   # minutes; used by a test
     python benchmarks/quality.py --list                            # the variant table
 
@@ -43,7 +44,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from peagle.pipeline.atomic import atomic_write_json
@@ -72,6 +73,8 @@ VARIANTS: dict[str, dict[str, str | None]] = {
     # 60-step sweep on the tests' random-weight store (0.005..0.1, 2 seeds) only showed eval KL falling with the rate
     # (0.02: 4.13 vs AdamW's 4.15), its near-uniform target giving no usable agreement signal.
     "muon": {"--optimizer": "muon", "--muon-lr": "0.02"},
+    "muon-lr0.01": {"--optimizer": "muon", "--muon-lr": "0.01"},
+    "muon-lr0.05": {"--optimizer": "muon", "--muon-lr": "0.05"},
     "tv": {"--loss": "tv"},  # total variation instead of forward KL (docs/loss.md)
     # Round two adds one line each, e.g. "qwen3": {"--draft-architecture": "qwen3"}.
     "qwen3": {"--draft-architecture": "qwen3"},  # q/k RMSNorm on every head before RoPE
@@ -278,7 +281,7 @@ def extract_once(stages: Stages, work: Path, target: Path, paths: dict[str, Path
 def run_one(stages: Stages, work: Path, target: Path, paths: dict[str, Path], budget: Budget, variant: str,
             seed: int) -> dict:
     """Train, export and evaluate one (variant, seed); the record is reused when its flags match."""
-    run = work / "runs" / variant / f"seed{seed}"
+    run = work / "runs" / f"{budget.train_steps}steps" / variant / f"seed{seed}"
     flags = train_flags(variant, budget, seed)
     record_path = run / "record.json"
     if record_path.exists():
@@ -325,6 +328,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma list of names in VARIANTS "
                     "(baseline is always added: every other variant is compared with it)")
     ap.add_argument("--seeds", default="0,1,2", help="comma list of training seeds")
+    ap.add_argument("--train-steps", type=int, default=None, help="training steps per run (default: the "
+                    "budget's, 200; 4 with --smoke): a longer budget tests whether a winner stays one")
     ap.add_argument("--work", type=Path, default=None, help="working directory, reused on re-runs "
                     "(default: quality-work, or quality-work-smoke with --smoke)")
     ap.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("PEAGLE_CACHE_DIR",
@@ -345,6 +350,8 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     budget = SMOKE if args.smoke else Budget()
+    if args.train_steps is not None:
+        budget = replace(budget, train_steps=args.train_steps)
     work = (args.work or Path("quality-work-smoke" if args.smoke else "quality-work")).resolve()
     stages = Stages(work, args.verbose)
     started = time.monotonic()
