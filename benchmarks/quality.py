@@ -69,6 +69,7 @@ VARIANTS: dict[str, dict[str, str | None]] = {
     "anchors8": {"--max-anchors": "8"},  # at most 8 chains per sample
     "layers2": {"--num-layers": "2"},
     "lr1e-3": {"--lr": "1e-3"},
+    "lr1e-2": {"--lr": "1e-2"},  # AdamW at a higher rate: does it close Muon's gap?
     # Muon on the layers' matrices, AdamW (--lr 3e-3) on the rest. 0.02 is Muon's usual rate, not tuned here: a
     # 60-step sweep on the tests' random-weight store (0.005..0.1, 2 seeds) only showed eval KL falling with the rate
     # (0.02: 4.13 vs AdamW's 4.15), its near-uniform target giving no usable agreement signal.
