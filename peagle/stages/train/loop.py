@@ -43,7 +43,7 @@ from peagle.schemas.train_config import TrainConfig, config_mismatch, parse_stor
 from peagle.stages.train import checkpoint as ckpt
 from peagle.stages.train.batch import TrainBatch
 from peagle.stages.train.loader import TrainLoader
-from peagle.stages.train.loss import KLStats
+from peagle.stages.train.loss import LossStats
 from peagle.stages.train.step import (StepResult, TrainStep, all_reduce_stats, compiled_graph_count, init_distributed,
                                       resolve_attention, summarise)
 from peagle.stages.train.vocab import choose_draft_vocab_size, load_draft_vocab
@@ -316,7 +316,7 @@ class Trainer:
         # The logging window in flight at the checkpoint: the next metrics line covers the same steps.
         saved = {k: (v.to(self.device) if isinstance(v, Tensor) else v) for k, v in train_state["window"].items()}
         try:
-            self.window.update({**saved, "stats": KLStats.from_vector(saved["stats"], self.config.num_depths)})
+            self.window.update({**saved, "stats": LossStats.from_vector(saved["stats"], self.config.num_depths)})
         except ValueError as err:  # an older peagle's window (no chain sums): its steps go unlogged
             self._say(f"the checkpoint's metrics window has another layout ({err}); the first metrics line "
                       "after resuming covers only the steps run since")
@@ -342,7 +342,7 @@ class Trainer:
     # ---------------------------------------------------------------------------------------- helpers
 
     def _reset_window(self) -> None:
-        self.window = {"stats": KLStats.zeros(self.config.num_depths, self.device), "tokens": 0.0,
+        self.window = {"stats": LossStats.zeros(self.config.num_depths, self.device), "tokens": 0.0,
                        "no_target": 0.0, "grad_norm": None, "graphs_at_start": compiled_graph_count()}
 
     def _write_metrics(self, record: dict[str, Any]) -> None:

@@ -30,7 +30,7 @@ from torch import Tensor
 
 
 @dataclass(frozen=True)
-class KLStats:
+class LossStats:
     """Sums for one forward (or, added up, a step, a logging window); every field is a tensor so that
     nothing syncs with the host. It is the train step's stats record (step.py).
 
@@ -50,16 +50,16 @@ class KLStats:
     chain_count: Tensor
 
     @classmethod
-    def zeros(cls, num_depths: int, device: torch.device | str | None = None) -> "KLStats":
+    def zeros(cls, num_depths: int, device: torch.device | str | None = None) -> "LossStats":
         return cls(torch.zeros((), device=device), *(torch.zeros(num_depths, device=device) for _ in range(3)),
                    torch.zeros((), device=device), torch.zeros((), device=device))
 
-    def __add__(self, other: "KLStats") -> "KLStats":
-        return KLStats(*(a + b for a, b in zip(self._fields(), other._fields())))
+    def __add__(self, other: "LossStats") -> "LossStats":
+        return LossStats(*(a + b for a, b in zip(self._fields(), other._fields())))
 
-    def detach(self) -> "KLStats":
+    def detach(self) -> "LossStats":
         """Detached float32 copy: the form sums over units, steps and ranks take."""
-        return KLStats(*(t.detach().float() for t in self._fields()))
+        return LossStats(*(t.detach().float() for t in self._fields()))
 
     @property
     def num_depths(self) -> int:
@@ -74,7 +74,7 @@ class KLStats:
                           d.depth_correct, d.depth_count])
 
     @classmethod
-    def from_vector(cls, vector: Tensor, num_depths: int) -> "KLStats":
+    def from_vector(cls, vector: Tensor, num_depths: int) -> "LossStats":
         """Inverse of :meth:`to_vector` (the one place that knows the layout).
 
         ``num_depths`` is required: a vector of another layout (an older peagle's checkpointed
@@ -113,13 +113,13 @@ ELEMENT_LOSSES: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
 
 
 def forward_kl_sum(draft_logits_NV: Tensor, target_draft_ids_Nk: Tensor, target_probs_Nk: Tensor,
-                   supervised_N: Tensor, depth_N: Tensor, num_depths: int) -> KLStats:
+                   supervised_N: Tensor, depth_N: Tensor, num_depths: int) -> LossStats:
     """`divergence_sum` with the forward KL (the default loss)."""
     return divergence_sum(draft_logits_NV, target_draft_ids_Nk, target_probs_Nk, supervised_N, depth_N, num_depths)
 
 
 def divergence_sum(draft_logits_NV: Tensor, target_draft_ids_Nk: Tensor, target_probs_Nk: Tensor,
-                   supervised_N: Tensor, depth_N: Tensor, num_depths: int, loss: str = "forward_kl") -> KLStats:
+                   supervised_N: Tensor, depth_N: Tensor, num_depths: int, loss: str = "forward_kl") -> LossStats:
     """Σ over supervised elements of ``loss``(p, softmax(draft_logits)), with per-depth statistics.
 
     Args:
@@ -141,7 +141,7 @@ def divergence_sum(draft_logits_NV: Tensor, target_draft_ids_Nk: Tensor, target_
 
 
 def _divergence_terms(draft_logits_NV: Tensor, target_draft_ids_Nk: Tensor, target_probs_Nk: Tensor,
-                      supervised_N: Tensor, depth_N: Tensor, num_depths: int, loss: str) -> tuple[KLStats, Tensor]:
+                      supervised_N: Tensor, depth_N: Tensor, num_depths: int, loss: str) -> tuple[LossStats, Tensor]:
     """`divergence_sum` and the per-element ``correct_N`` (bool) its ``depth_correct`` sums: the chain
     statistics need which elements agree, not only how many per depth."""
     element_loss = ELEMENT_LOSSES[loss]
@@ -163,7 +163,7 @@ def _divergence_terms(draft_logits_NV: Tensor, target_draft_ids_Nk: Tensor, targ
     depth_N = depth_N.long()
     zeros_K = torch.zeros(num_depths, dtype=torch.float32, device=draft_logits_NV.device)
     zero = torch.zeros((), dtype=torch.float32, device=draft_logits_NV.device)
-    stats = KLStats(
+    stats = LossStats(
         loss_sum=weighted_kl_N.sum(),
         depth_loss_sum=zeros_K.index_add(0, depth_N, weighted_kl_N.detach()),
         depth_correct=zeros_K.index_add(0, depth_N, correct_N.float()),
@@ -177,9 +177,9 @@ DEFAULT_CHUNK_ROWS = 4096
 """Rows per loss chunk: ``[4096, 32000]`` logits are 0.5 GiB in fp32, and lm_head still runs as big matmuls."""
 
 
-def chunked_kl_sum(hidden_EH: Tensor, head_weight_VH: Tensor, target_draft_ids_Ek: Tensor, target_probs_Ek: Tensor,
+def chunked_loss_sum(hidden_EH: Tensor, head_weight_VH: Tensor, target_draft_ids_Ek: Tensor, target_probs_Ek: Tensor,
                    depth_E: Tensor, num_depths: int, *, chunk_rows: int = DEFAULT_CHUNK_ROWS,
-                   loss: str = "forward_kl") -> tuple[KLStats, Tensor]:
+                   loss: str = "forward_kl") -> tuple[LossStats, Tensor]:
     """`divergence_sum` of ``hidden_EH @ head_weight_VHᵀ`` (every row supervised), ``chunk_rows`` rows at a
     time, and each row's top-1 agreement ``correct_E`` (bool, no gradient: the chain statistics).
 
@@ -202,14 +202,14 @@ def chunked_kl_sum(hidden_EH: Tensor, head_weight_VH: Tensor, target_draft_ids_E
     loss_sum, *stats, correct_E = _ChunkedKL.apply(hidden_EH, head_weight_VH, target_draft_ids_Ek, target_probs_Ek,
                                                    depth_E, num_depths, chunk_rows, loss)
     zero = torch.zeros_like(loss_sum.detach())
-    return KLStats(loss_sum, *stats, chain_accepted_sum=zero, chain_count=zero), correct_E
+    return LossStats(loss_sum, *stats, chain_accepted_sum=zero, chain_count=zero), correct_E
 
 
 def _chunk_sums(hidden_EH, weight_VH, ids_Ek, probs_Ek, depth_E, num_depths, chunk_rows, loss,
-                on_chunk: Callable[[KLStats, Tensor, Tensor], None] | None = None) -> tuple[KLStats, Tensor]:
+                on_chunk: Callable[[LossStats, Tensor, Tensor], None] | None = None) -> tuple[LossStats, Tensor]:
     """Per-chunk `divergence_sum`, summed, and the rows' ``correct_E``; ``on_chunk(stats, hidden_chunk,
     weight)`` sees each graph."""
-    total = KLStats.zeros(num_depths, hidden_EH.device)
+    total = LossStats.zeros(num_depths, hidden_EH.device)
     correct = [torch.zeros(0, dtype=torch.bool, device=hidden_EH.device)]
     for start in range(0, hidden_EH.shape[0], chunk_rows):
         rows = slice(start, start + chunk_rows)
@@ -237,7 +237,7 @@ class _ChunkedKL(torch.autograd.Function):
         weight_leaf = weight_VH.detach().requires_grad_(want_weight)
         offset = [0]
 
-        def on_chunk(stats: KLStats, hidden_cH: Tensor, weight: Tensor) -> None:
+        def on_chunk(stats: LossStats, hidden_cH: Tensor, weight: Tensor) -> None:
             wanted = [t for t, want in ((hidden_cH, want_hidden), (weight, want_weight)) if want]
             grads = list(torch.autograd.grad(stats.loss_sum, wanted))
             rows = slice(offset[0], offset[0] + hidden_cH.shape[0])
@@ -265,7 +265,7 @@ class _ChunkedKL(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
-def chain_acceptance(correct_E: Tensor, chain_target_idx_CK: Tensor) -> KLStats:
+def chain_acceptance(correct_E: Tensor, chain_target_idx_CK: Tensor) -> LossStats:
     """The chain sums of one batch: drafts accepted over its C complete chains, and C.
 
     ``correct_E`` is the top-1 agreement of each of the batch's E targets (the units' ``correct_e``
@@ -279,8 +279,8 @@ def chain_acceptance(correct_E: Tensor, chain_target_idx_CK: Tensor) -> KLStats:
     correct_E1 = torch.cat([correct_E.bool(), correct_E.new_zeros(1, dtype=torch.bool)])
     accepted_C = correct_E1[chain_target_idx_CK].float().cumprod(dim=1).sum(dim=1)
     K = chain_target_idx_CK.shape[1]
-    zeros = KLStats.zeros(K, correct_E.device)
-    return KLStats(zeros.loss_sum, zeros.depth_loss_sum, zeros.depth_correct, zeros.depth_count,
+    zeros = LossStats.zeros(K, correct_E.device)
+    return LossStats(zeros.loss_sum, zeros.depth_loss_sum, zeros.depth_correct, zeros.depth_count,
                    chain_accepted_sum=accepted_C.sum(),
                    chain_count=torch.full((), chain_target_idx_CK.shape[0], dtype=torch.float32,
                                           device=correct_E.device))

@@ -18,7 +18,7 @@
 **No host sync before the clip.** Batches arrive pinned with every index a unit needs (document ids,
 unit plans, BlockMask indices) and are copied ``non_blocking``; masks are built from them with
 device ops; the loss is a chunked KL (or TV, ``--loss``) inside the wrapped forward; the stats
-stay on the device (:class:`KLStats`, read by the trainer once per logged step). tests/stages/train/test_step.py
+stay on the device (:class:`LossStats`, read by the trainer once per logged step). tests/stages/train/test_step.py
 holds the forward+backward to that on the CPU (no op that would sync on a GPU), and the CUDA
 tests run it under ``torch.cuda.set_sync_debug_mode("error")``.
 
@@ -44,8 +44,8 @@ from peagle.model.mask import block_mask_from_indices, dense_mask, peagle_mask_m
 from peagle.schemas.errors import UserError
 from peagle.schemas.train_config import TrainConfig
 from peagle.stages.train.batch import TrainBatch
-from peagle.stages.train.loss import (KLStats, agreement_rates, chain_acceptance, chain_acceptance_length,
-                                      chunked_kl_sum)
+from peagle.stages.train.loss import (LossStats, agreement_rates, chain_acceptance, chain_acceptance_length,
+                                      chunked_loss_sum)
 from peagle.stages.train.segments import UnitPlan
 
 MIN_LR_RATIO = 0.1
@@ -90,7 +90,7 @@ class DraftStep(nn.Module):
 
     DDP and FSDP2 hook into ``forward``: the lm_head matmul (and its gradient, when the head trains)
     must happen inside it. Only the e charged rows reach ``lm_head`` (docs/performance.md), a chunk at a time
-    (``chunked_kl_sum``): peak memory does not grow with e × V. Returns the per-forward KLStats
+    (``chunked_loss_sum``): peak memory does not grow with e × V. Returns the per-forward LossStats
     fields and the rows' top-1 agreement ``correct_e`` as a tuple, which the wrappers' output
     hooks traverse.
     """
@@ -103,13 +103,13 @@ class DraftStep(nn.Module):
                 supervised_idx_e: Tensor, target_ids_ek: Tensor, target_probs_ek: Tensor,
                 depth_e: Tensor) -> tuple[Tensor, ...]:
         hidden_MH = self.draft(token_ids_M, aux_RAH, position_ids_M, attn_mask, self.flex)
-        stats, correct_e = chunked_kl_sum(hidden_MH[supervised_idx_e], self.draft.lm_head.weight, target_ids_ek,
+        stats, correct_e = chunked_loss_sum(hidden_MH[supervised_idx_e], self.draft.lm_head.weight, target_ids_ek,
                                           target_probs_ek, depth_e, self.num_depths, loss=self.loss)
         return stats.loss_sum, stats.depth_loss_sum, stats.depth_correct, stats.depth_count, correct_e
 
 
 def unit_forward(model: nn.Module, batch: TrainBatch, plan: UnitPlan, *, attention: str,
-                 compute_dtype: torch.dtype) -> tuple[KLStats, Tensor]:
+                 compute_dtype: torch.dtype) -> tuple[LossStats, Tensor]:
     """One unit's KL sums (``loss_sum`` has grad) and the top-1 agreement ``correct_e`` of the rows it
     charges, from a batch already on the device: gathers only."""
     idx = plan.element_idx_M
@@ -134,10 +134,10 @@ def unit_forward(model: nn.Module, batch: TrainBatch, plan: UnitPlan, *, attenti
                     charged(b.target_ids_Ek), charged(b.target_probs_Ek), charged(b.depth_E))
     loss_sum, depth_loss_sum, depth_correct, depth_count, correct_e = out
     zero = torch.zeros_like(loss_sum.detach())
-    return KLStats(loss_sum, depth_loss_sum, depth_correct, depth_count, zero, zero), correct_e
+    return LossStats(loss_sum, depth_loss_sum, depth_correct, depth_count, zero, zero), correct_e
 
 
-def batch_chain_stats(batch: TrainBatch, correct_per_unit: list[Tensor]) -> KLStats:
+def batch_chain_stats(batch: TrainBatch, correct_per_unit: list[Tensor]) -> LossStats:
     """The chain sums of a batch (``loss.chain_acceptance``): its units' ``correct_e`` put back in the
     batch's target order first, because one chain's elements may be charged by different units (a
     segment owns a depth-0 element by its anchor, the deeper ones by anchor + 1, docs/mask.md)."""
@@ -151,7 +151,7 @@ def batch_chain_stats(batch: TrainBatch, correct_per_unit: list[Tensor]) -> KLSt
 class StepResult:
     """What one step reports: this rank's summed stats (on the device) and the global counts."""
 
-    stats: KLStats
+    stats: LossStats
     num_supervised: float  # global, all ranks
     num_tokens: float
     num_no_target: float
@@ -211,7 +211,7 @@ class TrainStep:
         self.scheduler.step()
         return StepResult(stats, *counts, grad_norm=grad_norm, lr=lr)
 
-    def forward_backward(self, micro_batches: list[TrainBatch]) -> tuple[KLStats, tuple[float, float, float]]:
+    def forward_backward(self, micro_batches: list[TrainBatch]) -> tuple[LossStats, tuple[float, float, float]]:
         """Steps 1-2: one global count, then every unit's forward+backward.
 
         Returns this rank's summed stats (detached, on the device) and the global (supervised,
@@ -228,7 +228,7 @@ class TrainStep:
         batches = self.to_device(micro_batches)
         units = [(j, plan) for j, batch in enumerate(batches) for plan in batch.units]
         correct: list[list[Tensor]] = [[] for _ in batches]
-        total = KLStats.zeros(self.config.num_depths, self.device)
+        total = LossStats.zeros(self.config.num_depths, self.device)
         for i, (j, plan) in enumerate(units):
             with self._gradient_sync(i == len(units) - 1):
                 stats, correct_e = unit_forward(self.model, batches[j], plan, attention=self.attention,
@@ -241,10 +241,10 @@ class TrainStep:
         return total, (num_supervised, num_tokens, num_no_target)
 
     @torch.no_grad()
-    def evaluate(self, batches: Iterable[TrainBatch]) -> KLStats:
+    def evaluate(self, batches: Iterable[TrainBatch]) -> LossStats:
         """Summed stats over ``batches`` (no gradients), reduced over ranks."""
         self.model.eval()
-        total = KLStats.zeros(self.config.num_depths, self.device)
+        total = LossStats.zeros(self.config.num_depths, self.device)
         for batch in self.to_device_each(batches):
             correct_per_unit = []
             for plan in batch.units:
@@ -284,14 +284,14 @@ def _backward(loss: Tensor) -> None:
                         f"{' '.join(str(err).split())[:240]}); train with --attention sdpa") from err
 
 
-def all_reduce_stats(stats: KLStats) -> KLStats:
+def all_reduce_stats(stats: LossStats) -> LossStats:
     """Sum a stats record over ranks: one ``all_reduce`` of its vector (asynchronous for the host on a GPU)."""
     vector = stats.to_vector()
     dist.all_reduce(vector)
-    return KLStats.from_vector(vector, stats.num_depths)
+    return LossStats.from_vector(vector, stats.num_depths)
 
 
-def summarise(stats: KLStats) -> dict[str, Any]:
+def summarise(stats: LossStats) -> dict[str, Any]:
     """Loss over the supervised count, per-depth loss / agreement / count, and the acceptance length of
     the complete chains drawn (host read).
 
@@ -300,7 +300,7 @@ def summarise(stats: KLStats) -> dict[str, Any]:
     evaluator's AL(K) on the same chains. It is an estimate only in that COD draws a random subset
     of the chains offline evaluation reads (``batch.chain_targets``). None without chains.
     """
-    s = KLStats.from_vector(stats.to_vector().double().cpu(), stats.num_depths)
+    s = LossStats.from_vector(stats.to_vector().double().cpu(), stats.num_depths)
     agreement = agreement_rates(s.depth_correct, s.depth_count)
     return {
         "loss": float(s.loss_sum) / max(float(s.depth_count.sum()), 1.0),

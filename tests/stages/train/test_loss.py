@@ -9,8 +9,8 @@ import weakref
 import pytest
 import torch
 
-from peagle.stages.train.loss import (KLStats, agreement_rates, chain_acceptance, chain_acceptance_length,
-                                      chunked_kl_sum, forward_kl_sum)
+from peagle.stages.train.loss import (LossStats, agreement_rates, chain_acceptance, chain_acceptance_length,
+                                      chunked_loss_sum, forward_kl_sum)
 
 
 def random_targets(num: int, vocab: int, topk: int, generator: torch.Generator):
@@ -125,7 +125,7 @@ def _chunked_or_not(chunk_rows, hidden, weight, ids, probs, depth, num_depths, *
         stats = forward_kl_sum(torch.nn.functional.linear(h, w), ids, probs, torch.ones_like(depth, dtype=torch.bool),
                                depth, num_depths)
     else:
-        stats, correct = chunked_kl_sum(h, w, ids, probs, depth, num_depths, chunk_rows=chunk_rows)
+        stats, correct = chunked_loss_sum(h, w, ids, probs, depth, num_depths, chunk_rows=chunk_rows)
         assert correct.dtype == torch.bool and correct.shape == depth.shape
         assert torch.equal(correct.float().new_zeros(num_depths).index_add(0, depth, correct.float()),
                            stats.depth_correct)
@@ -178,12 +178,12 @@ def test_chunked_without_grad_and_with_no_rows():
     hidden, weight = torch.randn(20, 8, generator=generator), torch.randn(30, 8, generator=generator)
     depth = torch.zeros(20, dtype=torch.long)
     with torch.no_grad():
-        stats, correct = chunked_kl_sum(hidden, weight, ids, probs, depth, 1, chunk_rows=6)
+        stats, correct = chunked_loss_sum(hidden, weight, ids, probs, depth, 1, chunk_rows=6)
     want = forward_kl_sum(hidden @ weight.T, ids, probs, torch.ones(20, dtype=torch.bool), depth, 1)
     torch.testing.assert_close(stats.to_vector(), want.to_vector())
     assert float(correct.sum()) == float(want.depth_correct.sum())
     h = hidden[:0].clone().requires_grad_()
-    empty, _ = chunked_kl_sum(h, weight, ids[:0], probs[:0], depth[:0], 1)
+    empty, _ = chunked_loss_sum(h, weight, ids[:0], probs[:0], depth[:0], 1)
     empty.loss_sum.backward()
     assert float(empty.loss_sum.detach()) == 0 and h.grad.shape == (0, 8)
 
@@ -224,7 +224,7 @@ def test_chunked_loss_memory_does_not_grow_with_rows_times_vocab():
         if chunk_rows is None:
             return bytes_kept_for_backward(lambda hidden: forward_kl_sum(
                 hidden @ weight.T, ids, probs, torch.ones(num, dtype=torch.bool), depth, 1), num, hidden_size, generator)
-        return bytes_kept_for_backward(lambda hidden: chunked_kl_sum(hidden, weight, ids, probs, depth, 1,
+        return bytes_kept_for_backward(lambda hidden: chunked_loss_sum(hidden, weight, ids, probs, depth, 1,
                                                                      chunk_rows=chunk_rows)[0], num, hidden_size, generator)
 
     unchunked, chunked = kept_for_backward(None), kept_for_backward(64)
@@ -234,21 +234,21 @@ def test_chunked_loss_memory_does_not_grow_with_rows_times_vocab():
 
 
 def test_stats_vector_round_trips_and_adds():
-    a = KLStats(torch.tensor(1.5), torch.tensor([1.0, 0.5]), torch.tensor([2.0, 1.0]), torch.tensor([3.0, 2.0]),
+    a = LossStats(torch.tensor(1.5), torch.tensor([1.0, 0.5]), torch.tensor([2.0, 1.0]), torch.tensor([3.0, 2.0]),
                 torch.tensor(5.0), torch.tensor(4))
     vector = a.to_vector()
     assert vector.tolist() == [1.5, 5.0, 4.0, 1.0, 0.5, 2.0, 1.0, 3.0, 2.0]
-    assert (KLStats.from_vector(vector, 2) + a.detach()).to_vector().tolist() == (2 * vector).tolist()
-    assert KLStats.zeros(3).to_vector().tolist() == [0.0] * 12
+    assert (LossStats.from_vector(vector, 2) + a.detach()).to_vector().tolist() == (2 * vector).tolist()
+    assert LossStats.zeros(3).to_vector().tolist() == [0.0] * 12
 
 
 def test_a_vector_of_another_layout_is_refused():
     """An older peagle's window (``2 + 3K``: no chain sums) or another K is never read as this layout."""
     old_layout = torch.zeros(2 + 3 * 4)
     with pytest.raises(ValueError, match="for 4 depths has 15 entries.*this one has 14"):
-        KLStats.from_vector(old_layout, 4)
+        LossStats.from_vector(old_layout, 4)
     with pytest.raises(ValueError, match="for 3 depths"):
-        KLStats.from_vector(KLStats.zeros(4).to_vector(), 3)
+        LossStats.from_vector(LossStats.zeros(4).to_vector(), 3)
 
 
 def test_a_bf16_head_alone_gets_its_gradient_summed_in_fp32():
@@ -264,7 +264,7 @@ def test_a_bf16_head_alone_gets_its_gradient_summed_in_fp32():
             stats = forward_kl_sum(hidden.to(torch.bfloat16) @ weight.T, ids, probs, torch.ones(64, dtype=torch.bool),
                                    depth, 1)
         else:
-            stats, _ = chunked_kl_sum(hidden.to(torch.bfloat16), weight, ids, probs, depth, 1, chunk_rows=chunk_rows)
+            stats, _ = chunked_loss_sum(hidden.to(torch.bfloat16), weight, ids, probs, depth, 1, chunk_rows=chunk_rows)
         stats.loss_sum.backward()
         grads.append(weight.grad)
     assert grads[1].dtype == torch.bfloat16

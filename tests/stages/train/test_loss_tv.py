@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from peagle.schemas.train_config import LOSSES
-from peagle.stages.train.loss import ELEMENT_LOSSES, chunked_kl_sum, divergence_sum
+from peagle.stages.train.loss import ELEMENT_LOSSES, chunked_loss_sum, divergence_sum
 sys.path.insert(0, str(Path(__file__).parent))  # sibling test helpers, whatever pytest's import mode
 from test_loss import bytes_kept_for_backward, random_targets  # noqa: E402
 
@@ -53,7 +53,7 @@ def test_chunked_tv_and_its_gradients_equal_dense_autograd(chunk_rows, train_hea
     depth = torch.randint(0, num_depths, (num,), generator=generator)
 
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_(train_head)
-    stats, correct_rows = chunked_kl_sum(h, w, ids, probs, depth, num_depths, chunk_rows=chunk_rows, loss="tv")
+    stats, correct_rows = chunked_loss_sum(h, w, ids, probs, depth, num_depths, chunk_rows=chunk_rows, loss="tv")
     (stats.loss_sum * 2.5).backward()
     h_ref, w_ref = hidden.double().requires_grad_(), weight.double().requires_grad_(train_head)
     loss, depth_loss, correct, count, dense_correct_rows = dense_tv(h_ref, w_ref, ids, probs, depth, num_depths)
@@ -98,12 +98,12 @@ def test_tv_is_zero_when_the_draft_is_the_renormalised_target():
 
 
 def test_chunked_tv_keeps_nothing_sized_rows_times_vocab():
-    """The memory bound of chunked_kl_sum holds for TV too: only [E, H] survives the forward."""
+    """The memory bound of chunked_loss_sum holds for TV too: only [E, H] survives the forward."""
     generator = torch.Generator().manual_seed(8)
     num, hidden_size, vocab = 512, 8, 2048
     ids, probs = random_targets(num, vocab, 4, generator)
     weight = torch.randn(vocab, hidden_size, generator=generator)
-    alive = bytes_kept_for_backward(lambda hidden: chunked_kl_sum(
+    alive = bytes_kept_for_backward(lambda hidden: chunked_loss_sum(
         hidden, weight, ids, probs, torch.zeros(num, dtype=torch.long), 1, chunk_rows=64, loss="tv")[0],
         num, hidden_size, generator)
     assert max(alive) <= num * hidden_size * 4

@@ -31,7 +31,7 @@ from peagle.schemas.train_config import StoreSpec, TrainConfig
 from peagle.stages.train.batch import CodSettings
 from peagle.stages.train.loader import LoaderConfig, TrainLoader
 from peagle.stages.train.loop import Trainer
-from peagle.stages.train.loss import KLStats
+from peagle.stages.train.loss import LossStats
 from peagle.stages.train.step import summarise
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -154,7 +154,7 @@ def test_a_step_reports_one_stats_record(tiny_store):
     trainer = _trainer(tiny_store, attention="sdpa")
     batches = list(_loader(tiny_store).batches(0))
     result = trainer.train_step(batches[:2])
-    assert isinstance(result.stats, KLStats) and result.grad_norm is not None and result.lr == 1e-3
+    assert isinstance(result.stats, LossStats) and result.grad_norm is not None and result.lr == 1e-3
     summary = summarise(result.stats)
     assert summary["loss"] > 0 and len(summary["depth_count"]) == 4
     assert sum(summary["depth_count"]) == result.num_supervised
