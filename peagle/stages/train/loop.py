@@ -227,11 +227,22 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any] | None:
-        """Loss, per-depth agreement and the AL estimate on the evaluation stream (the same batches,
-        the same COD draws each time, so evaluations compare across steps)."""
+        """Loss, per-depth agreement, the AL estimate and ``num_no_target`` (as in training lines) on the
+        evaluation stream (the same batches, the same COD draws each time, so evaluations compare)."""
         if self.eval_loader is None:
             return None
-        return {"kind": "eval", "step": self.step, **summarise(self.step_fn.evaluate(self.eval_loader.batches(epoch=0)))}
+        no_target = [0]
+
+        def counted(batches: Iterator[TrainBatch]) -> Iterator[TrainBatch]:
+            for batch in batches:
+                no_target[0] += batch.num_no_target  # a host int: counting costs no sync
+                yield batch
+
+        stats = summarise(self.step_fn.evaluate(counted(self.eval_loader.batches(epoch=0))))
+        total = torch.tensor(no_target, dtype=torch.float64)
+        if self.world_size > 1:
+            dist.all_reduce(total, group=self.cpu_group)
+        return {"kind": "eval", "step": self.step, **stats, "num_no_target": int(total.item())}
 
     def train(self) -> None:
         """Steps until ``total_steps``, logging, evaluating and checkpointing on the way."""

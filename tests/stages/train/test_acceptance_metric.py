@@ -108,6 +108,16 @@ def test_planted_samples_keep_the_store_rows(tiny_store, planted):
         assert new.supervised_T[:-1].all() and not new.supervised_T[-1]
 
 
+class EvalStream:
+    """The trainer's evaluation stream over given batches (what TrainLoader.batches yields)."""
+
+    def __init__(self, batches: list):
+        self.list = batches
+
+    def batches(self, epoch: int):
+        return iter(self.list)
+
+
 @pytest.mark.parametrize("num_segments", [1, 3])
 def test_training_acceptance_length_equals_the_offline_evaluators(planted, num_segments):
     """Complete draws: the step's metric is offline AL(K), to rounding, and its chains are offline's.
@@ -128,6 +138,10 @@ def test_training_acceptance_length_equals_the_offline_evaluators(planted, num_s
     stats, _ = trainer.step_fn.forward_backward(batches)
     train = summarise(stats)
     evaluated = summarise(trainer.step_fn.evaluate(batches))
+    trainer.eval_loader = EvalStream(batches)
+    eval_line = trainer.evaluate()  # the metrics line: the same figures, and the no-target count training logs
+    assert eval_line["num_no_target"] == sum(b.num_no_target for b in batches) > 0
+    assert eval_line["acceptance_length_estimate"] == evaluated["acceptance_length_estimate"]
     draft.eval()
 
     offline = evaluate_offline(draft, iter(samples), K).histogram
