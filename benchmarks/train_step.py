@@ -235,7 +235,8 @@ def main() -> None:
                     config = TrainConfig(store=("bench",), target="bench", out="bench", num_depths=8,
                                          sequence_partitions=num_segments, attention=attention, max_steps=10**6,
                                          lr=1e-4, warmup_steps=0, grad_clip=1.0, weight_decay=0.01,
-                                         activation_checkpointing=args.activation_checkpointing)
+                                         activation_checkpointing=args.activation_checkpointing,
+                                         optimizer="adamw")  # the reference trainer's: a like-for-like step
                     draft = build_draft(d, num_layers, args.activation_checkpointing, device)
                     try:
                         trainer = Trainer.for_model(config, draft.to(device))

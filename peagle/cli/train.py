@@ -14,7 +14,7 @@ _HELP = """Train a P-EAGLE draft on shard stores written by `peagle extract`.
 
 Writes RUN_DIR/metrics.jsonl and RUN_DIR/checkpoints/; re-running the same command resumes from the
 newest valid checkpoint. Under `torchrun --nproc-per-node N peagle train ...` it trains with DDP
-(--fsdp: FSDP2). Example:
+(--fsdp: FSDP2, with --optimizer adamw). Example:
 
 \b
   peagle vocab STORE --draft-vocab-size 32000 && peagle train --store STORE --target MODEL_DIR --out RUN

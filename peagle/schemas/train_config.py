@@ -117,8 +117,9 @@ class TrainConfig:
     """Stop after this many passes over the training data (exclusive with --max-steps)."""
 
     lr: float = 1e-4
-    """Peak learning rate of AdamW (after warmup; cosine decay to 10% of it by the last step). With
-    --optimizer muon: of the parameters AdamW still updates (--muon-lr is the matrices')."""
+    """Peak learning rate of the AdamW updates (after warmup; cosine decay to 10% of it by the last
+    step): with Muon (the default optimizer), of the parameters outside the decoder layers' matrices
+    (--muon-lr is theirs); with --optimizer adamw, of every parameter."""
 
     seed: int = 0
     """Run seed: draft init, data order and every COD draw derive from it."""
@@ -156,10 +157,12 @@ class TrainConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0 turns clipping off)."""
 
-    optimizer: str = "adamw"
-    """`adamw`: AdamW on every parameter at --lr. `muon`: Muon (momentum orthogonalised by
-    Newton-Schulz) at --muon-lr on the decoder layers' 2-D weights (attention and MLP projections),
-    AdamW at --lr on the rest (embeddings, fc, lm_head, norms, mask_hidden). Not with --fsdp."""
+    optimizer: str = "muon"
+    """`muon` (default): Muon (momentum orthogonalised by Newton-Schulz) at --muon-lr on the decoder
+    layers' 2-D weights (attention and MLP projections), AdamW at --lr on the rest (embeddings, fc,
+    lm_head, norms, mask_hidden); it raised acceptance length 12% over AdamW at the same steps
+    (benchmarks/quality.py, README "Draft quality"). `adamw`: AdamW on every parameter at --lr;
+    the one --fsdp supports."""
 
     muon_lr: float = 0.02
     """Peak learning rate of Muon's matrices with --optimizer muon (warmup and cosine decay as --lr,
@@ -257,8 +260,8 @@ class TrainConfig:
         if not (math.isfinite(self.muon_lr) and self.muon_lr > 0):
             raise UserError(f"--muon-lr must be > 0, got {self.muon_lr}")
         if self.optimizer == "muon" and self.fsdp:
-            raise UserError("--optimizer muon and --fsdp conflict: Muon orthogonalises whole matrices and FSDP2 "
-                            "shards them; use DDP (drop --fsdp) or --optimizer adamw")
+            raise UserError("--fsdp needs --optimizer adamw: Muon (the default optimizer) orthogonalises whole "
+                            "matrices and FSDP2 shards them; add --optimizer adamw, or drop --fsdp to use DDP")
         if self.loss not in LOSSES:
             raise UserError(f"--loss must be one of {'|'.join(LOSSES)}, got {self.loss!r}")
         if not 0 <= self.heldout_fraction < 1:
@@ -288,6 +291,11 @@ class TrainConfig:
         return cls(**d)
 
 
+ABSENT_MEANT: dict[str, Any] = {"optimizer": "adamw"}
+"""What a field missing from a saved config meant, where that is not today's default: runs
+checkpointed before ``--optimizer`` existed trained with AdamW, since made the default's alternative."""
+
+
 def config_mismatch(saved: dict[str, Any], current: TrainConfig) -> str | None:
     """The first field (other than ``SAFE_TO_CHANGE``) that differs, as one line; None if none does.
 
@@ -298,7 +306,7 @@ def config_mismatch(saved: dict[str, Any], current: TrainConfig) -> str | None:
         name = f.name
         if name in SAFE_TO_CHANGE:
             continue
-        old = saved.get(name, f.default)
+        old = saved.get(name, ABSENT_MEANT.get(name, f.default))
         new = now[name]
         if _normalise(name, old) != _normalise(name, new):
             return (f"--{name.replace('_', '-')} was {_show(old)} in the checkpointed run and is {_show(new)} "

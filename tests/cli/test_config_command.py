@@ -58,7 +58,8 @@ def test_unset_flags_take_the_config_defaults(name, argv):
 
 
 def test_tuple_fields_are_repeatable_comma_lists_or_take_trailing_values():
-    train = spec("train").parse(app, ["--store", "a", "--store", "b:0.5", "--target", "t", "--out", "o", "--fsdp"])
+    train = spec("train").parse(app, ["--store", "a", "--store", "b:0.5", "--target", "t", "--out", "o", "--fsdp",
+                                        "--optimizer", "adamw"])
     assert train.store == ("a", "b:0.5") and train.fsdp is True
     extract = spec("extract").parse(app, ["--data", "a.jsonl", "b.jsonl", "c.parquet", "--target", "t", "--out", "o",
                                           "--aux-layers", "2, 8,13"])

@@ -218,6 +218,15 @@ def test_a_resumed_run_keeps_its_draft_variant():
         config(draft_architecture="mistral")
 
 
+def test_a_run_from_before_optimizer_choices_resumes_only_as_adamw():
+    """Checkpoints written before --optimizer existed trained with AdamW: resuming one under today's
+    default (Muon) names the change instead of switching optimizers mid-run."""
+    old = {k: v for k, v in config(optimizer="adamw").to_dict().items() if k not in ("optimizer", "muon_lr", "loss")}
+    assert config_mismatch(old, config(optimizer="adamw")) is None
+    assert config_mismatch(old, config()) == ("--optimizer was 'adamw' in the checkpointed run and is 'muon' now; "
+                                              "resume with the same value or use a new --out")
+
+
 def test_safe_fields_may_change_and_paths_compare_resolved(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     saved = config(max_steps=10, store=("s",)).to_dict()

@@ -236,13 +236,13 @@ def test_build_optimizer_gives_muon_its_rate_and_the_schedule_keeps_the_ratio() 
         assert rates[True] / rates[False] == pytest.approx(50.0)
         opt.step()
         sched.step()
-    adamw = build_optimizer(draft, TrainConfig(store=("s",), target="t", out="o"), torch.device("cpu"))
+    adamw = build_optimizer(draft, TrainConfig(store=("s",), target="t", out="o", optimizer="adamw"), torch.device("cpu"))
     assert type(adamw) is torch.optim.AdamW
 
 
 def test_config_refuses_muon_with_fsdp_and_unknown_choices() -> None:
-    with pytest.raises(UserError, match="^--optimizer muon and --fsdp conflict: Muon orthogonalises whole matrices"):
-        TrainConfig(store=("s",), target="t", out="o", optimizer="muon", fsdp=True)
+    with pytest.raises(UserError, match="^--fsdp needs --optimizer adamw: Muon \\(the default optimizer\\)"):
+        TrainConfig(store=("s",), target="t", out="o", fsdp=True)  # the default optimizer is Muon
     with pytest.raises(UserError, match="--optimizer must be one of adamw|muon, got 'sgd'"):
         TrainConfig(store=("s",), target="t", out="o", optimizer="sgd")
     with pytest.raises(UserError, match="--muon-lr must be > 0"):
