@@ -1,9 +1,9 @@
 """Draft quality: acceptance length of drafts trained under named variants, 3 seeds each, on a
 target whose text is varied enough to tell a better draft from a worse one.
 
-    python benchmarks/quality.py                                   # baseline + default variants, 3 seeds
+    python benchmarks/quality.py               # the README's "Draft quality" table: its variants, 3 seeds
     python benchmarks/quality.py --variants baseline,k3 --seeds 0,1,2 --out quality.json
-    python benchmarks/quality.py --variants muon --train-steps 600 --out quality_600steps.json  # a longer budget
+    python benchmarks/quality.py --variants muon --train-steps 600 --out quality_600steps.json  # longer
     python benchmarks/quality.py --smoke --work /tmp/q --out /tmp/q/quality.json   # minutes; used by a test
     python benchmarks/quality.py --list                            # the variant table
 
@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from peagle.pipeline.atomic import atomic_write_json
-from peagle.testing.quality_target import QualityTargetSpec, build_quality_target, quality_chats
+from peagle.testing.quality_target import QualityTargetSpec, build_quality_target, quality_chats, text_variety
 
 EVAL_K = 5
 """Acceptance is always measured at K = 5 draft tokens, whatever K a variant trains."""
@@ -76,7 +76,6 @@ VARIANTS: dict[str, dict[str, str | None]] = {
     "muon-lr0.01": {"--optimizer": "muon", "--muon-lr": "0.01"},
     "muon-lr0.05": {"--optimizer": "muon", "--muon-lr": "0.05"},
     "tv": {"--loss": "tv"},  # total variation instead of forward KL (docs/loss.md)
-    # Round two adds one line each, e.g. "qwen3": {"--draft-architecture": "qwen3"}.
     "qwen3": {"--draft-architecture": "qwen3"},  # q/k RMSNorm on every head before RoPE
     "norm-before-residual": {"--norm-before-residual": None},
     "norm-before-fc": {"--norm-before-fc": None},
@@ -84,7 +83,9 @@ VARIANTS: dict[str, dict[str, str | None]] = {
 }
 """Named variants: flags that replace or extend :data:`BASE_TRAIN` (value None: a bare switch)."""
 
-DEFAULT_VARIANTS = ("baseline", "k3", "rmin0.5", "anchors8")
+DEFAULT_VARIANTS = ("baseline", "muon", "tv", "qwen3", "lr1e-2", "k3", "k8", "rmin0.5", "anchors8",
+                    "norm-before-residual", "norm-before-fc", "fc-norm")
+"""The README's "Draft quality" table: what a bare ``python benchmarks/quality.py`` runs."""
 
 T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
          2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
@@ -187,36 +188,6 @@ class Stages:
 def _children_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
-
-
-def text_variety(target: Path, prompts: list[list[dict]], max_new_tokens: int) -> dict:
-    """How formulaic a target's greedy answers are: distinct 4-grams within each continuation (1.0:
-    no repetition; a loop drives it to 0), pooled over all continuations (low when every answer
-    reuses the same phrases: a template), and the share of continuations that loop (< 0.5)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    continuations = []
-    for messages in prompts:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_tensors="pt")
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=tokenizer.eos_token_id,
-                                 pad_token_id=tokenizer.pad_token_id)
-        continuations.append(out[0, ids.shape[1]:].tolist())
-
-    def grams(tokens: list[int]) -> list[tuple[int, ...]]:
-        return [tuple(tokens[i:i + 4]) for i in range(len(tokens) - 3)]
-
-    within = [len(set(grams(c))) / len(grams(c)) for c in continuations if grams(c)]
-    pooled = [g for c in continuations for g in grams(c)]
-    return {"num_prompts": len(prompts), "mean_tokens": statistics.fmean(len(c) for c in continuations),
-            "distinct_4gram_within": statistics.fmean(within) if within else None,
-            "distinct_4gram_pooled": len(set(pooled)) / len(pooled) if pooled else None,
-            "looping_share": sum(w < 0.5 for w in within) / len(within) if within else None,
-            "example": tokenizer.decode(continuations[0]) if continuations else None}
 
 
 def continuation_stats(report: dict) -> dict:

@@ -29,6 +29,7 @@ import ast
 import hashlib
 import json
 import random
+import statistics
 import sys
 import sysconfig
 import textwrap
@@ -250,3 +251,33 @@ def build_quality_target(cache_dir: str | Path, spec: QualityTargetSpec = Qualit
         return final
 
     return cached_model_dir(cache_dir, f"quality-target-{spec.cache_key(chats_hash(chats))}", build)
+
+
+def text_variety(target: Path, prompts: list[list[dict]], max_new_tokens: int) -> dict:
+    """How formulaic a target's greedy answers are: distinct 4-grams within each continuation (1.0:
+    no repetition; a loop drives it to 0), pooled over all continuations (low when every answer
+    reuses the same phrases: a template), and the share of continuations that loop (< 0.5)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    continuations = []
+    for messages in prompts:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_tensors="pt")
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                                 pad_token_id=tokenizer.pad_token_id)
+        continuations.append(out[0, ids.shape[1]:].tolist())
+
+    def grams(tokens: list[int]) -> list[tuple[int, ...]]:
+        return [tuple(tokens[i:i + 4]) for i in range(len(tokens) - 3)]
+
+    within = [len(set(grams(c))) / len(grams(c)) for c in continuations if grams(c)]
+    pooled = [g for c in continuations for g in grams(c)]
+    return {"num_prompts": len(prompts), "mean_tokens": statistics.fmean(len(c) for c in continuations),
+            "distinct_4gram_within": statistics.fmean(within) if within else None,
+            "distinct_4gram_pooled": len(set(pooled)) / len(pooled) if pooled else None,
+            "looping_share": sum(w < 0.5 for w in within) / len(within) if within else None,
+            "example": tokenizer.decode(continuations[0]) if continuations else None}
