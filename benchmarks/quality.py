@@ -249,10 +249,14 @@ def extract_once(stages: Stages, work: Path, target: Path, paths: dict[str, Path
                                                                    for k in seconds}}
 
 
+def run_dir(work: Path, budget: Budget, variant: str, seed: int) -> Path:
+    return work / "runs" / f"{budget.train_steps}steps" / variant / f"seed{seed}"
+
+
 def run_one(stages: Stages, work: Path, target: Path, paths: dict[str, Path], budget: Budget, variant: str,
-            seed: int) -> dict:
+            seed: int, report_only: bool = False) -> dict:
     """Train, export and evaluate one (variant, seed); the record is reused when its flags match."""
-    run = work / "runs" / f"{budget.train_steps}steps" / variant / f"seed{seed}"
+    run = run_dir(work, budget, variant, seed)
     flags = train_flags(variant, budget, seed)
     record_path = run / "record.json"
     if record_path.exists():
@@ -260,6 +264,8 @@ def run_one(stages: Stages, work: Path, target: Path, paths: dict[str, Path], bu
         if old.get("train_flags") == flags:
             print(f"reusing {record_path}", flush=True)
             return old
+    if report_only:
+        raise SystemExit(f"--report-only: {record_path} was trained with other flags than {variant!r} has now")
     tag = f"{variant}-seed{seed}"
     seconds = {"train": stages.run(f"train-{tag}", ["train", "--store", str(work / "store"), "--target", str(target),
                                                    "--out", str(run), "--eval-store", str(work / "heldout-store"),
@@ -308,6 +314,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu/quality.json"))
     ap.add_argument("--smoke", action="store_true", help="tiny target, data and budget: checks the pipeline in minutes")
     ap.add_argument("--no-variety", action="store_true", help="skip the target text-variety measurement")
+    ap.add_argument("--report-only", action="store_true", help="run nothing: the JSON and table from the records "
+                    "already finished in --work (a run cut short; variants/seeds without a record are left out)")
     ap.add_argument("--list", action="store_true", help="print the variant table and exit")
     ap.add_argument("--verbose", action="store_true", help="stage output on this terminal instead of log files")
     args = ap.parse_args(argv)
@@ -332,7 +340,8 @@ def main(argv: list[str] | None = None) -> dict:
     target = build_quality_target(args.cache_dir, budget.target, splits=splits, log=lambda m: print(m, flush=True))
     target_seconds = time.monotonic() - t0
     paths = write_data(work, splits, budget)
-    extract = extract_once(stages, work, target, paths, budget)
+    extract = ({"skipped": "--report-only: the stores in --work come from an earlier run"} if args.report_only
+               else extract_once(stages, work, target, paths, budget))
     result: dict = {"settings": {"budget": asdict(budget), "base_train": BASE_TRAIN, "eval_k": EVAL_K,
                                  "variants": {v: VARIANTS[v] for v in variants}, "seeds": seeds, "smoke": args.smoke},
                     "target": {"dir": str(target), "build_seconds": target_seconds,
@@ -347,7 +356,9 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for seed in seeds:  # seed-major: a run cut short still compares every variant on the seeds it finished
         for variant in variants:
-            result["records"].append(run_one(stages, work, target, paths, budget, variant, seed))
+            if args.report_only and not (run_dir(work, budget, variant, seed) / "record.json").exists():
+                continue
+            result["records"].append(run_one(stages, work, target, paths, budget, variant, seed, args.report_only))
             result["summary"] = summarise(result["records"])
             atomic_write_json(args.out, result)  # partial results stay readable while later runs go on
     result["machine"]["load_average_end"] = os.getloadavg()

@@ -93,3 +93,11 @@ def test_smoke_run_writes_a_record_and_resumes(tmp_path) -> None:
                             str(tmp_path / "again.json"), "--no-variety"], capture_output=True, text=True, env=env,
                            timeout=1200)
     assert again.returncode == 0 and "reusing" in again.stdout
+    # --report-only runs nothing: the finished record is reported, the missing seed is left out.
+    report = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--variants", "baseline", "--seeds", "0,1",
+                             "--work", str(tmp_path / "work"), "--cache-dir", str(tmp_path / "cache"), "--out",
+                             str(tmp_path / "report.json"), "--no-variety", "--report-only"], capture_output=True,
+                            text=True, env=env, timeout=600)
+    assert report.returncode == 0 and "$ peagle" not in report.stdout, report.stdout[-2000:] + report.stderr[-2000:]
+    reported = json.loads((tmp_path / "report.json").read_text())
+    assert reported["records"] == result["records"] and "skipped" in reported["extract"]
