@@ -2,7 +2,7 @@
 
 ``run_training(config)`` = build, train, close. Each step takes ``grad_accum`` micro-batches from the
 loader (time spent waiting is the *data-wait share*) and hands them to the step (step.py: the global
-count, the units' forward+backward, clip, AdamW, schedule); the trainer keeps the run's state (step,
+count, the units' forward+backward, clip, optimizer, schedule); the trainer keeps the run's state (step,
 tokens seen, the logging window, checkpoints).
 
 World size 1 is the same code: torch.distributed starts only when ``WORLD_SIZE > 1`` (gloo on CPU,
@@ -45,7 +45,7 @@ from peagle.stages.train.batch import TrainBatch
 from peagle.stages.train.loader import TrainLoader
 from peagle.stages.train.loss import LossStats
 from peagle.stages.train.step import (StepResult, TrainStep, all_reduce_stats, compiled_graph_count, init_distributed,
-                                      resolve_attention, summarise)
+                                      resolve_attention, sum_counts_over_ranks, summarise)
 from peagle.stages.train.vocab import choose_draft_vocab_size, load_draft_vocab
 
 METRICS_FILE = "metrics.jsonl"
@@ -227,8 +227,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any] | None:
-        """Loss, per-depth agreement, the AL estimate and ``num_no_target`` (as in training lines) on the
-        evaluation stream (the same batches, the same COD draws each time, so evaluations compare)."""
+        """Loss, per-depth agreement, AL estimate and ``num_no_target`` on the evaluation stream (the same
+        batches and COD draws each time, so evaluations compare)."""
         if self.eval_loader is None:
             return None
         no_target = [0]
@@ -237,12 +237,9 @@ class Trainer:
             for batch in batches:
                 no_target[0] += batch.num_no_target  # a host int: counting costs no sync
                 yield batch
-
         stats = summarise(self.step_fn.evaluate(counted(self.eval_loader.batches(epoch=0))))
-        total = torch.tensor(no_target, dtype=torch.float64)
-        if self.world_size > 1:
-            dist.all_reduce(total, group=self.cpu_group)
-        return {"kind": "eval", "step": self.step, **stats, "num_no_target": int(total.item())}
+        no_target = sum_counts_over_ranks([float(no_target[0])], self.world_size, self.cpu_group)
+        return {"kind": "eval", "step": self.step, **stats, "num_no_target": int(no_target[0])}
 
     def train(self) -> None:
         """Steps until ``total_steps``, logging, evaluating and checkpointing on the way."""

@@ -219,11 +219,8 @@ class TrainStep:
         """
         counts = [float(sum(b.num_supervised for b in micro_batches)), float(sum(b.num_tokens for b in micro_batches)),
                   float(sum(b.num_no_target for b in micro_batches))]
-        if self.world_size > 1:  # BEFORE any backward: every unit's divisor (a CPU tensor on a gloo group)
-            reduced = torch.tensor(counts, dtype=torch.float64)
-            dist.all_reduce(reduced, group=self.cpu_group)
-            counts = reduced.tolist()
-        num_supervised, num_tokens, num_no_target = counts
+        # BEFORE any backward: every unit's divisor
+        num_supervised, num_tokens, num_no_target = sum_counts_over_ranks(counts, self.world_size, self.cpu_group)
         loss_scale = self.world_size / max(num_supervised, 1.0)
         batches = self.to_device(micro_batches)
         units = [(j, plan) for j, batch in enumerate(batches) for plan in batch.units]
@@ -289,6 +286,15 @@ def all_reduce_stats(stats: LossStats) -> LossStats:
     vector = stats.to_vector()
     dist.all_reduce(vector)
     return LossStats.from_vector(vector, stats.num_depths)
+
+
+def sum_counts_over_ranks(counts: list[float], world_size: int, cpu_group: Any) -> list[float]:
+    """Host counts summed over ranks: a float64 CPU tensor all-reduced on the gloo ``cpu_group``."""
+    if world_size == 1:
+        return counts
+    reduced = torch.tensor(counts, dtype=torch.float64)
+    dist.all_reduce(reduced, group=cpu_group)
+    return reduced.tolist()
 
 
 def summarise(stats: LossStats) -> dict[str, Any]:
