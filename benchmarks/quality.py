@@ -80,8 +80,16 @@ VARIANTS: dict[str, dict[str, str | None]] = {
     "norm-before-residual": {"--norm-before-residual": None},
     "norm-before-fc": {"--norm-before-fc": None},
     "fc-norm": {"--fc-norm": None},
+    "all-norms": {"--norm-before-residual": None, "--norm-before-fc": None, "--fc-norm": None},
+    "muon-all-norms": {"--optimizer": "muon", "--muon-lr": "0.02", "--norm-before-residual": None,
+                       "--norm-before-fc": None, "--fc-norm": None},
 }
 """Named variants: flags that replace or extend :data:`BASE_TRAIN` (value None: a bare switch)."""
+
+REFERENCE: dict[str, str] = {"muon-lr0.01": "muon", "muon-lr0.05": "muon", "muon-all-norms": "muon"}
+"""Variants that change one thing over another variant rather than over the baseline: their summary
+also carries ``vs_reference`` (the same Welch test against that variant), because "does this help
+on top of Muon" is the question that decides a default once Muon is one."""
 
 DEFAULT_VARIANTS = ("baseline", "muon", "tv", "qwen3", "lr1e-2", "k3", "k8", "rmin0.5", "anchors8",
                     "norm-before-residual", "norm-before-fc", "fc-norm")
@@ -156,6 +164,11 @@ def summarise(records: list[dict]) -> dict:
             base = by_variant["baseline"]
             entry["vs_baseline"] = {key: welch([r[key] for r in recs], [r[key] for r in base])
                                     for key in ("al_vllm", "al_offline")}
+        reference = REFERENCE.get(name)
+        if reference in by_variant:
+            ref = by_variant[reference]
+            entry["vs_reference"] = {"variant": reference, **{key: welch([r[key] for r in recs], [r[key] for r in ref])
+                                                              for key in ("al_vllm", "al_offline")}}
         out[name] = entry
     return out
 
@@ -324,6 +337,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{name:<10} {' '.join(k if v is None else f'{k} {v}' for k, v in flags.items()) or '(base flags)'}")
         return {}
     variants = ["baseline"] + [v for v in args.variants.split(",") if v and v != "baseline"]
+    variants += [REFERENCE[v] for v in variants if v in REFERENCE and REFERENCE[v] not in variants]
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
@@ -369,6 +383,9 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+NOISE_WORD = {True: "(beyond noise)", False: "(noise)", None: "(n<2)"}
+
+
 def print_table(summary: dict) -> None:
     def fmt(d: dict) -> str:
         return f"{d['mean']:.3f}" + (f" ± {d['se']:.3f}" if d["se"] is not None else "")
@@ -376,7 +393,10 @@ def print_table(summary: dict) -> None:
     print(f"{'variant':<10} {'AL vLLM':>15} {'AL own':>15} {'AL offline':>15}  per-depth (vLLM)   vs baseline (vLLM)")
     for name, entry in summary.items():
         vs = (entry.get("vs_baseline") or {}).get("al_vllm")
-        verdict = "" if vs is None else f"{vs['diff']:+.3f} " + {True: "(beyond noise)", False: "(noise)", None: "(n<2)"}[vs["beyond_noise"]]
+        verdict = "" if vs is None else f"{vs['diff']:+.3f} " + NOISE_WORD[vs["beyond_noise"]]
+        ref = entry.get("vs_reference")
+        if ref is not None:
+            verdict += f"; vs {ref['variant']} {ref['al_vllm']['diff']:+.3f} " + NOISE_WORD[ref["al_vllm"]["beyond_noise"]]
         print(f"{name:<10} {fmt(entry['al_vllm']):>15} {fmt(entry['al_own']):>15} {fmt(entry['al_offline']):>15}  "
               + " ".join(f"{a:.2f}" for a in entry["per_depth"]) + f"   {verdict}")
 
