@@ -45,7 +45,7 @@ from peagle.stages.train.batch import TrainBatch
 from peagle.stages.train.loader import TrainLoader
 from peagle.stages.train.loss import LossStats
 from peagle.stages.train.step import (StepResult, TrainStep, all_reduce_stats, compiled_graph_count, init_distributed,
-                                      resolve_attention, sum_counts_over_ranks, summarise)
+                                      resolve_attention, summarise)
 from peagle.stages.train.vocab import choose_draft_vocab_size, load_draft_vocab
 
 METRICS_FILE = "metrics.jsonl"
@@ -231,15 +231,8 @@ class Trainer:
         batches and COD draws each time, so evaluations compare)."""
         if self.eval_loader is None:
             return None
-        no_target = [0]
-
-        def counted(batches: Iterator[TrainBatch]) -> Iterator[TrainBatch]:
-            for batch in batches:
-                no_target[0] += batch.num_no_target  # a host int: counting costs no sync
-                yield batch
-        stats = summarise(self.step_fn.evaluate(counted(self.eval_loader.batches(epoch=0))))
-        no_target = sum_counts_over_ranks([float(no_target[0])], self.world_size, self.cpu_group)
-        return {"kind": "eval", "step": self.step, **stats, "num_no_target": int(no_target[0])}
+        stats, no_target = self.step_fn.evaluate(self.eval_loader.batches(epoch=0))
+        return {"kind": "eval", "step": self.step, **summarise(stats), "num_no_target": no_target}
 
     def train(self) -> None:
         """Steps until ``total_steps``, logging, evaluating and checkpointing on the way."""

@@ -238,11 +238,15 @@ class TrainStep:
         return total, (num_supervised, num_tokens, num_no_target)
 
     @torch.no_grad()
-    def evaluate(self, batches: Iterable[TrainBatch]) -> LossStats:
-        """Summed stats over ``batches`` (no gradients), reduced over ranks."""
+    def evaluate(self, batches: Iterable[TrainBatch]) -> tuple[LossStats, int]:
+        """Summed stats over ``batches`` (no gradients) and their ``num_no_target``, both summed over
+        ranks: the count is read from the host batches, so it costs no device sync."""
         self.model.eval()
         total = LossStats.zeros(self.config.num_depths, self.device)
-        for batch in self.to_device_each(batches):
+        no_target = 0
+        for host_batch in batches:
+            no_target += host_batch.num_no_target
+            batch = host_batch.to(self.device, non_blocking=True)
             correct_per_unit = []
             for plan in batch.units:
                 stats, correct_e = unit_forward(self.model, batch, plan, attention=self.attention,
@@ -251,14 +255,12 @@ class TrainStep:
                 correct_per_unit.append(correct_e)
             total = total + batch_chain_stats(batch, correct_per_unit)
         self.model.train()
-        return all_reduce_stats(total) if self.world_size > 1 else total
+        (no_target_all,) = sum_counts_over_ranks([float(no_target)], self.world_size, self.cpu_group)
+        return (all_reduce_stats(total) if self.world_size > 1 else total), int(no_target_all)
 
     def to_device(self, batches: list[TrainBatch]) -> list[TrainBatch]:
         """Copy pinned batches (indices, unit plans and BlockMask indices included) without waiting."""
-        return list(self.to_device_each(batches))
-
-    def to_device_each(self, batches: Iterable[TrainBatch]) -> Iterable[TrainBatch]:
-        return (batch.to(self.device, non_blocking=True) for batch in batches)
+        return [batch.to(self.device, non_blocking=True) for batch in batches]
 
     def _gradient_sync(self, sync: bool) -> contextlib.AbstractContextManager:
         """Sync gradients only in the step's last backward (DDP ``no_sync`` / the FSDP2 flag)."""

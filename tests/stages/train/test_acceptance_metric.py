@@ -137,7 +137,9 @@ def test_training_acceptance_length_equals_the_offline_evaluators(planted, num_s
     trainer = Trainer.for_model(config, draft)
     stats, _ = trainer.step_fn.forward_backward(batches)
     train = summarise(stats)
-    evaluated = summarise(trainer.step_fn.evaluate(batches))
+    evaluated_stats, evaluated_no_target = trainer.step_fn.evaluate(batches)
+    evaluated = summarise(evaluated_stats)
+    assert evaluated_no_target == sum(b.num_no_target for b in batches)
     trainer.eval_loader = EvalStream(batches)
     eval_line = trainer.evaluate()  # the metrics line: the same figures, and the no-target count training logs
     assert eval_line["num_no_target"] == sum(b.num_no_target for b in batches) > 0

@@ -161,7 +161,7 @@ def test_torchrun_two_processes_equal_one_process_with_the_same_global_batch(tmp
 
 @pytest.mark.slow
 def test_peagle_train_under_torchrun(tmp_path, tiny_store):
-    """The real CLI on two gloo ranks: metrics, a checkpoint of both ranks' data state, one-line refusal."""
+    """The real CLI on two gloo ranks: metrics and an evaluation, a checkpoint of both ranks' data state, one-line refusal."""
     from peagle.stages.train.vocab import build_draft_vocab
 
     build_draft_vocab(tiny_store.root, 128)
@@ -171,7 +171,7 @@ def test_peagle_train_under_torchrun(tmp_path, tiny_store):
         return ["train", "--store", str(tiny_store.root), "--target", str(tiny_store.target_dir), "--out", str(run),
                 "--max-steps", str(max_steps), "--num-layers", "1", "--token-budget", "128",
                 "--draft-vocab-size", "128", "--num-workers", "0", "--log-every", "1", "--num-depths", "3",
-                "--heldout-fraction", "0"]
+                "--heldout-fraction", "0.25", "--eval-every", "2"]
 
     # PYTHONFAULTHANDLER: a rank killed by a native abort prints every thread's Python stack.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
@@ -180,7 +180,9 @@ def test_peagle_train_under_torchrun(tmp_path, tiny_store):
                           timeout=300)
     assert proc.returncode == 0, _failure(proc)
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2]  # rank 0 alone writes
+    assert [(r["step"], r.get("kind")) for r in records] == [(1, "train"), (2, "train"), (2, "eval")]  # rank 0 alone writes
+    eval_line = records[-1]  # both ranks' held-out batches, their stats and no-target counts summed
+    assert eval_line["num_chains"] > 0 and isinstance(eval_line["num_no_target"], int)
     data = torch.load(run / "checkpoints" / "step-00000002" / "dataloader.pt")
     assert data["world_size"] == 2 and {"rank_0", "rank_1"} <= set(data)
 

@@ -132,9 +132,9 @@ def test_flex_evaluation_runs_no_op_that_syncs_with_the_host(tiny_store):
     trainer.step_fn.model.flex = opaque_flex
     batches = list(_loader(tiny_store, attention="flex", block_size=32).batches(0))[:2]
     result = {}
-    seen = record_host_syncs(lambda: result.update(stats=trainer.step_fn.evaluate(batches)))
+    seen = record_host_syncs(lambda: result.update(stats=trainer.step_fn.evaluate(batches)[0]))
     assert seen == []
-    sdpa = _trainer(tiny_store, attention="sdpa").step_fn.evaluate(list(_loader(tiny_store).batches(0))[:2])
+    sdpa, _ = _trainer(tiny_store, attention="sdpa").step_fn.evaluate(list(_loader(tiny_store).batches(0))[:2])
     torch.testing.assert_close(result["stats"].to_vector(), sdpa.to_vector(), atol=1e-3, rtol=1e-4)
     assert float(sdpa.depth_count.sum()) > 0
 
