@@ -81,15 +81,13 @@ VARIANTS: dict[str, dict[str, str | None]] = {
     "norm-before-fc": {"--norm-before-fc": None},
     "fc-norm": {"--fc-norm": None},
     "all-norms": {"--norm-before-residual": None, "--norm-before-fc": None, "--fc-norm": None},
-    "muon-all-norms": {"--optimizer": "muon", "--muon-lr": "0.02", "--norm-before-residual": None,
-                       "--norm-before-fc": None, "--fc-norm": None},
 }
+VARIANTS["muon-all-norms"] = {**VARIANTS["muon"], **VARIANTS["all-norms"]}
 """Named variants: flags that replace or extend :data:`BASE_TRAIN` (value None: a bare switch)."""
 
 REFERENCE: dict[str, str] = {"muon-lr0.01": "muon", "muon-lr0.05": "muon", "muon-all-norms": "muon"}
-"""Variants that change one thing over another variant rather than over the baseline: their summary
-also carries ``vs_reference`` (the same Welch test against that variant), because "does this help
-on top of Muon" is the question that decides a default once Muon is one."""
+"""Variants that change one thing over another variant: their summary also carries ``vs_reference``
+(Welch against it), because "does it help on top of Muon" decides a default now that Muon is one."""
 
 DEFAULT_VARIANTS = ("baseline", "muon", "tv", "qwen3", "lr1e-2", "k3", "k8", "rmin0.5", "anchors8",
                     "norm-before-residual", "norm-before-fc", "fc-norm")

@@ -32,6 +32,7 @@ def test_every_variant_flag_is_a_train_flag(bench) -> None:
     flags = set(bench.BASE_TRAIN) | {flag for variant in bench.VARIANTS.values() for flag in variant}
     assert {flag[2:].replace("-", "_") for flag in flags} <= fields
     assert set(bench.DEFAULT_VARIANTS) <= set(bench.VARIANTS) and bench.VARIANTS["baseline"] == {}
+    assert set(bench.REFERENCE) | set(bench.REFERENCE.values()) <= set(bench.VARIANTS)
 
 
 def test_train_flags_replace_base_values(bench) -> None:
@@ -65,7 +66,13 @@ def test_summary_per_variant(bench) -> None:
     assert summary["baseline"]["al_vllm"]["mean"] == pytest.approx(3.01) and "vs_baseline" not in summary["baseline"]
     assert summary["k3"]["al_offline"]["n"] == 3 and summary["k3"]["al_vllm"]["se"] == pytest.approx(0.01 / 3**0.5)
     assert summary["k3"]["vs_baseline"]["al_vllm"]["diff"] == pytest.approx(-0.5)
-    assert summary["k3"]["vs_baseline"]["al_vllm"]["beyond_noise"]
+    assert summary["k3"]["vs_baseline"]["al_vllm"]["beyond_noise"] and "vs_reference" not in summary["k3"]
+    # A variant built on another one is also compared with it.
+    records += [record("muon", s, 3.5 + 0.01 * s) for s in range(3)] + [record("muon-lr0.05", s, 3.6 + 0.01 * s) for s in range(3)]
+    summary = bench.summarise(records)
+    ref = summary["muon-lr0.05"]["vs_reference"]
+    assert ref["variant"] == "muon" and ref["al_vllm"]["diff"] == pytest.approx(0.1) and ref["al_vllm"]["beyond_noise"]
+    assert summary["muon-lr0.05"]["vs_baseline"]["al_vllm"]["diff"] == pytest.approx(0.6)
 
 
 @pytest.mark.slow
