@@ -75,6 +75,7 @@ VARIANTS: dict[str, dict[str, str | None]] = {
     "muon": {"--optimizer": "muon", "--muon-lr": "0.02"},  # Muon on the layers' matrices, AdamW on the rest
     "muon-lr0.01": {"--optimizer": "muon", "--muon-lr": "0.01"},
     "muon-lr0.05": {"--optimizer": "muon", "--muon-lr": "0.05"},
+    "muon-lr0.1": {"--optimizer": "muon", "--muon-lr": "0.1"},
     "muon-lr1e-4": {"--optimizer": "muon", "--muon-lr": "0.02", "--lr": "1e-4"},  # the rest at `--lr`'s default
     "tv": {"--loss": "tv"},  # total variation instead of forward KL (docs/loss.md)
     "qwen3": {"--draft-architecture": "qwen3"},  # q/k RMSNorm on every head before RoPE
@@ -84,9 +85,10 @@ VARIANTS: dict[str, dict[str, str | None]] = {
     "all-norms": {"--norm-before-residual": None, "--norm-before-fc": None, "--fc-norm": None},
 }
 VARIANTS["muon-all-norms"] = {**VARIANTS["muon"], **VARIANTS["all-norms"]}
+VARIANTS["muon-lr0.05-all-norms"] = {**VARIANTS["muon-lr0.05"], **VARIANTS["all-norms"]}
 """Named variants: flags that replace or extend :data:`BASE_TRAIN` (value None: a bare switch)."""
 
-REFERENCE: dict[str, str] = {"muon-lr0.01": "muon", "muon-lr0.05": "muon", "muon-lr1e-4": "muon", "muon-all-norms": "muon"}
+REFERENCE: dict[str, str] = {name: "muon" for name in VARIANTS if name.startswith("muon-")}
 """Variants that change one thing over another variant: their summary also carries ``vs_reference``
 (Welch against it), because "does it help on top of Muon" decides a default now that Muon is one."""
 
