@@ -84,9 +84,9 @@ VARIANTS: dict[str, dict[str, str | None]] = {
     "fc-norm": {"--fc-norm": None},
     "all-norms": {"--norm-before-residual": None, "--norm-before-fc": None, "--fc-norm": None},
 }
-VARIANTS["muon-all-norms"] = {**VARIANTS["muon"], **VARIANTS["all-norms"]}
-VARIANTS["muon-lr0.05-all-norms"] = {**VARIANTS["muon-lr0.05"], **VARIANTS["all-norms"]}
 """Named variants: flags that replace or extend :data:`BASE_TRAIN` (value None: a bare switch)."""
+VARIANTS["muon-all-norms"] = {**VARIANTS["muon"], **VARIANTS["all-norms"]}  # combinations, from their parts
+VARIANTS["muon-lr0.05-all-norms"] = {**VARIANTS["muon-lr0.05"], **VARIANTS["all-norms"]}
 
 REFERENCE: dict[str, str] = {name: "muon" for name in VARIANTS if name.startswith("muon-")}
 """Variants that change one thing over another variant: their summary also carries ``vs_reference``
