@@ -53,15 +53,19 @@ from peagle.testing.quality_target import QualityTargetSpec, build_quality_targe
 EVAL_K = 5
 """Acceptance is always measured at K = 5 draft tokens, whatever K a variant trains."""
 
-BASE_TRAIN: dict[str, str | None] = {
+Flags = dict[str, "str | bool"]
+"""``peagle train`` flags: a value, or a switch (True: ``--name``, False: ``--no-name``)."""
+
+BASE_TRAIN: Flags = {
     "--num-layers": "1", "--num-depths": "5", "--lr": "3e-3", "--warmup-steps": "30", "--optimizer": "adamw",
+    "--norm-before-residual": False, "--norm-before-fc": False, "--fc-norm": False,
     "--down-sample-ratio": "0.7", "--down-sample-ratio-min": "0.2", "--eval-every": "0", "--save-every": "0",
 }
 """`peagle train` flags every variant starts from (the budget flags come from :class:`Budget`). The
-baseline is AdamW, the default when the variants were measured; Muon, the default since it won
-here (the ``muon`` variant), is named explicitly, so every committed record keeps its meaning."""
+baseline is the draft before this benchmark changed the defaults: AdamW, no EAGLE-3.1 norms. The
+winners (Muon, the norms) are named explicitly, so every committed record keeps its meaning."""
 
-VARIANTS: dict[str, dict[str, str | None]] = {
+VARIANTS: dict[str, Flags] = {
     "baseline": {},
     "k3": {"--num-depths": "3"},  # train fewer depths than are served: cheaper steps
     "k8": {"--num-depths": "8"},  # train more depths than are served
@@ -79,12 +83,12 @@ VARIANTS: dict[str, dict[str, str | None]] = {
     "muon-lr1e-4": {"--optimizer": "muon", "--muon-lr": "0.02", "--lr": "1e-4"},  # the rest at `--lr`'s default
     "tv": {"--loss": "tv"},  # total variation instead of forward KL (docs/loss.md)
     "qwen3": {"--draft-architecture": "qwen3"},  # q/k RMSNorm on every head before RoPE
-    "norm-before-residual": {"--norm-before-residual": None},
-    "norm-before-fc": {"--norm-before-fc": None},
-    "fc-norm": {"--fc-norm": None},
-    "all-norms": {"--norm-before-residual": None, "--norm-before-fc": None, "--fc-norm": None},
+    "norm-before-residual": {"--norm-before-residual": True},
+    "norm-before-fc": {"--norm-before-fc": True},
+    "fc-norm": {"--fc-norm": True},
+    "all-norms": {"--norm-before-residual": True, "--norm-before-fc": True, "--fc-norm": True},
 }
-"""Named variants: flags that replace or extend :data:`BASE_TRAIN` (value None: a bare switch)."""
+"""Named variants: flags that replace or extend :data:`BASE_TRAIN`."""
 VARIANTS["muon-all-norms"] = {**VARIANTS["muon"], **VARIANTS["all-norms"]}  # combinations, from their parts
 VARIANTS["muon-lr0.05-all-norms"] = {**VARIANTS["muon-lr0.05"], **VARIANTS["all-norms"]}
 
@@ -126,7 +130,13 @@ def train_flags(variant: str, budget: Budget, seed: int) -> list[str]:
     """The full `peagle train` flag list of one run (without store/target/out)."""
     flags = {**BASE_TRAIN, "--max-steps": str(budget.train_steps), "--token-budget": str(budget.token_budget),
              "--draft-vocab-size": str(budget.draft_vocab_size), "--seed": str(seed), **VARIANTS[variant]}
-    return [part for flag, value in flags.items() for part in ((flag,) if value is None else (flag, value))]
+    return [part for flag, value in flags.items() for part in _render(flag, value)]
+
+
+def _render(flag: str, value: str | bool) -> tuple[str, ...]:
+    if isinstance(value, bool):
+        return (flag,) if value else (f"--no-{flag[2:]}",)
+    return (flag, value)
 
 
 def welch(a: list[float], b: list[float]) -> dict:
@@ -335,7 +345,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.list:
         for name, flags in VARIANTS.items():
-            print(f"{name:<10} {' '.join(k if v is None else f'{k} {v}' for k, v in flags.items()) or '(base flags)'}")
+            print(f"{name:<10} {' '.join(part for k, v in flags.items() for part in _render(k, v)) or '(base flags)'}")
         return {}
     variants = ["baseline"] + [v for v in args.variants.split(",") if v and v != "baseline"]
     variants += [REFERENCE[v] for v in variants if v in REFERENCE and REFERENCE[v] not in variants]

@@ -118,8 +118,8 @@ def test_a_store_from_another_target_is_refused(store, tiny_qwen3, tmp_path):
 @pytest.mark.slow
 def test_a_variant_run_trains_exports_and_resumes_only_as_itself(store, tiny_llama, tmp_path):
     """The issue-13 variants through the real CLI at once: a Qwen3-style draft with every norm option,
-    Muon and the TV loss trains, its export reads back as the same variant, and a resume that drops a
-    variant flag is refused in one line (the checkpoint would not fit another architecture)."""
+    Muon and the TV loss trains, its export reads back as the same variant, and a resume that turns a
+    variant off is refused in one line (the checkpoint would not fit another architecture)."""
     from peagle.model.speculators_format import load_export
 
     out, export = tmp_path / "run", tmp_path / "export"
@@ -139,7 +139,7 @@ def test_a_variant_run_trains_exports_and_resumes_only_as_itself(store, tiny_lla
     assert (config.architecture, config.norm_before_residual, config.norm_before_fc, config.fc_norm) == (
         "qwen3", True, True, True)
 
-    plain = [a for a in args if a not in ("--norm-before-fc",)]
+    plain = ["--no-norm-before-fc" if a == "--norm-before-fc" else a for a in args]
     plain[plain.index("--max-steps") + 1] = "4"
     proc = peagle(*plain)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]

@@ -206,14 +206,16 @@ def test_a_changed_config_names_the_field_and_both_values():
 
 def test_a_resumed_run_keeps_its_draft_variant():
     """The variant flags rebuild the draft on resume, so none may change; a checkpoint from before
-    they existed reads as the plain Llama draft it was."""
-    saved = config(draft_architecture="qwen3", fc_norm=True).to_dict()
-    assert "--draft-architecture was 'qwen3'" in config_mismatch(saved, config(fc_norm=True))
-    assert "--fc-norm was True" in config_mismatch(saved, config(draft_architecture="qwen3"))
-    old = {k: v for k, v in config().to_dict().items()
+    they existed reads as the plain Llama draft it was, not as today's default (the norms on)."""
+    saved = config(draft_architecture="qwen3", fc_norm=False).to_dict()
+    assert "--draft-architecture was 'qwen3'" in config_mismatch(saved, config(fc_norm=False))
+    assert "--fc-norm was False" in config_mismatch(saved, config(draft_architecture="qwen3"))
+    plain = dict(norm_before_residual=False, norm_before_fc=False, fc_norm=False)  # the draft before the norms
+    old = {k: v for k, v in config(**plain).to_dict().items()
            if k not in ("draft_architecture", "norm_before_residual", "norm_before_fc", "fc_norm")}
-    assert config_mismatch(old, config()) is None
-    assert "--norm-before-fc was False" in config_mismatch(old, config(norm_before_fc=True))
+    assert config_mismatch(old, config(**plain)) is None
+    assert "--norm-before-residual was False" in config_mismatch(old, config())  # today's default has the norms
+    assert "--norm-before-fc was False" in config_mismatch(old, config(**{**plain, "norm_before_fc": True}))
     with pytest.raises(UserError, match=r"--draft-architecture must be one of llama\|qwen3"):
         config(draft_architecture="mistral")
 
