@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{name:<10} {' '.join(part for k, v in flags.items() for part in _render(k, v)) or '(base flags)'}")
         return {}
     variants = ["baseline"] + [v for v in args.variants.split(",") if v and v != "baseline"]
-    variants += [REFERENCE[v] for v in variants if v in REFERENCE and REFERENCE[v] not in variants]
+    variants = list(dict.fromkeys(variants + [REFERENCE[v] for v in variants if v in REFERENCE]))  # once each
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
