@@ -2,8 +2,8 @@
 target whose text is varied enough to tell a better draft from a worse one.
 
     python benchmarks/quality.py               # the README's "Draft quality" table: its variants, 3 seeds
-    python benchmarks/quality.py --variants baseline,k3 --seeds 0,1,2 --out quality.json
-    python benchmarks/quality.py --variants muon --train-steps 600 --out quality_600steps.json  # longer
+    python benchmarks/quality.py --variants all-norms,muon-all-norms --seeds 3,4   # more seeds for some
+    python benchmarks/quality.py --variants muon,muon-lr0.05 --train-steps 600 --out quality_600steps.json
     python benchmarks/quality.py --smoke --work /tmp/q --out /tmp/q/quality.json   # minutes; used by a test
     python benchmarks/quality.py --list                            # the variant table
 
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import resource
@@ -49,6 +48,7 @@ from pathlib import Path
 
 from peagle.pipeline.atomic import atomic_write_json
 from peagle.testing.quality_target import QualityTargetSpec, build_quality_target, quality_chats, text_variety
+from peagle.testing.seed_statistics import describe, welch
 
 EVAL_K = 5
 """Acceptance is always measured at K = 5 draft tokens, whatever K a variant trains."""
@@ -96,14 +96,10 @@ REFERENCE: dict[str, str] = {name: "muon" for name in VARIANTS if name.startswit
 """Variants that change one thing over another variant: their summary also carries ``vs_reference``
 (Welch against it), because "does it help on top of Muon" decides a default now that Muon is one."""
 
-DEFAULT_VARIANTS = ("baseline", "muon", "tv", "qwen3", "lr1e-2", "k3", "k8", "rmin0.5", "anchors8",
-                    "norm-before-residual", "norm-before-fc", "fc-norm")
+DEFAULT_VARIANTS = ("muon", "muon-lr0.01", "muon-lr0.05", "muon-lr0.1", "muon-lr1e-4", "lr1e-2",
+                    "norm-before-residual", "norm-before-fc", "fc-norm", "all-norms", "muon-all-norms",
+                    "muon-lr0.05-all-norms", "qwen3", "tv", "k3", "k8", "rmin0.5", "anchors8")
 """The README's "Draft quality" table: what a bare ``python benchmarks/quality.py`` runs."""
-
-T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
-"""Two-sided 95% critical values of Student's t for 1..30 degrees of freedom (1.960 beyond)."""
-
 
 @dataclass(frozen=True)
 class Budget:
@@ -137,26 +133,6 @@ def _render(flag: str, value: str | bool) -> tuple[str, ...]:
     if isinstance(value, bool):
         return (flag,) if value else (f"--no-{flag[2:]}",)
     return (flag, value)
-
-
-def welch(a: list[float], b: list[float]) -> dict:
-    """Welch's t-test of mean(a) - mean(b); "beyond_noise" at two-sided 5% (module docstring)."""
-    diff = statistics.fmean(a) - statistics.fmean(b)
-    if len(a) < 2 or len(b) < 2:
-        return {"diff": diff, "t": None, "df": None, "t_crit": None, "beyond_noise": None}
-    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
-    if va + vb == 0:
-        return {"diff": diff, "t": None, "df": None, "t_crit": None, "beyond_noise": diff != 0}
-    t = diff / math.sqrt(va + vb)
-    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
-    t_crit = T_975[max(1, math.floor(df)) - 1] if df < len(T_975) + 1 else 1.960  # floor(df): conservative
-    return {"diff": diff, "t": t, "df": df, "t_crit": t_crit, "beyond_noise": abs(t) > t_crit}
-
-
-def describe(values: list[float]) -> dict:
-    std = statistics.stdev(values) if len(values) > 1 else None
-    return {"mean": statistics.fmean(values), "std": std, "se": std / math.sqrt(len(values)) if std is not None else None,
-            "n": len(values), "values": values}
 
 
 def summarise(records: list[dict]) -> dict:

@@ -44,18 +44,6 @@ def test_train_flags_replace_base_values(bench) -> None:
     assert base[base.index("--max-steps") + 1] == str(budget.train_steps)
 
 
-def test_welch(bench) -> None:
-    # a = 1, 2, 3 and b = 4, 5, 6: t = -3 / sqrt(2/3) = -3.674 at df = 4 (critical 2.776).
-    result = bench.welch([1.0, 2.0, 3.0], [4.0, 5.0, 6.0])
-    assert result["diff"] == pytest.approx(-3.0) and result["t"] == pytest.approx(-3.6742, abs=1e-4)
-    assert result["df"] == pytest.approx(4.0) and result["t_crit"] == 2.776 and result["beyond_noise"]
-    assert not bench.welch([1.0, 2.0, 3.0], [1.5, 2.5, 3.5])["beyond_noise"]
-    # Unequal variances: Welch's df, floored for the table (conservative).
-    uneven = bench.welch([1.0, 1.1, 0.9], [3.0, 5.0, 1.0, 4.0])
-    assert 3.0 < uneven["df"] < 3.2 and uneven["t_crit"] == 3.182
-    assert bench.welch([1.0], [2.0, 3.0])["beyond_noise"] is None
-
-
 def test_summary_per_variant(bench) -> None:
     def record(variant: str, seed: int, al: float) -> dict:
         return {"variant": variant, "seed": seed, "al_vllm": al, "al_own": al, "al_offline": al + 0.5,
