@@ -80,7 +80,6 @@ VARIANTS: dict[str, Flags] = {
     "muon-lr0.01": {"--optimizer": "muon", "--muon-lr": "0.01"},
     "muon-lr0.05": {"--optimizer": "muon", "--muon-lr": "0.05"},
     "muon-lr0.1": {"--optimizer": "muon", "--muon-lr": "0.1"},
-    "muon-lr1e-4": {"--optimizer": "muon", "--muon-lr": "0.02", "--lr": "1e-4"},  # the rest at `--lr`'s default
     "tv": {"--loss": "tv"},  # total variation instead of forward KL (docs/loss.md)
     "qwen3": {"--draft-architecture": "qwen3"},  # q/k RMSNorm on every head before RoPE
     "norm-before-residual": {"--norm-before-residual": True},
@@ -96,7 +95,7 @@ REFERENCE: dict[str, str] = {name: "muon" for name in VARIANTS if name.startswit
 """Variants that change one thing over another variant: their summary also carries ``vs_reference``
 (Welch against it), because "does it help on top of Muon" decides a default now that Muon is one."""
 
-DEFAULT_VARIANTS = ("muon", "muon-lr0.01", "muon-lr0.05", "muon-lr0.1", "muon-lr1e-4", "lr1e-2",
+DEFAULT_VARIANTS = ("muon", "muon-lr0.01", "muon-lr0.05", "muon-lr0.1", "lr1e-2",
                     "norm-before-residual", "norm-before-fc", "fc-norm", "all-norms", "muon-all-norms",
                     "muon-lr0.05-all-norms", "qwen3", "tv", "k3", "k8", "rmin0.5", "anchors8")
 """The README's "Draft quality" table: what a bare ``python benchmarks/quality.py`` runs."""
