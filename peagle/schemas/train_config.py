@@ -168,7 +168,7 @@ class TrainConfig:
     muon_lr: float = 0.02
     """Peak learning rate of Muon's matrices with --optimizer muon (warmup and cosine decay as --lr,
     so the two keep their ratio). Muon's step has a fixed spectral size, so it needs a larger rate
-    than AdamW's."""
+    than AdamW's: on the quality benchmark 0.02 to 0.1 did alike and 0.01 lost Muon's gain."""
 
     loss: str = "forward_kl"
     """Training loss per element against the stored top-k, renormalised over the draft vocab:
