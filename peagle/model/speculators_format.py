@@ -335,12 +335,13 @@ def check_same_variant(config: DraftConfig, export_dir: str | os.PathLike, tenso
     with contextlib.suppress(UserError):  # a bare weights directory states nothing
         config_json = read_export_config(export_dir)
     stated = variant_of(config_json) if config_json.get("speculators_model_type") else {}
-    for name, value in stated.items():
-        if getattr(config, name) != value:
-            flag = VARIANT_FLAGS[name]
-            wanted = f"{flag} {value}" if name == "architecture" else flag if value else f"--no-{flag[2:]}"
-            raise UserError(f"--init-from {export_dir} was trained with {wanted} ({name}={value}, this run has "
-                            f"{getattr(config, name)}); pass {wanted}: a warm start keeps the draft's variant")
+    differ = [(name, stated[name]) for name in VARIANT_FLAGS if name in stated and getattr(config, name) != stated[name]]
+    if differ:  # every differing flag at once: a draft from before the norm defaults differs in three
+        wanted = " ".join(f"{VARIANT_FLAGS[name]} {value}" if name == "architecture" else VARIANT_FLAGS[name] if value
+                          else f"--no-{VARIANT_FLAGS[name][2:]}" for name, value in differ)
+        states = ", ".join(f"{name}={value}" for name, value in differ)
+        raise UserError(f"--init-from {export_dir} was trained with {wanted} ({states}; this run differs); pass "
+                        f"{wanted}: a warm start keeps the draft's variant")
     has = {"architecture": config.architecture == "qwen3", "norm_before_fc": config.norm_before_fc,
            "fc_norm": config.fc_norm}
     foreign = sorted(key for key in tensors for name, pattern in _VARIANT_KEYS.items()

@@ -133,6 +133,9 @@ def test_warm_start_keeps_the_variant(tmp_path):
                          verifier_name="v", verifier_architectures=[], speculative_tokens=K)
     with pytest.raises(UserError, match="trained with --no-norm-before-residual"):
         load_weights_into(flipped, plain)
+    # Today's default draft (every norm on) from a plain export: one line names all three flags.
+    with pytest.raises(UserError, match=re.escape("pass --no-norm-before-residual --no-norm-before-fc --no-fc-norm:")):
+        load_weights_into(variant_draft("qwen3-all", architecture="llama"), plain)
 
     # A bare weights directory (no config.json) states nothing; its norm tensors still tell.
     bare = tmp_path / "bare"
