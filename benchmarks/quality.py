@@ -100,6 +100,7 @@ DEFAULT_VARIANTS = ("muon", "muon-lr0.01", "muon-lr0.05", "muon-lr0.1", "lr1e-2"
                     "muon-lr0.05-all-norms", "qwen3", "tv", "k3", "k8", "rmin0.5", "anchors8")
 """The README's "Draft quality" table: what a bare ``python benchmarks/quality.py`` runs."""
 
+
 @dataclass(frozen=True)
 class Budget:
     """Data and compute per run: what makes two benchmark runs comparable."""
@@ -134,6 +135,11 @@ def _render(flag: str, value: str | bool) -> tuple[str, ...]:
     return (flag, value)
 
 
+def versus(records: list[dict], other: list[dict]) -> dict:
+    """Welch's test of one variant's records against another's, on AL in vLLM and teacher-forced."""
+    return {key: welch([r[key] for r in records], [r[key] for r in other]) for key in ("al_vllm", "al_offline")}
+
+
 def summarise(records: list[dict]) -> dict:
     """Per variant: mean/std/se of every AL over seeds, mean per-depth acceptance, Welch vs baseline."""
     by_variant: dict[str, list[dict]] = {}
@@ -147,14 +153,10 @@ def summarise(records: list[dict]) -> dict:
         cpu = [r["cpu_seconds"]["train"] for r in recs if "cpu_seconds" in r]
         entry["train_cpu_seconds"] = statistics.fmean(cpu) if cpu else None
         if name != "baseline" and "baseline" in by_variant:
-            base = by_variant["baseline"]
-            entry["vs_baseline"] = {key: welch([r[key] for r in recs], [r[key] for r in base])
-                                    for key in ("al_vllm", "al_offline")}
+            entry["vs_baseline"] = versus(recs, by_variant["baseline"])
         reference = REFERENCE.get(name)
         if reference in by_variant:
-            ref = by_variant[reference]
-            entry["vs_reference"] = {"variant": reference, **{key: welch([r[key] for r in recs], [r[key] for r in ref])
-                                                              for key in ("al_vllm", "al_offline")}}
+            entry["vs_reference"] = {"variant": reference, **versus(recs, by_variant[reference])}
         out[name] = entry
     return out
 
