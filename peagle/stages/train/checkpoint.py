@@ -152,7 +152,8 @@ class Checkpointer:
         return final
 
     def prune(self) -> None:
-        """Delete every checkpoint older than the newest ``keep`` VALID ones, and temp dirs whose writer is dead.
+        """Delete every checkpoint older than the newest ``keep`` VALID ones, and the temp and half-deleted
+        directories a killed process left (its pid is in the name).
 
         Damaged checkpoints do not count towards ``keep``: a run restarted below damaged checkpoints of
         higher steps would otherwise delete each good checkpoint right after writing it. A damaged one
@@ -165,11 +166,12 @@ class Checkpointer:
                 remove_dir(path)
             elif self.is_valid(path):
                 num_valid += 1
-        for tmp in root.glob(".step-*.tmp-*"):
-            with contextlib.suppress(ValueError, IndexError):
-                pid = int(tmp.name.split(".tmp-")[1].split("-")[0])
-                if pid != os.getpid() and not pid_alive(pid):
-                    shutil.rmtree(tmp, ignore_errors=True)
+        for marker in (".tmp-", ".deleted-"):  # half-written, or renamed away and half-deleted (remove_dir)
+            for leftover in root.glob(f".step-*{marker}*"):
+                with contextlib.suppress(ValueError, IndexError):
+                    pid = int(leftover.name.split(marker)[1].split("-")[0])
+                    if pid != os.getpid() and not pid_alive(pid):
+                        shutil.rmtree(leftover, ignore_errors=True)
 
     def is_valid(self, path: Path) -> bool:
         """Whether every file of checkpoint ``path`` matches ``metadata.json`` (hashed once per signature)."""

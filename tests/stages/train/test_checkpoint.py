@@ -117,10 +117,13 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, ca
     assert "step-00000004" in warning and "damaged" in warning and len(warning.strip().splitlines()) == 1
 
 
-def test_temp_directories_are_invisible_and_cleaned_once_their_writer_is_dead(tmp_path):
+def test_temp_and_half_deleted_directories_are_invisible_and_cleaned_once_their_process_is_dead(tmp_path):
     root = tmp_path / "checkpoints"
     (root / ".step-00000009.tmp-999999999-abc").mkdir(parents=True)  # a writer that no longer exists
     (root / ".step-00000009.tmp-999999999-abc" / "model.pt").write_bytes(b"half")
+    # Killed inside a prune: the old checkpoint renamed away (remove_dir), its rmtree unfinished.
+    (root / ".step-00000002.deleted-999999999").mkdir()
+    (root / ".step-00000002.deleted-999999999" / "model.pt").write_bytes(b"half gone")
     assert cf.list_checkpoints(tmp_path) == [] and cf.latest_valid_checkpoint(tmp_path) is None
     ckpt.Checkpointer(tmp_path, keep=3).save(1, make_state())
     assert sorted(os.listdir(root)) == ["step-00000001"]
