@@ -47,8 +47,10 @@ SUPERVISED_KINDS = ("content", "reasoning", "tool_call", "end_of_turn", OUTSIDE_
 MASK_FROM_TOKENIZER = "tokenizer_mask_token"  # the tokenizer's own mask token
 MASK_FROM_UNUSED_ROW = "unused_embedding_row"  # an embedding row beyond every id the tokenizer produces
 MASK_FROM_RESERVED = "reserved_special_token"  # a reserved special token the template never writes
+MASK_FROM_UNUSED_SPECIAL = "unused_special_token"  # another added special token the template never writes
 MASK_FROM_FLAG = "explicit"  # --mask-token-id
-MASK_TOKEN_SOURCES = (MASK_FROM_TOKENIZER, MASK_FROM_UNUSED_ROW, MASK_FROM_RESERVED, MASK_FROM_FLAG)
+MASK_TOKEN_SOURCES = (MASK_FROM_TOKENIZER, MASK_FROM_UNUSED_ROW, MASK_FROM_RESERVED, MASK_FROM_UNUSED_SPECIAL,
+                      MASK_FROM_FLAG)
 
 
 def shard_stem(index: int) -> str:

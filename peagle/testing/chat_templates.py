@@ -172,3 +172,25 @@ MISTRAL_TEMPLATE = r"""
     {%- endif %}
 {%- endfor %}
 """
+
+SMOLLM2_TEMPLATE = r"""
+{%- for message in messages %}
+    {%- if loop.first and messages[0].role != 'system' %}
+        {{- '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}
+    {%- endif %}
+    {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}
+"""
+"""SmolLM2-Instruct behaviour: ChatML turns, a default system turn when the conversation has none;
+tools, tool calls and reasoning are not rendered (the message content only)."""
+
+GPT2_CHAT_TEMPLATE = r"""
+{%- for message in messages %}
+    {{- message.role | capitalize + ': ' + message.content + '\n\n' }}
+    {%- if message.role == 'assistant' %}{{- eos_token }}{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- 'Assistant:' }}{%- endif %}
+"""
+"""A GPT-2-era chat fine-tune: plain-text role prefixes, the one special token (``<|endoftext|>``,
+BOS, EOS and UNK at once) closing each assistant turn."""

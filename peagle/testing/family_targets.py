@@ -14,6 +14,13 @@ the project's own tiny targets do not: the families' vocabulary sizes and specia
 * ``mistral``: SentencePiece-style BPE (``▁`` word marker, byte fallback) of 32,768 entries:
   ``<unk>`` ``<s>`` ``</s>``, the instruction and tool markers, ``[control_N]`` up to id 770, the
   256 byte tokens, then pieces; the tokenizer adds ``<s>`` and the template writes it too.
+* ``smollm2``: byte-level BPE of 49,152 entries whose first 17 are its specials (``<|endoftext|>``,
+  ``<|im_start|>``, ``<|im_end|>``, then 14 code-corpus markers such as ``<filename>``,
+  ``<jupyter_code>``, ``<empty_output>``); no reserved tokens, no spare embedding row; a ChatML
+  template that adds a default system turn; tied embeddings.
+* ``gpt2``: byte-level BPE of 50,257 entries with one special token, ``<|endoftext|>`` (50256), which
+  is BOS, EOS and UNK at once; a plain-text chat template (``User: ...``). Its config is a Llama one:
+  only the tokenizer's shape matters here (models fine-tuned on GPT-2's tokenizer).
 
 A corpus that ships with Python gives a few thousand real merges; the rest of each vocabulary is
 filled with real-looking word pieces (a trained word start plus a trained suffix, each reachable by
@@ -31,10 +38,11 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from peagle.testing.chat_templates import LLAMA3_TEMPLATE, MISTRAL_TEMPLATE, QWEN3_TEMPLATE
+from peagle.testing.chat_templates import (GPT2_CHAT_TEMPLATE, LLAMA3_TEMPLATE, MISTRAL_TEMPLATE, QWEN3_TEMPLATE,
+                                           SMOLLM2_TEMPLATE)
 from peagle.testing.tiny_target import tokenizer_corpus
 
-FAMILIES = ("llama3", "qwen3", "mistral")
+FAMILIES = ("llama3", "qwen3", "mistral", "smollm2", "gpt2")
 
 # Pre-tokenizer split patterns of the byte-level families (Llama-3 groups up to 3 digits, Qwen 1).
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -71,6 +79,11 @@ MISTRAL_SPECIALS = [("<unk>", True), ("<s>", True), ("</s>", True), ("[INST]", T
                     ("[TOOL_RESULTS]", True), ("[/TOOL_RESULTS]", True)] + [
                     (f"[control_{i}]", True) for i in range(8, 769)]
 
+SMOLLM2_SPECIALS = [(t, True) for t in (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<reponame>", "<file_sep>", "<filename>",
+    "<gh_stars>", "<issue_start>", "<issue_comment>", "<issue_closed>", "<jupyter_start>", "<jupyter_text>",
+    "<jupyter_code>", "<jupyter_output>", "<jupyter_script>", "<empty_output>")]
+
 
 @dataclass(frozen=True, kw_only=True)
 class FamilySpec:
@@ -90,6 +103,8 @@ class FamilySpec:
     rope: dict = field(default_factory=dict)
     max_position_embeddings: int = 32768
     eos_token_ids: tuple[str, ...] = ()  # the config's eos ids (a family may stop on several)
+    tie_word_embeddings: bool = False
+    adds_bos: bool = True  # the tokenizer's post-processor adds BOS (the double-BOS trap of templates that write it)
 
 
 SPECS = {
@@ -110,6 +125,16 @@ SPECS = {
         first_special_id=0, bos="<s>", eos="</s>", pad=None, unk="<unk>", template=MISTRAL_TEMPLATE,
         max_position_embeddings=32768, rope={"rope_type": "default", "rope_theta": 1000000.0},
         eos_token_ids=("</s>",)),
+    "smollm2": FamilySpec(
+        name="smollm2", architecture="Llama", tokenizer_size=49152, vocab_size=49152, specials=SMOLLM2_SPECIALS,
+        first_special_id=0, bos="<|im_start|>", eos="<|im_end|>", pad="<|im_end|>", unk="<|endoftext|>",
+        template=SMOLLM2_TEMPLATE, max_position_embeddings=8192, rope={"rope_type": "default", "rope_theta": 100000.0},
+        eos_token_ids=("<|im_end|>",), tie_word_embeddings=True, adds_bos=False),
+    "gpt2": FamilySpec(
+        name="gpt2", architecture="Llama", tokenizer_size=50257, vocab_size=50257, specials=[("<|endoftext|>", True)],
+        first_special_id=50256, bos="<|endoftext|>", eos="<|endoftext|>", pad=None, unk="<|endoftext|>",
+        template=GPT2_CHAT_TEMPLATE, max_position_embeddings=1024, rope={"rope_type": "default", "rope_theta": 10000.0},
+        eos_token_ids=("<|endoftext|>",), adds_bos=False),
 }
 
 
@@ -167,12 +192,14 @@ def build_family_tokenizer(family: str):
         tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
                                          decoders.Strip(" ", 1, 0)])
     else:
-        split = pre_tokenizers.Split(Regex(LLAMA3_SPLIT if family == "llama3" else QWEN_SPLIT), behavior="isolated")
+        split = pre_tokenizers.Split(Regex(QWEN_SPLIT if family in ("qwen3", "smollm2") else LLAMA3_SPLIT), behavior="isolated")
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         pre = pre_tokenizers.Sequence([split, byte_level])
         tokens, merges = _trained_bpe(pre, alphabet=pre_tokenizers.ByteLevel.alphabet())
-        fillers = _filler_pieces(tokens, "Ġ", spec.first_special_id - len(tokens))
-        vocab_tokens = tokens + [a + b for a, b in fillers]
+        head = [content for content, _ in spec.specials] if spec.first_special_id == 0 else []
+        num_regular = spec.tokenizer_size - len(spec.specials)
+        fillers = _filler_pieces(tokens, "Ġ", num_regular - len(tokens))
+        vocab_tokens = head + tokens + [a + b for a, b in fillers]
         model = models.BPE(vocab={t: i for i, t in enumerate(vocab_tokens)}, merges=merges + fillers,
                            ignore_merges=family == "llama3")
         tok = Tokenizer(model)
@@ -187,7 +214,7 @@ def build_family_tokenizer(family: str):
     tok.add_tokens([AddedToken(content, special=special, normalized=False) for content, special in spec.specials])
     for i, (content, _) in enumerate(spec.specials):  # the family's ids, not wherever add_tokens put them
         assert tok.token_to_id(content) == spec.first_special_id + i, (family, content)
-    if spec.bos is not None:  # the tokenizer adds BOS itself: the double-BOS trap of templates that write it
+    if spec.bos is not None and spec.adds_bos:  # the tokenizer adds BOS itself: the double-BOS trap of templates that write it
         tok.post_processor = processors.TemplateProcessing(
             single=f"{spec.bos} $A", pair=f"{spec.bos} $A {spec.bos} $B", special_tokens=[(spec.bos, tok.token_to_id(spec.bos))])
     assert tok.get_vocab_size() == spec.tokenizer_size, (family, tok.get_vocab_size())
@@ -208,7 +235,8 @@ def build_family_config(family: str, tokenizer, *, hidden_size: int = 64, num_la
     return config_class(
         vocab_size=spec.vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=hidden_size // 32, num_key_value_heads=1, head_dim=32,
-        max_position_embeddings=spec.max_position_embeddings, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        max_position_embeddings=spec.max_position_embeddings, rms_norm_eps=1e-5,
+        tie_word_embeddings=spec.tie_word_embeddings,
         rope_parameters=dict(spec.rope), bos_token_id=tokenizer.bos_token_id,
         eos_token_id=eos_ids[0] if len(eos_ids) == 1 else eos_ids, pad_token_id=tokenizer.pad_token_id,
     )

@@ -14,6 +14,8 @@ EXPECTED = {
     "llama3": (128255, "<|reserved_special_token_247|>", S.MASK_FROM_RESERVED),
     "qwen3": (151669, None, S.MASK_FROM_UNUSED_ROW),  # first row past the tokenizer's 151,669 entries
     "mistral": (770, "[control_768]", S.MASK_FROM_RESERVED),
+    # 17 specials, none reserved, no spare row: the highest one the ChatML template never writes
+    "smollm2": (16, "<empty_output>", S.MASK_FROM_UNUSED_SPECIAL),
 }
 
 
@@ -47,16 +49,42 @@ def test_explicit_choice_is_checked(family_target):
         choose_mask_token(tokenizer, vocab_size, explicit=128009)
 
 
-def test_no_candidate_is_one_line_naming_the_flag(family_target):
-    """Mistral's layout without its [control_N] tokens: no mask token, no spare row, nothing reserved."""
+def test_unnamed_unused_specials_come_after_reserved_names(family_target):
+    """Mistral's layout with its [control_N] tokens renamed to names that say nothing: no mask token,
+    no spare row, nothing reserved by name; the highest special the template never writes is taken."""
     tokenizer, vocab_size = _load(family_target("mistral"))
     reserved_free = _without_control_tokens(tokenizer)
+    choice = choose_mask_token(reserved_free, vocab_size)
+    assert (choice.token_id, choice.token, choice.source) == (770, "[slot770]", S.MASK_FROM_UNUSED_SPECIAL)
+
+
+def test_gpt2_style_single_special_token_names_candidates(family_target):
+    """GPT-2's one special token is BOS, EOS and UNK at once: nothing is safe to take, so the error
+    lists regular ids a user could pass, each a real token of the tokenizer."""
+    tokenizer, vocab_size = _load(family_target("gpt2"))
     with pytest.raises(UserError) as err:
-        choose_mask_token(reserved_free, vocab_size)
+        choose_mask_token(tokenizer, vocab_size)
     message = str(err.value)
-    assert "\n" not in message and "--mask-token-id" in message
-    for tried in ("no usable mask token", "no row past the tokenizer's highest id 32767", "no reserved special token"):
+    assert "\n" not in message and "--mask-token-id" in message and "candidates: " in message
+    for tried in ("no usable mask token", "no row past the tokenizer's highest id 50256", "no reserved special token"):
         assert tried in message
+    assert "every added special token is written by the chat template or is BOS/EOS/PAD/UNK" in message
+    candidates = [int(part.split()[0]) for part in message.split("candidates: ")[1].split(" (")[0].split(", ")]
+    assert len(candidates) == 5 and all(0 <= c < 50256 for c in candidates)
+    # the listed ids are accepted as an explicit choice
+    assert choose_mask_token(tokenizer, vocab_size, explicit=candidates[0]).source == S.MASK_FROM_FLAG
+
+
+def test_tokens_the_template_may_write_are_never_chosen(family_target):
+    """SmolLM2's layout with a template that also writes <empty_output> (as a tool-result marker):
+    the next-highest unused special is chosen instead; a tool-calling probe finds template tokens
+    that a plain conversation never shows."""
+    tokenizer, vocab_size = _load(family_target("smollm2"))
+    tokenizer.chat_template = tokenizer.chat_template.replace(
+        "{%- endfor %}", "{%- if message.role == 'tool' %}{{- '<empty_output>' }}{%- endif %}{%- endfor %}")
+    assert 16 in template_token_ids(tokenizer)  # the probe conversation with a tool result shows it
+    choice = choose_mask_token(tokenizer, vocab_size)
+    assert (choice.token_id, choice.token) == (15, "<jupyter_script>")
 
 
 def _without_control_tokens(tokenizer):
