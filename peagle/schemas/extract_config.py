@@ -78,8 +78,9 @@ class ExtractConfig:
     """Token id the draft feeds into its parallel-drafting (mask) slots; it must never occur in the
     data, and records that contain it are skipped and counted. Default: chosen from the target --
     the tokenizer's mask token, else an embedding row past the tokenizer's ids (Qwen-style padded
-    vocab), else the highest reserved special token the chat template never writes. Recorded in the
-    store (`peagle store info` shows it); train and export take it from there."""
+    vocab), else the highest reserved special token the chat template never writes, else the highest
+    other special token it never writes (docs/mask.md). Recorded in the store (`peagle store info`
+    shows it); train and export take it from there."""
 
     dtype: str = "auto"
     """Compute dtype of the target: `float32`, `bfloat16`, or `auto` (bfloat16 on GPU, float32 on

@@ -94,8 +94,13 @@ class Conversation:
     trainable_turns: list[int]
 
 
-def normalise_record(raw: dict[str, Any]) -> Conversation:
+def normalise_record(raw: dict[str, Any], *, to_regenerate: bool = False) -> Conversation:
     """Validate a decoded record and return its messages in OpenAI form.
+
+    With ``to_regenerate`` (``--regenerate``: the target writes every assistant turn anew) a record
+    may be prompts only: empty assistant turns are kept, to be written, and a conversation that ends
+    with a user turn gets an empty assistant turn after it (so ``{"messages": [{"role": "user",
+    ...}]}`` is a complete record).
 
     Raises:
         SkipRecord: the record is unusable; ``reason`` says why.
@@ -104,10 +109,10 @@ def normalise_record(raw: dict[str, Any]) -> Conversation:
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise SkipRecord(BAD_TOOLS, "'tools' must be a list of objects")
     if raw.get("messages") is not None:
-        messages = [_openai_message(m, i) for i, m in enumerate(_message_list(raw["messages"], "messages"))]
+        messages = [_openai_message(m, i, to_regenerate) for i, m in enumerate(_message_list(raw["messages"], "messages"))]
     elif raw.get("conversations") is not None:
         turns = _message_list(raw["conversations"], "conversations")
-        messages = [_sharegpt_message(m, i) for i, m in enumerate(turns)]
+        messages = [_sharegpt_message(m, i, to_regenerate) for i, m in enumerate(turns)]
         system = raw.get("system")
         if system is not None and not (messages and messages[0]["role"] == "system"):
             if not isinstance(system, str):
@@ -116,6 +121,8 @@ def normalise_record(raw: dict[str, Any]) -> Conversation:
                 messages.insert(0, {"role": "system", "content": system})
     else:
         raise SkipRecord(NO_MESSAGES, "record has neither 'messages' nor 'conversations'")
+    if to_regenerate and messages[-1]["role"] == "user":
+        messages.append({"role": "assistant", "content": ""})
     trainable = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i > 0]
     if not trainable:
         raise SkipRecord(NO_ASSISTANT_TURN, "no assistant message after the first message")
@@ -130,7 +137,7 @@ def _message_list(value: Any, key: str) -> list[Any]:
     return value
 
 
-def _openai_message(message: Any, position: int) -> dict[str, Any]:
+def _openai_message(message: Any, position: int, to_regenerate: bool = False) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise SkipRecord(MESSAGE_NOT_AN_OBJECT, f"message {position} is a {type(message).__name__}")
     out = {key: value for key, value in message.items() if value is not None}
@@ -159,12 +166,13 @@ def _openai_message(message: Any, position: int) -> dict[str, Any]:
     if reasoning is not None and not isinstance(reasoning, str):
         raise SkipRecord(NON_STRING_CONTENT, f"message {position}: 'reasoning_content' is not a string")
     # Whitespace-only turns would train the draft to propose a lone newline after every prompt.
-    if role == "assistant" and not (out["content"].strip() or (reasoning or "").strip() or tool_calls):
+    if role == "assistant" and not to_regenerate and not (out["content"].strip() or (reasoning or "").strip()
+                                                          or tool_calls):
         raise SkipRecord(EMPTY_ASSISTANT_TURN, f"message {position} is an empty assistant turn")
     return out
 
 
-def _sharegpt_message(message: Any, position: int) -> dict[str, Any]:
+def _sharegpt_message(message: Any, position: int, to_regenerate: bool = False) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise SkipRecord(MESSAGE_NOT_AN_OBJECT, f"turn {position} is a {type(message).__name__}")
     speaker = message.get("from")
@@ -176,7 +184,7 @@ def _sharegpt_message(message: Any, position: int) -> dict[str, Any]:
     if message.get("value") is None:
         raise SkipRecord(MISSING_CONTENT, f"turn {position} has no 'value'")
     content = _content_text(message["value"], position)
-    if role == "assistant" and not content.strip():
+    if role == "assistant" and not to_regenerate and not content.strip():
         raise SkipRecord(EMPTY_ASSISTANT_TURN, f"turn {position} is an empty assistant turn")
     extras = {k: v for k, v in message.items() if k not in ("from", "value") and v is not None}
     return {**extras, "role": role, "content": content}

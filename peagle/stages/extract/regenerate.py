@@ -6,7 +6,9 @@ turn of every record of the shard, with the conversation so far (earlier turns a
 as the prompt. Prompts are batched in record order and each batch samples with a seed derived from
 (run seed, shard index, round, batch), so a re-run or any worker split regenerates the same text.
 
-A record that cannot be read as a conversation is passed through unchanged: ``prepare_record`` then
+Records may be prompts only (empty assistant turns, or none after the last user turn:
+``normalise_record(..., to_regenerate=True)``). A record that cannot be read as a conversation is
+passed through unchanged: ``prepare_record`` then
 skips it with the same reason it would have without ``--regenerate``.
 """
 
@@ -64,7 +66,7 @@ def regenerate_records(records: list[SourceRecord], backend: Generator, tokenize
         if record.error is not None:
             continue
         try:
-            conv = normalise_record(record.raw)
+            conv = normalise_record(record.raw, to_regenerate=True)
         except SkipRecord:
             continue
         conversations[position] = _Conversation(record, [dict(m) for m in conv.messages], conv.tools,
