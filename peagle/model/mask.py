@@ -19,6 +19,9 @@ Three consumers, one rule:
 * :func:`peagle_mask_mod` -- the ``mask_mod`` closure that flex_attention evaluates
   (:func:`create_peagle_mask_mod` builds it from document lengths);
 * :func:`dense_mask` -- ``[N, N]`` bool for SDPA (:func:`dense_peagle_mask` from lengths);
+* :func:`document_masks` -- the same rule per document (:class:`DocumentMasks`): no element sees
+  another document, so SDPA over each document's elements alone computes the same attention at
+  ``sum(n_d^2)`` instead of ``N^2`` (the CPU training path, where attention is dense);
 * :func:`cod_block_mask` -- a BlockMask built from metadata in O(N·K + blocks²) instead of evaluating
   the mask_mod on every block pair (docs/performance.md); :func:`cod_block_indices` is its CPU half, for
   DataLoader workers, and :func:`block_mask_from_indices` the device half, for the trainer.
@@ -28,6 +31,8 @@ row length), Qb/KVb = query/key blocks.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from typing import Callable, NamedTuple
 
@@ -85,6 +90,34 @@ def dense_mask(anchor_N: Tensor, depth_N: Tensor, doc_N: Tensor) -> Tensor:
     """
     idx_N = torch.arange(anchor_N.numel(), device=anchor_N.device)
     return peagle_mask_mod(anchor_N, depth_N, doc_N)(None, None, idx_N[:, None], idx_N[None, :])
+
+
+@dataclass(frozen=True)
+class DocumentMasks:
+    """The P-EAGLE mask of a flat row as one dense mask per document.
+
+    ``index_per_doc[d]`` lists the elements of document d (ascending); ``mask_per_doc[d]`` is the rule
+    over them, ``[n_d, n_d]``. Elements outside every document (doc -1, padding) see nothing and are
+    in no list: attention leaves zeros there. Built on the host from the element metadata, so it is
+    for the CPU path (the GPU trains with flex and a BlockMask).
+    """
+
+    index_per_doc: list[Tensor]
+    mask_per_doc: list[Tensor]
+    num_elements: int
+
+
+def document_masks(anchor_N: Tensor, depth_N: Tensor, doc_N: Tensor) -> DocumentMasks:
+    """:func:`dense_mask` split by document (:class:`DocumentMasks`)."""
+    order = torch.argsort(doc_N, stable=True)
+    docs, counts = torch.unique_consecutive(doc_N[order], return_counts=True)
+    index_per_doc, mask_per_doc = [], []
+    for doc, idx in zip(docs.tolist(), torch.split(order, counts.tolist())):
+        if doc < 0:
+            continue
+        index_per_doc.append(idx)
+        mask_per_doc.append(dense_mask(anchor_N[idx], depth_N[idx], doc_N[idx]))
+    return DocumentMasks(index_per_doc, mask_per_doc, int(anchor_N.numel()))
 
 
 def create_peagle_mask_mod(anchor_pos: Tensor, depth: Tensor, lengths: Tensor, total_seq_len: int) -> MaskMod:

@@ -15,7 +15,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecode
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
 from peagle.model.draft import PEagleDraft, build_draft_from_target, rope_inv_freq
-from peagle.model.mask import cod_block_mask, dense_peagle_mask
+from peagle.model.mask import cod_block_mask, dense_peagle_mask, document_ids, document_masks
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.errors import UserError
 from peagle.testing.tiny_target import MASK_TOKEN, TinyTargetSpec, build_tiny_target
@@ -182,6 +182,31 @@ def test_sdpa_and_flex_give_equal_outputs():
     with torch.no_grad():
         torch.testing.assert_close(draft(token_ids_N, aux_RAH, position_N, block),
                                    draft(token_ids_N, aux_RAH, position_N, dense), atol=1e-5, rtol=1e-5)
+
+
+def test_per_document_sdpa_equals_one_dense_mask_with_gradients():
+    """The CPU path's DocumentMasks: the same outputs and gradients as one [N, N] mask, on a row of
+    three documents whose elements interleave in the flat COD order (depth-major)."""
+    lengths = [9, 4, 6]
+    anchor_N, depth_N, position_N = cod_row(lengths, num_depths=3)
+    num_real, n = sum(lengths), anchor_N.numel()
+    doc_N = document_ids(anchor_N, torch.tensor(lengths), sum(lengths))
+    token_ids_N = torch.randint(0, 199, (n,))
+    token_ids_N[num_real:] = 199
+    aux_RAH = torch.randn(num_real, 3, 64)
+    per_doc = document_masks(anchor_N, depth_N, doc_N)
+    assert [i.numel() for i in per_doc.index_per_doc] == [3 * n_d for n_d in lengths]
+    outputs, grads = [], []
+    for mask in (dense_peagle_mask(anchor_N, depth_N, torch.tensor(lengths), sum(lengths)), per_doc):
+        draft = random_draft(small_config(num_layers=2, architecture="qwen3"))
+        out = draft(token_ids_N, aux_RAH, position_N, mask)
+        out.square().sum().backward()
+        outputs.append(out.detach())
+        grads.append({name: p.grad for name, p in draft.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-4, rtol=1e-4, msg=name)
 
 
 def test_gradients_checkpointing_and_frozen_lm_head():

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from peagle.model.draft import PEagleDraft
 from peagle.model.flex import FlexRunner, is_compile_failure
-from peagle.model.mask import block_mask_from_indices, dense_mask, peagle_mask_mod
+from peagle.model.mask import block_mask_from_indices, dense_mask, document_masks, peagle_mask_mod
 from peagle.schemas.errors import UserError
 from peagle.schemas.train_config import TrainConfig
 from peagle.stages.train.batch import TrainBatch
@@ -126,6 +126,8 @@ def unit_forward(model: nn.Module, batch: TrainBatch, plan: UnitPlan, *, attenti
     if attention == "flex":
         attn_mask = block_mask_from_indices(plan.block_indices, peagle_mask_mod(anchor_M, depth_M, doc_M),
                                             device=anchor_M.device)
+    elif anchor_M.device.type == "cpu":  # per document: sum(n_d^2) instead of N^2 (reads doc ids on the host)
+        attn_mask = document_masks(anchor_M, depth_M, doc_M)
     else:
         attn_mask = dense_mask(anchor_M, depth_M, doc_M)
     device_type = anchor_M.device.type
