@@ -73,8 +73,8 @@ def test_check_names_a_dependency_missing_from_the_lock(tmp_path):
         (tmp_path / rel).parent.mkdir(exist_ok=True)
         (tmp_path / rel).write_text((ROOT / rel).read_text())
     text = (ROOT / "pyproject.toml").read_text()
-    (tmp_path / "pyproject.toml").write_text(text.replace("dependencies = [\n", 'dependencies = [\n  "psutil>=5",\n', 1))
+    (tmp_path / "pyproject.toml").write_text(text.replace("dependencies = [\n", 'dependencies = [\n  "tabulate>=0.9",\n', 1))
     proc = subprocess.run([sys.executable, str(tmp_path / "scripts" / "lock.py"), "check"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
-    assert "psutil is required (by pyproject.toml or a locked package) but not in the lock" in proc.stderr
+    assert "tabulate is required (by pyproject.toml or a locked package) but not in the lock" in proc.stderr
