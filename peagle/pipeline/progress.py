@@ -100,6 +100,13 @@ class Progress:
             elif self.total is None and self._clock() - self._last_line_time >= self._every_seconds:
                 self._line()
 
+    def write(self, line: str) -> None:
+        """A line of its own: above a live bar (which redraws below it), or plain when there is none."""
+        if self._bar is not None:
+            self._bar.write(line, file=self._stream)
+        elif self.enabled:
+            print(line, file=self._stream, flush=True)
+
     def set_postfix(self, text: str) -> None:
         """Figures shown after the counts (the bar's postfix; the next line's tail)."""
         self.postfix = text

@@ -40,6 +40,20 @@ def test_not_a_terminal_prints_one_line_per_ten_percent_and_no_carriage_return()
     assert lines[-1] == "extract: 40/40 rec (100%), 0:00:20 elapsed, 2 rec/s, shard 3 committed"
 
 
+def test_a_written_line_stands_alone_between_progress_lines():
+    stream = io.StringIO()
+    clock = FakeClock()
+    with Progress(10, desc="extract", unit="rec", stream=stream, clock=clock) as bar:
+        bar.write("regenerated shard 0, round 1 of 1: 10 answers")
+        clock.now += 1
+        bar.update(10)
+    assert stream.getvalue().splitlines() == ["regenerated shard 0, round 1 of 1: 10 answers",
+                                              "extract: 10/10 rec (100%), 0:00:01 elapsed, 10 rec/s"]
+    quiet = io.StringIO()
+    Progress(10, desc="extract", stream=quiet, enabled=False).write("not shown")
+    assert quiet.getvalue() == ""
+
+
 def test_big_updates_print_one_line_each_and_close_adds_the_unfinished_end():
     stream = io.StringIO()
     bar = Progress(300, desc="train", unit="step", initial=100, stream=stream, clock=FakeClock())
@@ -96,8 +110,10 @@ def test_a_terminal_gets_tqdms_bar_even_when_tqdm_disable_is_set():
                 from peagle.pipeline.progress import Progress
                 tty = os.fdopen(int(sys.argv[1]), "w")
                 with Progress(50, desc="counting", unit="shard", stream=tty) as bar:
-                    for _ in range(50):
+                    for i in range(50):
                         bar.update(1)
+                        if i == 25:
+                            bar.write("a line of its own")
             """)
             env = {**os.environ, "TQDM_DISABLE": "1"}
             subprocess.run([sys.executable, "-c", code, str(follower)], check=True, env=env, pass_fds=(follower,),
@@ -117,6 +133,7 @@ def test_a_terminal_gets_tqdms_bar_even_when_tqdm_disable_is_set():
         os.close(follower)
     text = out.decode(errors="replace")
     assert "\rcounting" in text and "50/50" in text  # tqdm's frames ("\n" alone would read "\r\n" here)
+    assert "a line of its own\r\n" in text  # its own line, the bar redrawn after it
 
 
 def test_library_bars_follow_tqdm_disable(monkeypatch):

@@ -15,8 +15,9 @@ skips it with the same reason it would have without ``--regenerate``.
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from peagle.stages.extract.conversation import SkipRecord, normalise_record
 from peagle.stages.extract.readers import SourceRecord
@@ -55,11 +56,12 @@ class _Conversation:
 
 def regenerate_records(records: list[SourceRecord], backend: Generator, tokenizer: Any, *,
                        sampling: SamplingSettings, shard_index: int, batch_size: int,
-                       max_seq_len: int) -> list[SourceRecord]:
+                       max_seq_len: int, echo: Callable[[str], None] | None = None) -> list[SourceRecord]:
     """The shard's records with every trainable assistant turn replaced by the target's response.
 
     A turn whose prompt already fills ``max_seq_len`` is dropped with everything after it (those
-    tokens would be truncated away anyway).
+    tokens would be truncated away anyway). ``echo`` gets one line per round when it ends (answers,
+    tokens, tokens/s): generation is most of an extraction's time, and silent otherwise.
     """
     conversations: dict[int, _Conversation] = {}
     for position, record in enumerate(records):
@@ -84,6 +86,7 @@ def regenerate_records(records: list[SourceRecord], backend: Generator, tokenize
                 conv.turns = conv.turns[:round_index]
                 continue
             todo.append((conv, turn, prompt))
+        started, num_tokens = time.monotonic(), 0
         for batch_index, batch in enumerate(_generation_batches(todo, backend.name, batch_size,
                                                                 sampling.max_new_tokens, max_seq_len)):
             # a prompt plus its answer must fit in max_seq_len (vLLM's engine is sized for it)
@@ -95,6 +98,11 @@ def regenerate_records(records: list[SourceRecord], backend: Generator, tokenize
             for (conv, turn, _), token_ids in zip(batch, completions):
                 text = tokenizer.decode(token_ids, skip_special_tokens=True)
                 conv.messages[turn] = {"role": "assistant", "content": text}
+                num_tokens += len(token_ids)
+        if echo is not None and todo:
+            seconds = time.monotonic() - started
+            echo(f"regenerated shard {shard_index}, round {round_index + 1} of {num_rounds}: {len(todo)} answers, "
+                 f"{num_tokens:,} tokens in {seconds:.0f} s ({num_tokens / max(seconds, 1e-9):.0f} tokens/s)")
     out = list(records)
     for position, conv in conversations.items():
         raw = {"messages": conv.messages, **({"tools": conv.tools} if conv.tools else {})}

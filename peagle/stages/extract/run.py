@@ -293,7 +293,8 @@ REGENERATE_WINDOW = 16  # shards regenerated together: bounds memory, and vLLM s
 
 
 def prepared_shards(pending: list[P.PlannedShard], backend: TargetBackend, target: Target,
-                    settings: S.StoreSettings, config: ExtractConfig) -> Iterator[PreparedShard]:
+                    settings: S.StoreSettings, config: ExtractConfig,
+                    echo: Callable[[str], None] | None = None) -> Iterator[PreparedShard]:
     """Each pending shard's samples (regenerated first with ``--regenerate``), in order.
 
     With ``--regenerate`` a window of shards is regenerated before any of them is extracted: the
@@ -310,7 +311,7 @@ def prepared_shards(pending: list[P.PlannedShard], backend: TargetBackend, targe
         if config.regenerate:
             records_of = [regenerate_records(records, backend, target.tokenizer, sampling=sampling,
                                              shard_index=shard.index, batch_size=config.batch_size,
-                                             max_seq_len=settings.max_seq_len)
+                                             max_seq_len=settings.max_seq_len, echo=echo)
                           for shard, records in zip(chunk, records_of)]
         for shard, records in zip(chunk, records_of):
             yield prepare_shard(shard, records, target, settings, config)
@@ -359,7 +360,8 @@ def run_extract(config: ExtractConfig, *, echo: Callable[[str], None] = print,
     bar = Progress(sum(s.num_records for s in pending), desc="extract", unit="rec", enabled=progress)
     writer = ShardWriter(root, settings, num_threads=WRITER_THREADS,
                          on_commit=lambda r: bar.set_postfix(f"shard {r.index} committed, {r.num_tokens} tokens"))
-    shards = prepared_shards(pending, backend, target, settings, config)
+    # a line per regeneration round: above a live bar, else with the other lines
+    shards = prepared_shards(pending, backend, target, settings, config, echo=bar.write if progress else echo)
     if not config.regenerate:  # regeneration runs the backend, so it stays on this thread
         shards = prefetch(shards, depth=1)  # templating of shard s+1 overlaps the forward of shard s
     try:

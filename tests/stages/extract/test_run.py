@@ -174,6 +174,24 @@ def test_regenerate_replaces_assistant_turns_deterministically(tiny_llama, tmp_p
         assert regen["input_ids"] != orig["input_ids"] and sum(regen["loss_mask"]) > 0
 
 
+def test_regenerate_answers_prompt_only_records_and_says_each_round(tiny_llama, tmp_path):
+    """Prompts alone are records for --regenerate: a conversation that ends with a user turn, or an
+    empty assistant turn, gets the target's answer (without --regenerate both are skipped)."""
+    rows = [{"messages": [{"role": "user", "content": f"Question {i}?"}]} for i in range(3)]
+    rows.append({"messages": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": ""},
+                              {"role": "user", "content": "And?"}]})
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = _quiet(_config(data, tiny_llama, tmp_path / "s", regenerate=True, max_new_tokens=5, temperature=0.0,
+                             topk=4, samples_per_shard=4))
+    lines = summary.printed.splitlines()  # type: ignore[attr-defined]
+    assert [ln.split(":")[0] for ln in lines if ln.startswith("regenerated")] == [
+        "regenerated shard 0, round 1 of 2", "regenerated shard 0, round 2 of 2"]
+    assert any(ln.startswith("regenerated shard 0, round 2 of 2: 1 answers, ") for ln in lines)
+    rows_out = pq.read_table(tmp_path / "s" / S.parquet_name(0)).to_pylist()
+    assert len(rows_out) == 4 and all(sum(r["loss_mask"]) > 0 for r in rows_out)
+
+
 def test_appending_a_data_file_adds_shards_after_the_existing_ones(data, tiny_llama, tmp_path):
     out = tmp_path / "s"
     _quiet(_config(data, tiny_llama, out, topk=4))
