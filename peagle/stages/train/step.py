@@ -1,7 +1,9 @@
 """One optimizer step, all of it: the compute the trainer (loop.py) runs once per step.
 
-:class:`TrainStep` owns what a step touches: the draft, its DDP/FSDP2 wrapper, flex attention
-(compiled or not: decided here, once per run), AdamW and the LR schedule. One call:
+:class:`TrainStep` owns what a step touches: the draft (its matmuls in fp8 with ``--fp8-matmuls``),
+its DDP/FSDP2 wrapper, what runs compiled (decided here, once per run: on CUDA each decoder layer
+whole with flex attention inside, and the loss's per-chunk pass; model/regional_compile.py), the
+optimizer and the LR schedule (optim.py). One call:
 
 1. sums the micro-batches' supervised counts and all-reduces them: ONE global count for the step
    (docs/draft-and-export.md), known before any backward, so every unit charges ``loss_sum · world / count``
@@ -11,12 +13,14 @@
    by the loader workers, ``segments.plan_units``); gradients sync in the last unit's backward only
    (DDP ``no_sync`` / the FSDP2 flag); each unit also returns its rows' top-1 agreement, which
    :func:`batch_chain_stats` turns into the batch's exact chain acceptance sums (loss.py);
-3. clips, steps the optimizer (AdamW, or Muon+AdamW with ``--optimizer muon``; fp32 master
-   weights; bf16 autocast on CUDA, FSDP2 gathering bf16 parameters and reducing fp32 gradients)
-   and the LR schedule (warmup, cosine).
+3. clips and steps the optimizer (AdamW, or Muon+AdamW with ``--optimizer muon``; fp32 master
+   weights; bf16 autocast on CUDA, FSDP2 gathering bf16 parameters and reducing fp32 gradients; a
+   fused AdamW applies the clip as it reads the gradients, ``optim.clip_and_step``) and the LR
+   schedule (warmup, cosine).
 
 **No host sync before the clip.** Batches arrive pinned with every index a unit needs (document ids,
-unit plans, BlockMask indices) and are copied ``non_blocking``; masks are built from them with
+unit plans, BlockMask indices) and are copied ``non_blocking`` (on CUDA on a side stream, beside the
+previous step: ``device.DevicePrefetcher``); masks are built from them with
 device ops; the loss is a chunked KL (or TV, ``--loss``) inside the wrapped forward; the stats
 stay on the device (:class:`LossStats`, read by the trainer once per logged step). tests/stages/train/test_step.py
 holds the forward+backward to that on the CPU (no op that would sync on a GPU), and the CUDA
