@@ -50,11 +50,11 @@ from peagle.schemas.errors import UserError
 from peagle.schemas.train_config import TrainConfig
 from peagle.stages.train.batch import TrainBatch
 from peagle.stages.train.device import default_compute_dtype, resolve_device
-from peagle.stages.train.optim import build_optimizer, clip_and_step, lr_factor
 from peagle.stages.train.loss import (LossStats, agreement_rates, chain_acceptance, chain_acceptance_length,
-                                      chunked_loss_sum, compute_weight, fused_chunk_loss,
-                                      matmul_dtype)
+                                      chunked_loss_sum, compute_weight, fused_chunk_loss, matmul_dtype)
+from peagle.stages.train.optim import build_optimizer, clip_and_step, lr_factor
 from peagle.stages.train.segments import UnitPlan
+
 
 def init_distributed() -> tuple[int, int, torch.device]:
     """(rank, world size, device) from torchrun's environment; a process group only when WORLD_SIZE > 1."""

@@ -27,6 +27,7 @@ from transformers import AutoConfig
 
 from peagle.model.draft import build_draft_from_target
 from peagle.model.flex import FlexRunner
+from peagle.model.regional_compile import DraftCompiler, uncompile_layers
 from peagle.model.mask import block_mask_from_indices, cod_block_mask, peagle_mask_mod
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.errors import UserError
@@ -75,18 +76,24 @@ def _forward(draft, batch, flex):
 
 
 @pytest.mark.slow
-def test_compiled_flex_forward_compiles_at_most_twice_over_real_batches(tiny_store, flex_batches):
+@pytest.mark.parametrize("mode", ["flex", "layers"])
+def test_compiled_flex_forward_compiles_at_most_twice_over_real_batches(tiny_store, flex_batches, mode):
+    """``flex``: flex compiled alone (one region); ``layers``: both decoder layers compiled whole with
+    the BlockMask passed in and flex traced inside (two regions: layer 0 and the other layer)."""
     draft = _draft(tiny_store)
     torch._dynamo.reset()  # nothing compiled by earlier tests may serve these calls
-    runner = FlexRunner(compile=True)
+    compiler = DraftCompiler(draft.layers, mode=mode, attention="flex")
     before = compiled_graph_count()
     with torch.no_grad():
-        outputs = [_forward(draft, batch, runner) for batch in flex_batches]
+        outputs = [_forward(draft, batch, compiler.flex) for batch in flex_batches]
     compiles = compiled_graph_count() - before
+    uncompile_layers(draft.layers)
     with torch.no_grad():  # (eager flex traces with Dynamo too, so it is counted apart)
         eager = [_forward(draft, batch, None) for batch in flex_batches[:3]]
-    assert runner.compiled and runner.compile_error is None
-    assert 1 <= compiles <= 2, f"{compiles} graphs compiled over {len(flex_batches)} COD lengths"
+    if mode == "flex":
+        assert compiler.flex.compiled and compiler.flex.compile_error is None
+    regions = 1 if mode == "flex" else 2
+    assert 1 <= compiles <= 2 * regions, f"{compiles} graphs compiled over {len(flex_batches)} COD lengths"
     for got, want in zip(outputs, eager):  # and the compiled kernel computes what eager flex does
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
