@@ -223,7 +223,9 @@ def build_summary(out_dir: Path, smoke: bool, suite_seconds: float | None) -> di
     cuda_status = s.status.get("cuda_tests", {}).get("status")
     counts = cuda_test_counts(parts, out_dir / "logs" / "cuda_tests.log") if cuda_status in ("ok", "error", "timeout") \
         else None  # pytest exits 1 when a test fails: its counts still count
-    s.put("cuda_tests", counts)
+    ran = counts and counts["passed"] + counts["failed"] + counts["errors"] + counts["skipped"] > 0
+    s.put("cuda_tests", counts if ran else None,
+          None if ran or cuda_status is None else f"no test ran: {s.part_reason('cuda_tests')}")
 
     summary: dict[str, Any] = {key: s.values.get(key) for key in KEYS}
     ratios, slower = {}, {}
