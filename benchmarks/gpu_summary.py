@@ -4,13 +4,17 @@
     python benchmarks/gpu_summary.py summary --dir OUT [--smoke]
 
 ``summary`` reads the raw output of every part in ``OUT/parts`` (whatever is there: a later
-``--parts`` call can complete an earlier run) and writes ``OUT/summary.json`` with the issue's keys.
-A key is null when its part did not produce it, and ``null_reasons[key]`` then says why (the part
-was skipped, ran out of its budget, failed with this last log line, or ran but this record failed,
-e.g. out of memory). ``peagle_top_kernels`` holds the profile of one step per layer count (what
-limits the step), ``goals`` compares the figures with issue 14's goals; ``parts`` lists each
-part's status, time and finish date. With ``--smoke`` (toy shapes on CPU) the figures only prove
-the parts run: the keys keep their names, ``smoke`` is true and ``shapes`` says so.
+``--parts`` call can complete an earlier run) and writes ``OUT/summary.json`` with every figure
+issue 24's goals name (``KEYS``). A key is null when its part did not produce it, and
+``null_reasons[key]`` then says why (the part was skipped, ran out of its budget, failed with this
+last log line, or ran but this record failed, e.g. out of memory). Besides the keys:
+``peagle_over_speculators_{1,4}layer``; ``peagle_top_kernels`` (the profile of one step per layer
+count) and ``slower_than_goal`` (for each layer count short of its goal: the ratio and the top
+kernels, what the note must explain); ``attention`` (every flex variant's forward+backward and
+forward time, its difference from ``auto``, the best variant, and the reference's attention-only
+figures); ``goals`` (met / not met / null); ``parts`` (each part's status, time and finish date).
+With ``--smoke`` (toy shapes on CPU) the figures only prove the parts run: the keys keep their
+names, ``smoke`` is true and ``shapes`` says so.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import argparse
 import datetime
 import json
 import platform
+import re
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -26,27 +31,35 @@ from typing import Any
 
 KEYS = ("device", "date", "torch", "peagle_tok_s_1layer_L8192", "speculators_tok_s_1layer_L8192",
         "peagle_tok_s_4layer_L8192", "speculators_tok_s_4layer_L8192", "matmul_tflops_1layer_L8192",
-        "longest_context_4layer", "longest_context_4layer_peak_gib", "first_step_s", "recompiles_after_warmup",
-        "data_wait_share", "extract_vs_prefill", "cuda_tests")
+        "peagle_peak_gib_4layer_L8192", "fp8_tok_s_4layer_L8192", "attention_fwd_bwd_ms_auto",
+        "attention_best_variant", "speculators_attention_fwd_bwd_ms", "longest_context_4layer",
+        "longest_context_4layer_peak_gib", "longest_context_4layer_step_s", "first_step_s", "startup_s",
+        "recompiles_after_warmup", "data_wait_share", "cuda_tests", "extract_vs_prefill")
 PART_OF_KEY = {
     "device": "env", "date": "env", "torch": "env",
     "peagle_tok_s_1layer_L8192": "train_step", "peagle_tok_s_4layer_L8192": "train_step",
-    "matmul_tflops_1layer_L8192": "train_step",
+    "matmul_tflops_1layer_L8192": "train_step", "peagle_peak_gib_4layer_L8192": "train_step",
+    "fp8_tok_s_4layer_L8192": "train_step",
     "speculators_tok_s_1layer_L8192": "speculators", "speculators_tok_s_4layer_L8192": "speculators",
+    "attention_fwd_bwd_ms_auto": "attention", "attention_best_variant": "attention",
+    "speculators_attention_fwd_bwd_ms": "attention",
     "longest_context_4layer": "longest_context", "longest_context_4layer_peak_gib": "longest_context",
-    "first_step_s": "train_run", "recompiles_after_warmup": "train_run", "data_wait_share": "train_run",
-    "extract_vs_prefill": "extract", "cuda_tests": "cuda_tests",
+    "longest_context_4layer_step_s": "longest_context",
+    "first_step_s": "train_run", "startup_s": "train_run", "recompiles_after_warmup": "train_run",
+    "data_wait_share": "train_run", "extract_vs_prefill": "extract", "cuda_tests": "cuda_tests",
 }
-GOALS = {  # issue 14
+MEMORY_GOAL_GIB = 80
+GOALS = {  # issue 24
     "tok_s_1layer >= 1.5 x speculators": ("peagle_over_speculators_1layer", lambda v: v >= 1.5),
     "tok_s_4layer >= 1.3 x speculators": ("peagle_over_speculators_4layer", lambda v: v >= 1.3),
-    "longest_context_4layer >= 65536": ("longest_context_4layer", lambda v: v >= 65536),
+    "longest_context_4layer >= 131072 within 80 GiB": ("longest_context_4layer", lambda v: v >= 131072),
     "first_step_s < 30": ("first_step_s", lambda v: v < 30),
     "recompiles_after_warmup == 0": ("recompiles_after_warmup", lambda v: v == 0),
     "data_wait_share < 0.02": ("data_wait_share", lambda v: v < 0.02),
     "extract_vs_prefill >= 0.9": ("extract_vs_prefill", lambda v: v >= 0.9),
     "cuda_tests all pass": ("cuda_tests", lambda v: v["failed"] == 0 and v["errors"] == 0 and v["passed"] > 0),
 }
+RATIO_GOALS = {1: 1.5, 4: 1.3}
 
 
 def env_record() -> dict[str, Any]:
@@ -99,9 +112,10 @@ class Summary:
         return [r for r in _jsonl(self.dir / file) if r.get("kind") == kind]
 
 
-def _pick(records: list[dict], layers: int, seq_len: int | None, label: str) -> tuple[dict | None, str | None]:
-    """The record of (layers, seq_len) (None: the longest run), or why there is none."""
-    mine = [r for r in records if r.get("layers") == layers]
+def _pick(records: list[dict], layers: int, seq_len: int | None, label: str,
+          fp8: bool = False) -> tuple[dict | None, str | None]:
+    """The record of (layers, seq_len, fp8 or not) (seq_len None: the longest that ran), or why there is none."""
+    mine = [r for r in records if r.get("layers") == layers and bool(r.get("fp8_matmuls")) == fp8]
     if seq_len is not None:
         mine = [r for r in mine if r.get("seq_len") == seq_len]
     ok = [r for r in mine if r.get("status") == "ok"]
@@ -111,6 +125,40 @@ def _pick(records: list[dict], layers: int, seq_len: int | None, label: str) -> 
         r = mine[-1]
         return None, f"{label} {layers} layer(s) L={r.get('seq_len')}: {r.get('status')} {r.get('error') or r.get('reason') or ''}".strip()
     return None, None
+
+
+def cuda_test_counts(parts: Path, log: Path) -> dict[str, int] | None:
+    """pytest's counts: from the junit file, else (a run stopped before writing it) from the ``-v`` log."""
+    junit = parts / "cuda_tests.xml"
+    if junit.exists():
+        suite = ET.parse(junit).getroot()
+        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+        n = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+        return {"passed": n["tests"] - n["failures"] - n["errors"] - n["skipped"], "failed": n["failures"],
+                "errors": n["errors"], "skipped": n["skipped"]}
+    if not log.exists():
+        return None
+    seen: dict[str, str] = {}
+    for line in log.read_text(errors="replace").splitlines():  # "tests/x.py::t PASSED" or "[gw0] [ 5%] PASSED tests/x.py::t"
+        match = re.search(r"(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)|(PASSED|FAILED|ERROR|SKIPPED) (\S+::\S+)", line)
+        if match:
+            test, outcome = (match.group(1), match.group(2)) if match.group(1) else (match.group(4), match.group(3))
+            seen[test] = outcome
+    if not seen:
+        return None
+    outcomes = list(seen.values())
+    return {"passed": outcomes.count("PASSED"), "failed": outcomes.count("FAILED"), "errors": outcomes.count("ERROR"),
+            "skipped": outcomes.count("SKIPPED"), "from_log": True}
+
+
+def attention_table(parts: Path) -> tuple[dict[str, Any], list[dict], list[dict]]:
+    """(variant -> figures, our records, the reference's attention-only records)."""
+    ours = [r for r in _jsonl(parts / "attention.jsonl") if r.get("kind") == "attention"]
+    reference = [r for r in _jsonl(parts / "speculators_attn.jsonl") if r.get("kind") == "attn_baseline"]
+    table = {r["variant"]: {k: r.get(k) for k in ("status", "fwd_bwd_ms", "fwd_ms", "bwd_over_fwd", "useful_tflops",
+                                                  "first_call_s", "max_rel_diff_vs_auto", "error")}
+             for r in ours}
+    return table, ours, reference
 
 
 def build_summary(out_dir: Path, smoke: bool, suite_seconds: float | None) -> dict[str, Any]:
@@ -130,48 +178,76 @@ def build_summary(out_dir: Path, smoke: bool, suite_seconds: float | None) -> di
         top_kernels[f"{layers}layer"] = rec and rec.get("top_kernels")
         if layers == 1:
             s.put("matmul_tflops_1layer_L8192", rec and rec["matmul_tflops"], why)
+        else:
+            s.put("peagle_peak_gib_4layer_L8192", rec and (rec.get("peak_mem_gib") or rec.get("peak_rss_gib_process")),
+                  why)
         rec, why = _pick(reference, layers, length, "speculators")
         s.put(f"speculators_tok_s_{layers}layer_L8192", rec and rec["tokens_per_s"], why)
+    fp8_layers = 1 if smoke else 4  # the smoke run's fp8 configuration has one layer
+    rec, why = _pick(steps, fp8_layers, length, "peagle --fp8-matmuls", fp8=True)
+    s.put("fp8_tok_s_4layer_L8192", rec and rec["tokens_per_s"], why)
+
+    table, ours, attn_reference = attention_table(parts)
+    auto = table.get("auto", {})
+    s.put("attention_fwd_bwd_ms_auto", auto.get("fwd_bwd_ms") or auto.get("fwd_ms"),
+          f"auto: {auto.get('status')} {auto.get('error') or ''}".strip() if auto else None)
+    timed = {name: (v.get("fwd_bwd_ms") or v.get("fwd_ms")) for name, v in table.items() if v.get("status") == "ok"}
+    s.put("attention_best_variant", min(timed, key=timed.get) if timed else None)
+    flex_reference = [r for r in attn_reference if str(r.get("impl", "")).startswith("flex") and r.get("status") == "ok"]
+    s.put("speculators_attention_fwd_bwd_ms", flex_reference[0]["fwd_bwd_ms"] if flex_reference else None,
+          f"the reference's flex attention: {attn_reference[0].get('status')} {attn_reference[0].get('error') or ''}"
+          .strip() if attn_reference else
+          "the reference's attention-only mode did not run (no --speculators-anchor, smoke run, or no time left)")
 
     longest = [r for r in s.train_step_records("longest_context.jsonl", "train_step") if r.get("layers") == 4]
-    ok = [r for r in longest if r.get("status") == "ok"]
+    ok = [r for r in longest if r.get("status") == "ok"
+          and (r.get("peak_mem_gib") is None or r["peak_mem_gib"] <= MEMORY_GOAL_GIB)]
     best = max(ok, key=lambda r: r["seq_len"]) if ok else None
     why = None if ok else (f"no length ran: {longest[0].get('status')} {longest[0].get('error', '')}" if longest else None)
     s.put("longest_context_4layer", best and best["seq_len"], why)
     s.put("longest_context_4layer_peak_gib", best and (best.get("peak_mem_gib") or best.get("peak_rss_gib_process")), why)
+    s.put("longest_context_4layer_step_s", best and round(best["median_ms"] / 1e3, 2), why)
 
     run = _json(parts / "train_run.json") or {}
-    run_why = None if run.get("returncode", 0) == 0 else f"peagle train exited {run['returncode']}: " \
-        f"{(run.get('stderr_tail') or '').strip().splitlines()[-1:] or ''}"
-    for key in ("first_step_s", "recompiles_after_warmup", "data_wait_share"):
+    run_why = None
+    if run.get("killed"):
+        run_why = f"peagle train was stopped at the part's limit after {run.get('steps', 0)} step(s)"
+    elif run.get("returncode") not in (0, None):
+        run_why = f"peagle train exited {run['returncode']}: {(run.get('output_tail') or '').strip().splitlines()[-1:]}"
+    for key in ("first_step_s", "startup_s", "recompiles_after_warmup", "data_wait_share"):
         s.put(key, run.get(key), run_why)
 
     extract = _json(parts / "extract.json") or {}
     s.put("extract_vs_prefill", extract.get("ratio_extract_over_prefill"))
 
-    junit = parts / "cuda_tests.xml"
     cuda_status = s.status.get("cuda_tests", {}).get("status")
-    if junit.exists() and cuda_status in ("ok", "error"):  # pytest exits 1 when a test fails: still counts
-        suite = ET.parse(junit).getroot()
-        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-        n = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-        s.put("cuda_tests", {"passed": n["tests"] - n["failures"] - n["errors"] - n["skipped"],
-                             "failed": n["failures"], "errors": n["errors"], "skipped": n["skipped"]})
-    else:
-        s.put("cuda_tests", None)
+    counts = cuda_test_counts(parts, out_dir / "logs" / "cuda_tests.log") if cuda_status in ("ok", "error", "timeout") \
+        else None  # pytest exits 1 when a test fails: its counts still count
+    ran = counts and counts["passed"] + counts["failed"] + counts["errors"] + counts["skipped"] > 0
+    s.put("cuda_tests", counts if ran else None,
+          None if ran or cuda_status is None else f"no test ran: {s.part_reason('cuda_tests')}")
 
     summary: dict[str, Any] = {key: s.values.get(key) for key in KEYS}
-    ratios = {}
+    ratios, slower = {}, {}
     for layers in (1, 4):
-        ours, theirs = summary[f"peagle_tok_s_{layers}layer_L8192"], summary[f"speculators_tok_s_{layers}layer_L8192"]
-        ratios[f"peagle_over_speculators_{layers}layer"] = round(ours / theirs, 3) if ours and theirs else None
-    summary.update(ratios, peagle_top_kernels=top_kernels)
+        ours_tok, theirs = summary[f"peagle_tok_s_{layers}layer_L8192"], summary[f"speculators_tok_s_{layers}layer_L8192"]
+        ratio = round(ours_tok / theirs, 3) if ours_tok and theirs else None
+        ratios[f"peagle_over_speculators_{layers}layer"] = ratio
+        if ratio is not None and ratio < RATIO_GOALS[layers]:
+            slower[f"{layers}layer"] = {"ratio": ratio, "goal": RATIO_GOALS[layers],
+                                        "top_kernels": top_kernels[f"{layers}layer"]}
+    fp8, bf16 = summary["fp8_tok_s_4layer_L8192"], summary["peagle_tok_s_4layer_L8192"]
+    summary.update(ratios, fp8_over_bf16_4layer=round(fp8 / bf16, 3) if fp8 and bf16 and not smoke else None,
+                   peagle_top_kernels=top_kernels, slower_than_goal=slower,
+                   attention={"variants": table, "reference": attn_reference,
+                              "row": {k: ours[0].get(k) for k in ("seq_len", "cod_len", "mask_density",
+                                                                  "block_sparsity_pct")} if ours else None})
     summary["goals"] = {}
     for goal, (key, test) in GOALS.items():
         value = summary.get(key)
         summary["goals"][goal] = None if (value is None or smoke) else bool(test(value))
     summary.update(smoke=smoke, shapes="toy shapes on CPU (smoke run): figures prove the parts run, nothing more"
-                   if smoke else "8B-shaped draft, K = 8, r = 0.7, r_min = 0.2 (issue 14)",
+                   if smoke else "8B-shaped draft, K = 8, r = 0.7, r_min = 0.2 (issue 24)",
                    null_reasons={k: v for k, v in s.reasons.items() if summary.get(k) is None},
                    parts=s.status, suite_seconds=suite_seconds)
     return summary
@@ -179,6 +255,8 @@ def build_summary(out_dir: Path, smoke: bool, suite_seconds: float | None) -> di
 
 def print_table(summary: dict[str, Any]) -> None:
     rows = [(key, summary[key]) for key in KEYS] + [(k, summary[k]) for k in summary if k.startswith("peagle_over")]
+    rows += [(f"attention[{name}]", v.get("fwd_bwd_ms") or v.get("fwd_ms") or v.get("status"))
+             for name, v in summary["attention"]["variants"].items()]
     width = max(len(k) for k, _ in rows)
     print(f"\n{'key':<{width}}  value")
     for key, value in rows:

@@ -94,8 +94,10 @@ VARIANTS: dict[str, Flags] = {
 """Named variants: flags that replace or extend :data:`BASE_TRAIN`."""
 VARIANTS["muon-all-norms"] = {**VARIANTS["muon"], **VARIANTS["all-norms"]}  # combinations, from their parts
 VARIANTS["muon-lr0.05-all-norms"] = {**VARIANTS["muon-lr0.05"], **VARIANTS["all-norms"]}
+VARIANTS["fp8-matmuls"] = {**VARIANTS["muon-all-norms"], "--fp8-matmuls": True}  # today's defaults, fp8 matmuls
 
 REFERENCE: dict[str, str] = {name: "muon" for name in VARIANTS if name.startswith("muon-")}
+REFERENCE["fp8-matmuls"] = "muon-all-norms"  # what the defaults lose to fp8 matmuls
 """Variants that change one thing over another variant: their summary also carries ``vs_reference``
 (Welch against it), because "does it help on top of Muon" decides a default now that Muon is one."""
 

@@ -18,8 +18,16 @@ supervised, random inputs; ``--tiny`` uses the reference's tiny shapes (hidden 6
 Each configuration: ``--warmup`` steps (the first includes compilation: ``first_step_s``), then the
 median of ``--iters`` steps, with a device sync before every clock read; ``--profile`` adds the
 top kernels (self device time) of one more step under torch.profiler (``top_kernels``). Peak memory is
-``torch.cuda.max_memory_allocated`` over the timed steps (on CPU: the process's peak RSS so far,
-which only grows). Lengths grow until one runs out of memory, then the next configuration starts.
+``torch.cuda.max_memory_allocated`` over all steps (on CPU: the process's peak RSS so far, which only
+grows); ``--memory-cap-gib`` caps what the process may allocate (80: an H100's memory on an H200).
+Lengths grow until one runs out of memory, then the next configuration starts; ``--longest-first``
+instead tries the lengths as given (longest first) and stops at the first that runs.
+
+Time limits: ``--deadline`` (seconds from the start) starts no configuration after it, and a
+SIGTERM (the suite's ``timeout``) ends the run with the configuration in flight written as
+``status: timeout`` with the steps it timed so far: a part that runs out keeps what it measured.
+The compile mode and flex kernel options are the trainer's (``--compile``, ``--flex-kernel``;
+default: what ``peagle train`` does); ``--fp8-layers 4`` adds 4-layer runs with ``--fp8-matmuls``.
 
 FLOP/s: ``matmul_tflops`` counts the matmuls this step executes (fc and layer-0 q/k/v on the R real
 rows plus one shared mask row, o_proj/MLP/later layers on all N elements, lm_head on the E
@@ -37,6 +45,7 @@ import gc
 import json
 import platform
 import resource
+import signal
 import statistics
 import sys
 import time
@@ -50,6 +59,7 @@ from peagle.schemas.train_config import TrainConfig
 from peagle.pipeline.store_reader import training_sample
 from peagle.schemas.loader_config import CodSettings
 from peagle.stages.train.batch import collate, make_item
+from peagle.stages.train.device import resolve_device
 from peagle.stages.train.loop import Trainer
 
 LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -137,52 +147,77 @@ def is_oom(err: BaseException) -> bool:
     return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
 
 
-def run_one(args, d, trainer: Trainer, num_layers: int, seq_len: int, num_segments: int, attention: str) -> dict:
+class Terminated(BaseException):
+    """SIGTERM (the suite's per-part timeout): stop, writing what was measured."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
+def cap_memory(device: torch.device, cap_gib: float | None) -> float | None:
+    """Let this process allocate at most ``cap_gib`` on ``device`` (None/CPU: no cap); returns the cap applied."""
+    if not cap_gib or device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = min(1.0, cap_gib * 2**30 / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return round(fraction * total / 2**30, 2)
+
+
+def run_one(args, d, trainer: Trainer, rec: dict, num_layers: int, seq_len: int, num_segments: int,
+            attention: str) -> dict:
+    """Fill ``rec`` as the configuration runs (a SIGTERM mid-way leaves it holding the steps timed so far)."""
     device = trainer.device
-    rec = dict(kind="train_step", layers=num_layers, seq_len=seq_len, partitions=num_segments, attention=attention,
-               activation_checkpointing=args.activation_checkpointing, device=str(device), tiny=args.tiny)
+    rec.update(describe=trainer.step_fn.describe())
     batch, collate_ms = make_batch(d, seq_len, num_segments, attention, trainer.draft)
     if device.type == "cuda":
         batch = batch.pin_memory()
     rec.update(cod_len=batch.num_elements, num_supervised=batch.num_supervised, collate_ms=round(collate_ms, 1),
                cod_per_depth=torch.bincount(batch.depth_N).tolist())
-    warm = []
-    for _ in range(args.warmup):
+    warm, times = [], []
+    rec.update(warmup_ms=warm, step_ms=times)  # filled in place: a SIGTERM keeps what was timed
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for _ in range(max(args.warmup, 1 if args.iters == 0 else 0)):
         sync(device)
         start = time.perf_counter()
         trainer.train_step([batch])
         sync(device)
-        warm.append(time.perf_counter() - start)
+        warm.append(round((time.perf_counter() - start) * 1e3, 1))
+        rec["first_step_s"] = round(warm[0] / 1e3, 2)
     before = compile_counters()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    times = []
     for _ in range(args.iters):
         sync(device)
         start = time.perf_counter()
         trainer.train_step([batch])
         sync(device)
-        times.append(time.perf_counter() - start)
+        times.append(round((time.perf_counter() - start) * 1e3, 2))
+        if not warm:
+            rec["first_step_s"] = round(times[0] / 1e3, 2)
     after = compile_counters()
-    median = statistics.median(times)
+    median = statistics.median(times) / 1e3
     executed = executed_matmul_flops(d, num_layers, batch.num_tokens, batch.num_elements, batch.num_supervised)
     reference = reference_linear_flops(d, num_layers, batch.num_elements, seq_len)
     loss = trainer.window_metrics(1.0)["loss"]
     rec.update(
-        status="ok", first_step_s=round(warm[0], 2) if warm else None, warmup_ms=[round(t * 1e3, 1) for t in warm],
-        step_ms=[round(t * 1e3, 2) for t in times], median_ms=round(median * 1e3, 2),
+        status="ok", median_ms=round(median * 1e3, 2),
         tokens_per_s=round(seq_len / median, 1), cod_tokens_per_s=round(batch.num_elements / median, 1),
         matmul_tflop_per_step=round(executed / 1e12, 4), matmul_tflops=round(executed / median / 1e12, 3),
         reference_equivalent_tflops=round(reference / median / 1e12, 3),
         new_graphs_in_timed_steps=after.get("unique_graphs", 0) - before.get("unique_graphs", 0),
         loss=round(loss, 4))
+    record_memory(rec, device)
     if args.profile:
         rec["top_kernels"] = top_kernels(trainer, batch, device)
+    return rec
+
+
+def record_memory(rec: dict, device: torch.device) -> None:
     if device.type == "cuda":
-        rec["peak_mem_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        rec["peak_mem_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     else:
         rec["peak_rss_gib_process"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
-    return rec
 
 
 def top_kernels(trainer: Trainer, batch, device: torch.device, count: int = 12) -> list[dict]:
@@ -202,7 +237,7 @@ def top_kernels(trainer: Trainer, batch, device: torch.device, count: int = 12) 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
     ap.add_argument("--tiny", action="store_true", help="the reference harness's tiny shapes (CPU check)")
     ap.add_argument("--layers", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--seqlens", type=int, nargs="+", default=None,
@@ -210,48 +245,86 @@ def main() -> None:
     ap.add_argument("--partitions", type=int, nargs="+", default=[1, 2, 4, 8], help="sequence partitions S")
     ap.add_argument("--attention", nargs="+", default=None, help="flex and/or sdpa (default: both on CUDA, sdpa on CPU)")
     ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--compile", default="auto", help="the trainer's --compile (layers, flex, off, auto)")
+    ap.add_argument("--flex-kernel", default="auto", help="the trainer's --flex-kernel")
+    ap.add_argument("--fp8-layers", type=int, nargs="*", default=[],
+                    help="after the rest, the same lengths for these layer counts with --fp8-matmuls")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--profile", action="store_true", help="record the top kernels of one extra profiled step")
+    ap.add_argument("--longest-first", action="store_true",
+                    help="try --seqlens in the order given and stop at the first that runs (longest context)")
+    ap.add_argument("--memory-cap-gib", type=float, default=None, help="allocate at most this much device memory")
+    ap.add_argument("--deadline", type=float, default=None, help="start no configuration after this many seconds")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     ap.add_argument("--out", default=None, help="jsonl file to append one object per configuration to")
     args = ap.parse_args()
+    started = time.monotonic()
+    signal.signal(signal.SIGTERM, _terminate)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    device = resolve_device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    cap = cap_memory(device, args.memory_cap_gib)
     seqlens = args.seqlens or ([256, 512, 1024] if args.tiny else [2048, 4096, 8192, 16384, 32768, 65536])
     attentions = args.attention or (["flex", "sdpa"] if device.type == "cuda" else ["sdpa"])
     d = dims(args.tiny)
     env = dict(kind="env", python=platform.python_version(), torch=torch.__version__, device=str(device),
                gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-               cpu_threads=torch.get_num_threads(), argv=sys.argv[1:])
+               cpu_threads=torch.get_num_threads(), memory_cap_gib=cap, argv=sys.argv[1:])
     emit(args.out, env)
-    for num_layers in args.layers:
-        for attention in attentions:
-            for num_segments in args.partitions:
-                for seq_len in seqlens:
-                    config = TrainConfig(store=("bench",), target="bench", out="bench", num_depths=8,
-                                         sequence_partitions=num_segments, attention=attention, max_steps=10**6,
-                                         lr=1e-4, warmup_steps=0, grad_clip=1.0, weight_decay=0.01,
-                                         activation_checkpointing=args.activation_checkpointing,
-                                         optimizer="adamw")  # the reference trainer's: a like-for-like step
-                    draft = build_draft(d, num_layers, args.activation_checkpointing, device)
-                    try:
-                        trainer = Trainer.for_model(config, draft.to(device))
-                        rec = run_one(args, d, trainer, num_layers, seq_len, num_segments, attention)
-                    except Exception as err:  # noqa: BLE001 - record and go on (OOM ends this length sweep)
+    runs = [(n, False) for n in args.layers] + [(n, True) for n in args.fp8_layers]
+    try:
+        for num_layers, fp8 in runs:
+            for attention in attentions:
+                for num_segments in args.partitions:
+                    for seq_len in seqlens:
                         rec = dict(kind="train_step", layers=num_layers, seq_len=seq_len, partitions=num_segments,
-                                   attention=attention, status="oom" if is_oom(err) else "error",
-                                   error=f"{type(err).__name__}: {str(err)[:500]}")
-                    emit(args.out, rec)
-                    trainer = draft = None
-                    gc.collect()
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-                    if rec["status"] != "ok":
-                        break
+                                   attention=attention, activation_checkpointing=args.activation_checkpointing,
+                                   compile=args.compile, flex_kernel=args.flex_kernel, fp8_matmuls=fp8,
+                                   device=str(device), tiny=args.tiny)
+                        if args.deadline is not None and time.monotonic() - started > args.deadline:
+                            emit(args.out, {**rec, "status": "skipped", "error": f"deadline: {args.deadline:.0f}s spent"})
+                            continue
+                        run_config(args, d, device, rec, num_layers, seq_len, num_segments, attention)
+                        if rec["status"] != "ok" and not args.longest_first:
+                            break
+                        if rec["status"] == "ok" and args.longest_first:
+                            break
+    except Terminated:
+        print("train_step.py: SIGTERM: stopped, the configuration in flight written as status timeout",
+              file=sys.stderr, flush=True)
+        sys.exit(124)
+
+
+def run_config(args, d, device: torch.device, rec: dict, num_layers: int, seq_len: int, num_segments: int,
+               attention: str) -> None:
+    """One configuration, written to ``--out`` whatever happens to it (ok, oom, error, or a SIGTERM)."""
+    trainer = draft = None
+    try:
+        config = TrainConfig(store=("bench",), target="bench", out="bench", num_depths=8,
+                             sequence_partitions=num_segments, attention=attention, max_steps=10**6,
+                             lr=1e-4, warmup_steps=0, grad_clip=1.0, weight_decay=0.01,
+                             activation_checkpointing=args.activation_checkpointing, compile=args.compile,
+                             flex_kernel=args.flex_kernel, fp8_matmuls=rec["fp8_matmuls"],
+                             optimizer="adamw")  # the reference trainer's: a like-for-like step
+        draft = build_draft(d, num_layers, args.activation_checkpointing, device)
+        trainer = Trainer.for_model(config, draft.to(device))
+        run_one(args, d, trainer, rec, num_layers, seq_len, num_segments, attention)
+    except Terminated:
+        rec.update(status="timeout", error="SIGTERM: the part's time ran out in this configuration")
+        record_memory(rec, device)
+        emit(args.out, rec)
+        raise
+    except Exception as err:  # noqa: BLE001 - record and go on (OOM ends this length sweep)
+        rec.update(status="oom" if is_oom(err) else "error", error=f"{type(err).__name__}: {str(err)[:500]}")
+        record_memory(rec, device)
+    emit(args.out, rec)
+    trainer = draft = None
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def emit(path: str | None, rec: dict) -> None:

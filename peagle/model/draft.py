@@ -89,7 +89,9 @@ def attend(q_hND: Tensor, k_gND: Tensor, v_gND: Tensor, attn_mask: AttnMask, fle
     """
     if isinstance(attn_mask, DocumentMasks):
         return _attend_per_document(q_hND, k_gND, v_gND, attn_mask)
-    q, k, v = q_hND[None], k_gND[None], v_gND[None]
+    # Contiguous [h, N, D] operands: flex's kernels read them row-major (under torch.compile the copy
+    # fuses into RoPE, which writes them in this layout directly).
+    q, k, v = (t[None].contiguous() for t in (q_hND, k_gND, v_gND))
     if isinstance(attn_mask, BlockMask):
         out = (flex or flex_attention)(q, k, v, block_mask=attn_mask, enable_gqa=True)
     else:
@@ -182,13 +184,17 @@ class FirstLayer(DecoderLayer):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm_before_residual = config.norm_before_residual
 
-    def forward(self, embeds_RH: Tensor, hidden_RH: Tensor, mask_embed_1H: Tensor, mask_hidden_1H: Tensor,
-                num_mask: int, cos_ND: Tensor, sin_ND: Tensor, attn_mask: AttnMask,
-                flex: FlexFn | None = None) -> Tensor:
+    def forward(self, embeds_R1H: Tensor, hidden_RH: Tensor, mask_hidden_1H: Tensor, cos_ND: Tensor,
+                sin_ND: Tensor, attn_mask: AttnMask, flex: FlexFn | None = None) -> Tensor:
+        """``embeds_R1H``: the R real rows' embeddings and the mask token's (one lookup); the N - R mask
+        slots' count is read off the RoPE rows, so it is a size, not an int argument that a compiled
+        layer would specialise on."""
+        num_mask = cos_ND.shape[0] - embeds_R1H.shape[0] + 1
         # Real rows and the one shared mask row go through the norms and projections together.
-        normed_hidden = self.hidden_norm(torch.cat([hidden_RH, mask_hidden_1H]))
-        x = torch.cat([self.input_layernorm(torch.cat([embeds_RH, mask_embed_1H])), normed_hidden], dim=-1)
-        residual = normed_hidden if self.norm_before_residual else torch.cat([hidden_RH, mask_hidden_1H])
+        hidden_R1H = torch.cat([hidden_RH, mask_hidden_1H])
+        normed_hidden = self.hidden_norm(hidden_R1H)
+        x = torch.cat([self.input_layernorm(embeds_R1H), normed_hidden], dim=-1)
+        residual = normed_hidden if self.norm_before_residual else hidden_R1H
         attn = self.self_attn
         q, k, v = (_expand_last_row(proj(x), num_mask) for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
         h = _expand_last_row(residual, num_mask) + attn.attend_projected(q, k, v, cos_ND, sin_ND, attn_mask, flex)
@@ -289,12 +295,13 @@ class PEagleDraft(nn.Module):
 
         hidden_RH = self.combine_hidden_states(aux_R)
         mask_hidden_1H = self.combine_hidden_states(self.mask_hidden.reshape(1, -1).to(aux_R.dtype))
-        embeds_RH = self.embed_tokens(token_ids_N[:num_real])
-        mask_embed_1H = self.embed_tokens.weight[self.config.mask_token_id][None]
+        # The mask row goes through the embedding op with the real rows: indexing the weight instead
+        # would give backward a second dense [V, H] fp32 gradient of the whole table to add up.
+        mask_id = token_ids_N.new_full((1,), self.config.mask_token_id)
+        embeds_R1H = self.embed_tokens(torch.cat([token_ids_N[:num_real], mask_id]))
         cos_ND, sin_ND = self.rope(position_ids_N)
 
-        h = self._run(self.layers[0], embeds_RH, hidden_RH, mask_embed_1H, mask_hidden_1H, num_mask,
-                      cos_ND, sin_ND, attn_mask, flex)
+        h = self._run(self.layers[0], embeds_R1H, hidden_RH, mask_hidden_1H, cos_ND, sin_ND, attn_mask, flex)
         for layer in self.layers[1:]:
             h = self._run(layer, h, cos_ND, sin_ND, attn_mask, flex)
         return self.norm(h)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -30,6 +30,21 @@ logger = logging.getLogger(__name__)
 
 FlexFn = Callable[..., Tensor]
 """``fn(q, k, v, block_mask=..., enable_gqa=True) -> out``: eager ``flex_attention`` or a FlexRunner."""
+
+FLEX_KERNEL_OPTIONS: dict[str, dict[str, Any]] = {
+    "auto": {},
+    "rows-safe": {"ROWS_GUARANTEED_SAFE": True},
+    "tma": {"ROWS_GUARANTEED_SAFE": True, "USE_TMA": True},
+    "flash": {"BACKEND": "FLASH"},
+}
+"""``--flex-kernel``: named ``kernel_options`` of flex attention (keys: ``schemas.train_config.FLEX_KERNELS``).
+
+``auto`` is torch's own choice. ``rows-safe`` tells the kernels that every query row sees at least one
+key, which holds for every training row (an element always sees itself; training rows carry no
+padding), so they skip the fully-masked-row guards. ``tma`` adds Hopper's bulk tensor copies.
+``flash`` is the FlashAttention-4 (CuTe DSL) backend, where torch exposes it and ``flash_attn.cute``
+is installed. benchmarks/attention.py times these and more block-size choices on the P-EAGLE mask;
+the default moves only on such a measurement."""
 
 DEFAULT_MAX_EAGER_SCORE_BYTES = 2 << 30
 """Eager fallback only while one row's fp32 scores ``[heads, N, N]`` stay under 2 GiB (N ≈ 4k at 32 heads)."""
@@ -56,7 +71,7 @@ def is_compile_failure(err: BaseException) -> bool:
     return isinstance(err, compile_failure_types())
 
 
-def _eager_backward_lowering() -> contextlib.AbstractContextManager:
+def eager_backward_lowering() -> contextlib.AbstractContextManager:
     """Compile backward graphs together with forward ones (a torch config, patched only around our calls)."""
     import torch._functorch.config as functorch_config
 
@@ -65,7 +80,7 @@ def _eager_backward_lowering() -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def _first_line(err: BaseException, limit: int = 240) -> str:
+def first_line(err: BaseException, limit: int = 240) -> str:
     text = " ".join(str(err).split()) or "no message"
     return f"{type(err).__name__}: {text[:limit]}"
 
@@ -79,8 +94,9 @@ class FlexRunner:
     """
 
     def __init__(self, *, compile: bool, max_eager_score_bytes: int = DEFAULT_MAX_EAGER_SCORE_BYTES,
-                 compile_fn: Callable[..., FlexFn] = torch.compile):
+                 compile_fn: Callable[..., FlexFn] = torch.compile, kernel_options: dict[str, Any] | None = None):
         self.max_eager_score_bytes = max_eager_score_bytes
+        self.kernel_options = kernel_options or None
         self._compiled: FlexFn | None = compile_fn(flex_attention, dynamic=True) if compile else None
         self.compile_error: str | None = None  # set when a compile failure switched this runner to eager
 
@@ -91,19 +107,20 @@ class FlexRunner:
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, *, block_mask: BlockMask, enable_gqa: bool = True) -> Tensor:
         if self._compiled is not None:
             try:
-                with _eager_backward_lowering():
-                    return self._compiled(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+                with eager_backward_lowering():
+                    return self._compiled(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa,
+                                          kernel_options=self.kernel_options)
             except Exception as err:  # noqa: BLE001 - sorted below: only compile failures are handled
                 if not is_compile_failure(err):
                     raise
-                self._compiled, self.compile_error = None, _first_line(err)
+                self._compiled, self.compile_error = None, first_line(err)
                 self._check_eager_fits(q, err)
                 logger.warning("flex attention: torch.compile failed on %s (%s); eager flex_attention from now "
                                "on, for rows whose scores fit %.1f GiB", q.device.type, self.compile_error,
                                self.max_eager_score_bytes / 2**30)
         elif self.compile_error is not None:
             self._check_eager_fits(q, None)
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)  # eager: no kernel options
 
     def _check_eager_fits(self, q: Tensor, err: BaseException | None) -> None:
         """Raise UserError when this row's eager scores exceed the limit (after a compile failure)."""

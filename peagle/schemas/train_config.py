@@ -18,12 +18,14 @@ from peagle.schemas.draft_config import DRAFT_ARCHITECTURES
 from peagle.schemas.errors import UserError
 
 ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
+COMPILE_MODES = ("auto", "layers", "flex", "off")
+FLEX_KERNELS = ("auto", "rows-safe", "tma", "flash")
 OPTIMIZERS = ("adamw", "muon")
 LOSSES = ("forward_kl", "tv")
 
 SAFE_TO_CHANGE = frozenset({
     "out", "max_steps", "epochs", "eval_every", "save_every", "keep_checkpoints", "log_every", "num_workers",
-    "verify", "eval_store", "allow_bad_aux_rows",
+    "verify", "eval_store", "allow_bad_aux_rows", "compile", "flex_kernel",
 })
 """Fields a resumed run may change: they steer how long the run goes, what it reports and where it
 lives (a run directory may be moved), not what a step computes. (Changing the run length re-times
@@ -91,6 +93,21 @@ class TrainConfig:
     attention: str = "auto"
     """Attention backend: `flex` (flex_attention with a block mask; needs CUDA for training), `sdpa`
     (dense boolean mask), or `auto` (flex on CUDA, sdpa on CPU)."""
+
+    compile: str = "auto"
+    """What torch.compile compiles: `layers` (each decoder layer whole, flex attention inside, and the
+    loss's per-chunk pass), `flex` (flex attention alone), `off`, or `auto` (layers on CUDA, off
+    elsewhere). A layer that fails to compile falls back to `flex`, with one line saying why."""
+
+    flex_kernel: str = "auto"
+    """Kernel options of flex attention: `auto` (torch's choice), `rows-safe` (skip the guards for
+    fully masked rows, which training rows never have), `tma` (rows-safe and Hopper's bulk copies), or
+    `flash` (the FlashAttention-4 backend; needs flash_attn.cute installed). benchmarks/attention.py
+    times them on the P-EAGLE mask."""
+
+    fp8_matmuls: bool = False
+    """Run the decoder layers' q/k/v/o and MLP matmuls in fp8 (torchao rowwise Float8Linear; needs
+    torchao: pip install 'peagle[fp8]'). Master weights, the head and attention stay as they are."""
 
     num_layers: int = 4
     """Draft decoder layers (layer 0 reads [embeddings, fc(aux)]; the rest are plain decoder layers)."""
@@ -231,6 +248,10 @@ class TrainConfig:
         self.stores()  # validates weights
         if self.attention not in ATTENTION_BACKENDS:
             raise UserError(f"--attention must be one of {'|'.join(ATTENTION_BACKENDS)}, got {self.attention!r}")
+        if self.compile not in COMPILE_MODES:
+            raise UserError(f"--compile must be one of {'|'.join(COMPILE_MODES)}, got {self.compile!r}")
+        if self.flex_kernel not in FLEX_KERNELS:
+            raise UserError(f"--flex-kernel must be one of {'|'.join(FLEX_KERNELS)}, got {self.flex_kernel!r}")
         if self.draft_architecture not in DRAFT_ARCHITECTURES:
             raise UserError(f"--draft-architecture must be one of {'|'.join(DRAFT_ARCHITECTURES)}, "
                             f"got {self.draft_architecture!r}")

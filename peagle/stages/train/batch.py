@@ -217,6 +217,10 @@ class TrainBatch:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "TrainBatch":
         return _map_tensors(self.materialize(), lambda t: t.to(device, non_blocking=non_blocking))
 
+    def record_stream(self, stream: Any) -> None:
+        """Mark every tensor as used on ``stream`` (a batch copied on a side stream, read on another)."""
+        _map_tensors(self, lambda t: (t.record_stream(stream), t)[1])
+
 
 def _map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     """Apply ``fn`` to every tensor inside dataclasses, NamedTuples, lists and tuples."""

@@ -42,6 +42,7 @@ from peagle.schemas.loader_config import CodSettings, LoaderConfig
 from peagle.schemas.train_config import TrainConfig, config_mismatch, parse_store_spec
 from peagle.stages.train import checkpoint as ckpt
 from peagle.stages.train.batch import TrainBatch
+from peagle.stages.train.device import DevicePrefetcher
 from peagle.stages.train.loader import TrainLoader
 from peagle.stages.train.loss import LossStats
 from peagle.stages.train.step import (StepResult, TrainStep, all_reduce_stats, compiled_graph_count, init_distributed,
@@ -178,7 +179,7 @@ class Trainer:
             cod=CodSettings(num_depths=c.num_depths, down_sample_ratio=c.down_sample_ratio,
                             down_sample_ratio_min=c.down_sample_ratio_min, max_anchors=c.max_anchors),
             split=split, heldout_fraction=fraction, shuffle=not eval_split,
-            sequence_partitions=c.sequence_partitions, attention=self.attention,
+            sequence_partitions=c.sequence_partitions, attention="flex" if self.attention == "flex" else "sdpa",
             num_workers=0 if eval_split else c.num_workers, pin_memory=self.device.type == "cuda",
             verify=c.verify, dequantize_in_workers=self.device.type != "cuda", allow_bad_aux_rows=c.allow_bad_aux_rows,
             aux_layer_ids=tuple(settings.aux_layer_ids), mask_token_id=c.mask_token_id)
@@ -243,7 +244,7 @@ class Trainer:
         bar = None
         if self.rank == 0:
             bar = Progress(self.total_steps, initial=self.step, desc="train", unit="step")
-        batches = self.batch_generator()
+        batches = DevicePrefetcher(self.batch_generator(), self.device)  # CUDA: copies beside the step
         self.data_wait_s, window_start = 0.0, time.perf_counter()
         while self.step < self.total_steps:
             micro_batches = next(batches)

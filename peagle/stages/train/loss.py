@@ -174,23 +174,81 @@ def _divergence_terms(draft_logits_NV: Tensor, target_draft_ids_Nk: Tensor, targ
 
 
 DEFAULT_CHUNK_ROWS = 4096
-"""Rows per loss chunk: ``[4096, 32000]`` logits are 0.5 GiB in fp32, and lm_head still runs as big matmuls."""
+"""Rows per loss chunk: ``[4096, 32000]`` logits are 0.25 GiB in bf16, and lm_head still runs as big matmuls."""
+
+ChunkFn = Callable[[Tensor, Tensor, Tensor, str], tuple[Tensor, Tensor]]
+"""``fn(logits_cV, ids_ck, probs_ck, loss) -> (row_loss_c, correct_c)``, the logits overwritten by their
+gradient: :func:`fused_chunk_loss`, or its ``torch.compile``'d form (step.py decides)."""
+
+
+def fused_chunk_loss(logits_cV: Tensor, ids_ck: Tensor, probs_ck: Tensor, loss: str) -> tuple[Tensor, Tensor]:
+    """One chunk's loss in one pass: each row's loss (fp32, 0 for a row without target), its top-1
+    agreement, and d(Σ rows' loss)/d(logits) written over ``logits_cV`` in its own dtype.
+
+    Both losses have a gradient of one closed form, ``a_n · softmax(z_n) + Σ_k b_nk · onehot(id_nk)``
+    (forward KL: ``a = Σ_k p``, ``b = -p``; TV: with ``c = ½(sign(q - p) - 1)·q``, ``a = -Σ_k c``,
+    ``b = c``), so nothing but the row's log-sum-exp, its k gathered logits and its argmax is needed
+    before the gradient is written. Eager, this is a few passes with an fp32 copy of the chunk;
+    compiled (the trainer does it on CUDA), Inductor fuses the upcast, log-sum-exp, argmax and the
+    gradient into passes that read the bf16 logits and write the gradient in place.
+    Equal to :func:`divergence_sum` plus autograd (tests/stages/train/test_loss.py).
+    """
+    ids_ck = ids_ck.long()
+    in_vocab_ck = ids_ck >= 0
+    weight_c = in_vocab_ck.any(dim=-1).float()
+    safe_ids_ck = ids_ck.clamp_min(0)
+    logits32_cV = logits_cV.float()
+    lse_c = torch.logsumexp(logits32_cV, dim=-1)
+    correct_c = (weight_c > 0) & (logits_cV.argmax(dim=-1) == ids_ck[:, 0])
+    logp_ck = logits32_cV.gather(1, safe_ids_ck) - lse_c[:, None]
+    p_ck = torch.where(in_vocab_ck, probs_ck.float(), torch.zeros_like(logp_ck))
+    if loss == "forward_kl":
+        row_c = _forward_kl_N(p_ck, logp_ck, in_vocab_ck)
+        a_c, b_ck = p_ck.sum(dim=-1), -p_ck
+    elif loss == "tv":
+        q_ck = torch.where(in_vocab_ck, logp_ck.exp(), torch.zeros_like(logp_ck))
+        row_c = _total_variation_N(p_ck, logp_ck, in_vocab_ck)
+        c_ck = 0.5 * (torch.sign(q_ck - p_ck) - 1.0) * q_ck
+        a_c, b_ck = -c_ck.sum(dim=-1), c_ck
+    else:
+        raise ValueError(f"unknown loss {loss!r}")
+    grad_cV = torch.exp(logits32_cV - lse_c[:, None]) * (weight_c * a_c)[:, None]
+    grad_cV = grad_cV.scatter_add(1, safe_ids_ck, b_ck * weight_c[:, None])
+    logits_cV.copy_(grad_cV)
+    return row_c * weight_c, correct_c
+
+
+def matmul_dtype(head_weight_VH: Tensor) -> torch.dtype:
+    """The dtype the loss's matmuls run in: autocast's when it is on for the head's device (bf16 on
+    CUDA), else the head's own."""
+    device_type = head_weight_VH.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else head_weight_VH.dtype
+
+
+def compute_weight(head_weight_VH: Tensor) -> Tensor:
+    """The head weight as the loss's matmuls read it (:func:`matmul_dtype`), detached (the loss
+    returns the head's gradient itself)."""
+    return head_weight_VH.detach().to(matmul_dtype(head_weight_VH))
 
 
 def chunked_loss_sum(hidden_EH: Tensor, head_weight_VH: Tensor, target_draft_ids_Ek: Tensor, target_probs_Ek: Tensor,
-                   depth_E: Tensor, num_depths: int, *, chunk_rows: int = DEFAULT_CHUNK_ROWS,
-                   loss: str = "forward_kl") -> tuple[LossStats, Tensor]:
+                     depth_E: Tensor, num_depths: int, *, chunk_rows: int = DEFAULT_CHUNK_ROWS,
+                     loss: str = "forward_kl", head_compute_VH: Tensor | None = None,
+                     chunk_fn: ChunkFn | None = None) -> tuple[LossStats, Tensor]:
     """`divergence_sum` of ``hidden_EH @ head_weight_VHᵀ`` (every row supervised), ``chunk_rows`` rows at a
     time, and each row's top-1 agreement ``correct_E`` (bool, no gradient: the chain statistics).
 
-    Peak memory holds one chunk's ``[chunk, V]`` logits, their fp32 copy and gradient, never
-    ``[E, V]`` (~20 GB at E = 55k, V = 32k): each chunk's gradient with respect to ``hidden_EH``
-    (and to the head, when it trains) is computed right after its forward and the chunk's graph
-    is dropped; what backward keeps is ``[E, H]`` (plus ``[V, H]`` for a trained head). The loss
-    is linear in those gradients, so backward only scales them by the incoming gradient. The sums
-    and gradients are the unchunked ones (the same ops per row; only the head's gradient adds
-    chunk partial sums in another order). Autocast applies inside as it would outside. ``loss``
-    (forward KL by default, or TV) does not change any of this: each is a sum of per-row terms.
+    Peak memory holds one chunk's ``[chunk, V]`` logits (which become their own gradient,
+    :func:`fused_chunk_loss`), never ``[E, V]`` (~20 GB at E = 55k, V = 32k): each chunk's gradient
+    with respect to ``hidden_EH`` (and to the head, when it trains) is computed right after its
+    forward; what backward keeps is ``[E, H]`` (plus ``[V, H]`` for a trained head). The loss is
+    linear in those gradients, so backward only scales them by the incoming gradient. The sums and
+    gradients are the unchunked ones (the same math per row; only the head's gradient adds chunk
+    partial sums in another order). The matmuls read the head in the autocast dtype
+    (:func:`compute_weight`): ``head_compute_VH`` passes that copy in (the trainer keeps one of a
+    frozen head instead of casting it for every chunk). ``chunk_fn`` is the per-chunk pass
+    (default :func:`fused_chunk_loss`, eager). ``loss`` (forward KL by default, or TV) changes none
+    of this: each is a sum of per-row terms.
 
     Call it where the head's gradient must reach DDP/FSDP: inside the wrapped module's forward
     (``step.DraftStep``); its weight gradient is returned through autograd like any other.
@@ -199,26 +257,23 @@ def chunked_loss_sum(hidden_EH: Tensor, head_weight_VH: Tensor, target_draft_ids
         with torch.no_grad():
             return _chunk_sums(hidden_EH, head_weight_VH, target_draft_ids_Ek, target_probs_Ek, depth_E, num_depths,
                                chunk_rows, loss)
-    loss_sum, *stats, correct_E = _ChunkedKL.apply(hidden_EH, head_weight_VH, target_draft_ids_Ek, target_probs_Ek,
-                                                   depth_E, num_depths, chunk_rows, loss)
+    head_compute_VH = compute_weight(head_weight_VH) if head_compute_VH is None else head_compute_VH.detach()
+    loss_sum, *stats, correct_E = _ChunkedKL.apply(hidden_EH, head_weight_VH, head_compute_VH, target_draft_ids_Ek,
+                                                   target_probs_Ek, depth_E, num_depths, chunk_rows, loss,
+                                                   chunk_fn or fused_chunk_loss)
     zero = torch.zeros_like(loss_sum.detach())
     return LossStats(loss_sum, *stats, chain_accepted_sum=zero, chain_count=zero), correct_E
 
 
-def _chunk_sums(hidden_EH, weight_VH, ids_Ek, probs_Ek, depth_E, num_depths, chunk_rows, loss,
-                on_chunk: Callable[[LossStats, Tensor, Tensor], None] | None = None) -> tuple[LossStats, Tensor]:
-    """Per-chunk `divergence_sum`, summed, and the rows' ``correct_E``; ``on_chunk(stats, hidden_chunk,
-    weight)`` sees each graph."""
+def _chunk_sums(hidden_EH, weight_VH, ids_Ek, probs_Ek, depth_E, num_depths, chunk_rows, loss) -> tuple[LossStats, Tensor]:
+    """Per-chunk `divergence_sum`, summed, and the rows' ``correct_E`` (no gradient: evaluation)."""
     total = LossStats.zeros(num_depths, hidden_EH.device)
     correct = [torch.zeros(0, dtype=torch.bool, device=hidden_EH.device)]
     for start in range(0, hidden_EH.shape[0], chunk_rows):
         rows = slice(start, start + chunk_rows)
-        hidden_cH = hidden_EH[rows]
-        stats, correct_c = _divergence_terms(F.linear(hidden_cH, weight_VH), ids_Ek[rows], probs_Ek[rows],
+        stats, correct_c = _divergence_terms(F.linear(hidden_EH[rows], weight_VH), ids_Ek[rows], probs_Ek[rows],
                                              torch.ones_like(depth_E[rows], dtype=torch.bool), depth_E[rows],
                                              num_depths, loss)
-        if on_chunk is not None:
-            on_chunk(stats, hidden_cH, weight_VH)
         total = total + stats.detach()
         correct.append(correct_c)
     return total, torch.cat(correct)
@@ -228,41 +283,44 @@ class _ChunkedKL(torch.autograd.Function):
     """Forward computes the sums and, chunk by chunk, d(loss_sum)/d(hidden, weight); backward scales them."""
 
     @staticmethod
-    def forward(ctx, hidden_EH, weight_VH, ids_Ek, probs_Ek, depth_E, num_depths, chunk_rows, loss):
+    def forward(ctx, hidden_EH, weight_VH, compute_VH, ids_Ek, probs_Ek, depth_E, num_depths, chunk_rows, loss,
+                chunk_fn):
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden_EH = torch.zeros_like(hidden_EH) if want_hidden else None
+        device = hidden_EH.device
+        grad_hidden_EH = torch.empty_like(hidden_EH) if want_hidden else None  # every row is written
         # The head's gradient adds up over chunks: in fp32, whatever the weight's (FSDP2: bf16) dtype.
         grad_weight_VH = torch.zeros_like(weight_VH, dtype=torch.float32) if want_weight else None
-        hidden_leaf = hidden_EH.detach().requires_grad_(want_hidden)
-        weight_leaf = weight_VH.detach().requires_grad_(want_weight)
-        offset = [0]
-
-        def on_chunk(stats: LossStats, hidden_cH: Tensor, weight: Tensor) -> None:
-            wanted = [t for t, want in ((hidden_cH, want_hidden), (weight, want_weight)) if want]
-            grads = list(torch.autograd.grad(stats.loss_sum, wanted))
-            rows = slice(offset[0], offset[0] + hidden_cH.shape[0])
+        depth_E = depth_E.long()
+        counted_E = (ids_Ek >= 0).any(dim=-1).float()
+        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        depth_loss_K, depth_correct_K, depth_count_K = (torch.zeros(num_depths, device=device) for _ in range(3))
+        depth_count_K.index_add_(0, depth_E, counted_E)
+        correct = [torch.zeros(0, dtype=torch.bool, device=device)]
+        for start in range(0, hidden_EH.shape[0], chunk_rows):
+            rows = slice(start, start + chunk_rows)
+            hidden_cH = hidden_EH[rows].detach().to(compute_VH.dtype)
+            logits_cV = hidden_cH @ compute_VH.T
+            row_c, correct_c = chunk_fn(logits_cV, ids_Ek[rows], probs_Ek[rows], loss)  # logits -> gradient
             if want_hidden:
-                grad_hidden_EH[rows] = grads.pop(0)
+                grad_hidden_EH[rows] = logits_cV @ compute_VH
             if want_weight:
-                grad_weight_VH.add_(grads.pop(0))
-            offset[0] = rows.stop
-
-        with torch.enable_grad():
-            # Slices of the leaf keep each chunk's graph separate (nothing accumulates in .grad).
-            total, correct_E = _chunk_sums(hidden_leaf, weight_leaf, ids_Ek, probs_Ek, depth_E, num_depths,
-                                           chunk_rows, loss, on_chunk)
+                grad_weight_VH.add_(logits_cV.T @ hidden_cH)
+            loss_sum = loss_sum + row_c.sum()
+            depth_loss_K.index_add_(0, depth_E[rows], row_c)
+            depth_correct_K.index_add_(0, depth_E[rows], correct_c.float())
+            correct.append(correct_c)
         ctx.save_for_backward(grad_hidden_EH, grad_weight_VH)
         ctx.weight_dtype = weight_VH.dtype
-        outputs = (total.depth_loss_sum, total.depth_correct, total.depth_count, correct_E)
+        outputs = (depth_loss_K, depth_correct_K, depth_count_K, torch.cat(correct))
         ctx.mark_non_differentiable(*outputs)
-        return (total.loss_sum, *outputs)
+        return (loss_sum, *outputs)
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
         grad_hidden_EH, grad_weight_VH = ctx.saved_tensors
         grad_weight = None if grad_weight_VH is None else (grad_weight_VH * grad_loss).to(ctx.weight_dtype)
         grad_hidden = None if grad_hidden_EH is None else grad_hidden_EH * grad_loss.to(grad_hidden_EH.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
 def chain_acceptance(correct_E: Tensor, chain_target_idx_CK: Tensor) -> LossStats:

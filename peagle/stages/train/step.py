@@ -1,7 +1,9 @@
 """One optimizer step, all of it: the compute the trainer (loop.py) runs once per step.
 
-:class:`TrainStep` owns what a step touches: the draft, its DDP/FSDP2 wrapper, flex attention
-(compiled or not: decided here, once per run), AdamW and the LR schedule. One call:
+:class:`TrainStep` owns what a step touches: the draft (its matmuls in fp8 with ``--fp8-matmuls``),
+its DDP/FSDP2 wrapper, what runs compiled (decided here, once per run: on CUDA each decoder layer
+whole with flex attention inside, and the loss's per-chunk pass; model/regional_compile.py), the
+optimizer and the LR schedule (optim.py). One call:
 
 1. sums the micro-batches' supervised counts and all-reduces them: ONE global count for the step
    (docs/draft-and-export.md), known before any backward, so every unit charges ``loss_sum · world / count``
@@ -11,12 +13,14 @@
    by the loader workers, ``segments.plan_units``); gradients sync in the last unit's backward only
    (DDP ``no_sync`` / the FSDP2 flag); each unit also returns its rows' top-1 agreement, which
    :func:`batch_chain_stats` turns into the batch's exact chain acceptance sums (loss.py);
-3. clips, steps the optimizer (AdamW, or Muon+AdamW with ``--optimizer muon``; fp32 master
-   weights; bf16 autocast on CUDA, FSDP2 gathering bf16 parameters and reducing fp32 gradients)
-   and the LR schedule (warmup, cosine).
+3. clips and steps the optimizer (AdamW, or Muon+AdamW with ``--optimizer muon``; fp32 master
+   weights; bf16 autocast on CUDA, FSDP2 gathering bf16 parameters and reducing fp32 gradients; a
+   fused AdamW applies the clip as it reads the gradients, ``optim.clip_and_step``) and the LR
+   schedule (warmup, cosine).
 
 **No host sync before the clip.** Batches arrive pinned with every index a unit needs (document ids,
-unit plans, BlockMask indices) and are copied ``non_blocking``; masks are built from them with
+unit plans, BlockMask indices) and are copied ``non_blocking`` (on CUDA on a side stream, beside the
+previous step: ``device.DevicePrefetcher``); masks are built from them with
 device ops; the loss is a chunked KL (or TV, ``--loss``) inside the wrapped forward; the stats
 stay on the device (:class:`LossStats`, read by the trainer once per logged step). tests/stages/train/test_step.py
 holds the forward+backward to that on the CPU (no op that would sync on a GPU), and the CUDA
@@ -39,23 +43,24 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from peagle.model.draft import PEagleDraft
-from peagle.model.flex import FlexRunner, is_compile_failure
+from peagle.model.flex import FLEX_KERNEL_OPTIONS, is_compile_failure
 from peagle.model.mask import block_mask_from_indices, dense_mask, document_masks, peagle_mask_mod
+from peagle.model.regional_compile import DraftCompiler, resolve_compile_mode
 from peagle.schemas.errors import UserError
 from peagle.schemas.train_config import TrainConfig
 from peagle.stages.train.batch import TrainBatch
+from peagle.stages.train.device import default_compute_dtype, resolve_device
 from peagle.stages.train.loss import (LossStats, agreement_rates, chain_acceptance, chain_acceptance_length,
-                                      chunked_loss_sum)
+                                      chunked_loss_sum, compute_weight, fused_chunk_loss, matmul_dtype)
+from peagle.stages.train.optim import build_optimizer, clip_and_step, lr_factor
 from peagle.stages.train.segments import UnitPlan
-
-MIN_LR_RATIO = 0.1
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
     """(rank, world size, device) from torchrun's environment; a process group only when WORLD_SIZE > 1."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    device = resolve_device(None, int(os.environ.get("LOCAL_RANK", "0")))
+    cuda = device.type == "cuda"
     if cuda:
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
@@ -63,19 +68,22 @@ def init_distributed() -> tuple[int, int, torch.device]:
     return (dist.get_rank() if world > 1 else 0), world, device
 
 
+SDPA_PER_DOCUMENT = "sdpa_per_document"
+"""The resolved attention of ``sdpa`` on the CPU: SDPA over each document's elements alone
+(:class:`peagle.model.mask.DocumentMasks`), the same result as one dense mask at a fraction of the
+N^2 work. Splitting by document reads the document ids on the host, free on the CPU; elsewhere
+``sdpa`` stays one dense mask, built without a host read."""
+
+
 def resolve_attention(attention: str, device: torch.device) -> str:
-    """``auto`` is flex on CUDA and sdpa elsewhere; flex training off CUDA is refused (no CPU backward)."""
+    """``auto`` is flex on CUDA and SDPA elsewhere (per document on the CPU); flex training off CUDA is
+    refused (no CPU backward)."""
     if attention == "auto":
-        return "flex" if device.type == "cuda" else "sdpa"
+        attention = "flex" if device.type == "cuda" else "sdpa"
     if attention == "flex" and device.type != "cuda":
         raise UserError("--attention flex needs a CUDA device for training (flex_attention has no CPU "
                         "backward); use --attention sdpa or auto on CPU")
-    return attention
-
-
-def default_compute_dtype(device: torch.device) -> torch.dtype:
-    """bf16 autocast (and bf16 FSDP2 all-gathers) on CUDA; plain fp32 elsewhere."""
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return SDPA_PER_DOCUMENT if attention == "sdpa" and device.type == "cpu" else attention
 
 
 def compiled_graph_count() -> int:
@@ -93,19 +101,42 @@ class DraftStep(nn.Module):
     (``chunked_loss_sum``): peak memory does not grow with e × V. Returns the per-forward LossStats
     fields and the rows' top-1 agreement ``correct_e`` as a tuple, which the wrappers' output
     hooks traverse.
+
+    ``compiler`` says what runs compiled (flex attention, the loss's per-chunk pass); None: eager.
+    A frozen head is read in the compute dtype through one cached copy (:meth:`head_compute_weight`),
+    not cast again for every chunk of every forward.
     """
 
-    def __init__(self, draft: PEagleDraft, num_depths: int, flex: FlexRunner | None = None, loss: str = "forward_kl"):
+    def __init__(self, draft: PEagleDraft, num_depths: int, compiler: DraftCompiler | None = None,
+                 loss: str = "forward_kl"):
         super().__init__()
-        self.draft, self.num_depths, self.flex, self.loss = draft, num_depths, flex, loss
+        self.draft, self.num_depths, self.compiler, self.loss = draft, num_depths, compiler, loss
+        self._head_copy: tuple[tuple[Any, ...], Tensor] | None = None
 
     def forward(self, token_ids_M: Tensor, aux_RAH: Tensor, position_ids_M: Tensor, attn_mask: Any,
                 supervised_idx_e: Tensor, target_ids_ek: Tensor, target_probs_ek: Tensor,
                 depth_e: Tensor) -> tuple[Tensor, ...]:
-        hidden_MH = self.draft(token_ids_M, aux_RAH, position_ids_M, attn_mask, self.flex)
+        compiler = self.compiler
+        hidden_MH = self.draft(token_ids_M, aux_RAH, position_ids_M, attn_mask, compiler and compiler.flex)
         stats, correct_e = chunked_loss_sum(hidden_MH[supervised_idx_e], self.draft.lm_head.weight, target_ids_ek,
-                                          target_probs_ek, depth_e, self.num_depths, loss=self.loss)
+                                            target_probs_ek, depth_e, self.num_depths, loss=self.loss,
+                                            head_compute_VH=self.head_compute_weight(),
+                                            chunk_fn=compiler and compiler.loss_chunk)
         return stats.loss_sum, stats.depth_loss_sum, stats.depth_correct, stats.depth_count, correct_e
+
+    def head_compute_weight(self) -> Tensor:
+        """lm_head's weight in the compute dtype (``loss.compute_weight``). A frozen head's cast copy is
+        kept while the weight is unchanged (its storage and version counter: a load_state_dict
+        bumps it); a trained head, or one already in the compute dtype (FSDP2's bf16 gather), is not
+        copied here."""
+        weight = self.draft.lm_head.weight
+        dtype = matmul_dtype(weight)
+        if weight.requires_grad or dtype == weight.dtype:
+            return compute_weight(weight)
+        key = (weight.data_ptr(), weight._version, weight.device, dtype)
+        if self._head_copy is None or self._head_copy[0] != key:
+            self._head_copy = (key, compute_weight(weight))
+        return self._head_copy[1]
 
 
 def unit_forward(model: nn.Module, batch: TrainBatch, plan: UnitPlan, *, attention: str,
@@ -126,7 +157,7 @@ def unit_forward(model: nn.Module, batch: TrainBatch, plan: UnitPlan, *, attenti
     if attention == "flex":
         attn_mask = block_mask_from_indices(plan.block_indices, peagle_mask_mod(anchor_M, depth_M, doc_M),
                                             device=anchor_M.device)
-    elif anchor_M.device.type == "cpu":  # per document: sum(n_d^2) instead of N^2 (reads doc ids on the host)
+    elif attention == SDPA_PER_DOCUMENT:
         attn_mask = document_masks(anchor_M, depth_M, doc_M)
     else:
         attn_mask = dense_mask(anchor_M, depth_M, doc_M)
@@ -171,16 +202,24 @@ class TrainStep:
         self.world_size, self.cpu_group = world_size, cpu_group
         self.compute_dtype = compute_dtype or default_compute_dtype(device)
         self.draft = draft.to(device)
-        # The compile decision, once per run: Inductor's flex kernels on CUDA, eager flex elsewhere.
-        self.flex = FlexRunner(compile=device.type == "cuda") if attention == "flex" else None
-        self.model = self._parallelize(DraftStep(self.draft, config.num_depths, self.flex, config.loss))
+        if config.fp8_matmuls:  # before compiling: the compiled layers trace the fp8 matmuls
+            from peagle.model.fp8_linear import convert_to_fp8_matmuls
+
+            convert_to_fp8_matmuls(self.draft)
+        # The compile decision, once per run (regional_compile.py): on CUDA each decoder layer
+        # compiled whole with flex attention inside, and the loss's per-chunk pass; eager elsewhere.
+        self.compiler = DraftCompiler(self.draft.layers, mode=resolve_compile_mode(config.compile, device),
+                                      attention=attention, kernel_options=FLEX_KERNEL_OPTIONS[config.flex_kernel],
+                                      loss_chunk=fused_chunk_loss)
+        self.model = self._parallelize(DraftStep(self.draft, config.num_depths, self.compiler, config.loss))
         self.optimizer = build_optimizer(self.draft, config, device)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, config.warmup_steps, total_steps))
 
     def describe(self) -> str:
-        flex = "" if self.flex is None else (" (torch.compile'd)" if self.flex.compiled else " (eager)")
-        return f"attention {self.attention}{flex}, compute {str(self.compute_dtype).removeprefix('torch.')}"
+        fp8 = ", fp8 matmuls" if self.config.fp8_matmuls else ""
+        return (f"attention {self.attention} ({self.compiler.describe()}), "
+                f"compute {str(self.compute_dtype).removeprefix('torch.')}{fp8}")
 
     def _parallelize(self, module: DraftStep) -> nn.Module:
         if self.world_size == 1:
@@ -204,11 +243,8 @@ class TrainStep:
         """One optimizer step over this rank's micro-batches (module docstring, steps 1-3)."""
         self.optimizer.zero_grad(set_to_none=True)
         stats, counts = self.forward_backward(micro_batches)
-        grad_norm = None
-        if self.config.grad_clip > 0:  # the step's first host sync may follow (the optimizer's own)
-            params = [p for p in self.draft.parameters() if p.requires_grad]
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.grad_clip).detach()
-        self.optimizer.step()
+        params = [p for p in self.draft.parameters() if p.requires_grad]
+        grad_norm = clip_and_step(self.optimizer, params, self.config.grad_clip)
         lr = self.scheduler.get_last_lr()[-1]  # --lr's: the last group is AdamW's for both optimizers
         self.scheduler.step()
         return StepResult(stats, *counts, grad_norm=grad_norm, lr=lr)
@@ -230,8 +266,7 @@ class TrainStep:
         total = LossStats.zeros(self.config.num_depths, self.device)
         for i, (j, plan) in enumerate(units):
             with self._gradient_sync(i == len(units) - 1):
-                stats, correct_e = unit_forward(self.model, batches[j], plan, attention=self.attention,
-                                                compute_dtype=self.compute_dtype)
+                stats, correct_e = self._unit_forward(batches[j], plan)
                 _backward(stats.loss_sum * loss_scale)
             total = total + stats.detach()
             correct[j].append(correct_e)
@@ -251,14 +286,24 @@ class TrainStep:
             batch = host_batch.to(self.device, non_blocking=True)
             correct_per_unit = []
             for plan in batch.units:
-                stats, correct_e = unit_forward(self.model, batch, plan, attention=self.attention,
-                                                compute_dtype=self.compute_dtype)
+                stats, correct_e = self._unit_forward(batch, plan)
                 total = total + stats.detach()
                 correct_per_unit.append(correct_e)
             total = total + batch_chain_stats(batch, correct_per_unit)
         self.model.train()
         (no_target_all,) = sum_counts_over_ranks([float(no_target)], self.world_size, self.cpu_group)
         return (all_reduce_stats(total) if self.world_size > 1 else total), int(no_target_all)
+
+    def _unit_forward(self, batch: TrainBatch, plan: UnitPlan) -> tuple[LossStats, Tensor]:
+        """``unit_forward``; a compile failure of the compiled layers falls back (logged) and reruns."""
+        while True:
+            try:
+                with self.compiler.forward_context():
+                    return unit_forward(self.model, batch, plan, attention=self.attention,
+                                        compute_dtype=self.compute_dtype)
+            except Exception as err:  # noqa: BLE001 - only compile failures of the layers are handled
+                if not self.compiler.fall_back(err):
+                    raise
 
     def to_device(self, batches: list[TrainBatch]) -> list[TrainBatch]:
         """Copy pinned batches (indices, unit plans and BlockMask indices included) without waiting."""
@@ -320,36 +365,3 @@ def summarise(stats: LossStats) -> dict[str, Any]:
         "acceptance_length_estimate": chain_acceptance_length(float(s.chain_accepted_sum), float(s.chain_count)),
         "num_chains": int(s.chain_count),
     }
-
-
-def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
-    """Linear warmup over ``warmup_steps``, then cosine decay to ``MIN_LR_RATIO`` at ``total_steps``."""
-    if step < warmup_steps:
-        return (step + 1) / (warmup_steps + 1)
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def build_optimizer(draft: PEagleDraft, config: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW over the trainable fp32 parameters; weight decay on matrices only (not norms, embeddings
-    or ``mask_hidden``, which is an input rather than a weight). Fused on CUDA.
-
-    ``--optimizer muon``: :class:`MuonAdamW` with the same decay split, Muon at ``--muon-lr`` on the
-    decoder layers' matrices and AdamW at ``--lr`` on the rest (muon.py says why each goes where).
-    Every group keeps its own base rate, so the LambdaLR schedule scales both by one factor and
-    keeps their ratio. Under DDP every rank holds the whole, already all-reduced gradient before
-    the step, so Muon's Newton-Schulz runs on identical matrices and the replicas stay identical;
-    FSDP2 shards are refused by the config (TrainConfig)."""
-    if config.optimizer == "muon":
-        from peagle.stages.train.muon import MuonAdamW, muon_param_groups
-
-        groups = muon_param_groups(draft, muon_lr=config.muon_lr, adamw_lr=config.lr,
-                                   weight_decay=config.weight_decay)
-        return MuonAdamW(groups, lr=config.lr, muon_lr=config.muon_lr, betas=(0.9, 0.95), eps=1e-8)
-    decay, no_decay = [], []
-    for name, p in draft.named_parameters():
-        if not p.requires_grad:
-            continue
-        (decay if p.dim() == 2 and not name.startswith("embed_tokens") else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")

@@ -1,12 +1,18 @@
-"""torch.compile in steady state: one compiled flex_attention serves every COD length.
+"""torch.compile in steady state: one compiled graph per region serves every COD length.
 
-The trainer compiles flex attention once per run (``FlexRunner(compile=True)``, ``dynamic=True``).
+The trainer compiles each decoder layer whole, flex attention inside, and the loss's per-chunk pass
+(``--compile layers``, regional_compile.py), or flex attention alone (``--compile flex``,
+``FlexRunner(compile=True)``), always ``dynamic=True``.
 Batches change their COD length N, their block counts and their document layout every step; if any
 of that were baked into the graph, each new shape would recompile (the reference trainer pays
 20-40 s per new COD length on an H100). Here the compiled flex *forward* (Inductor's CPU lowering;
 flex has no CPU backward) runs the draft over real loader batches of a real store, with the
 BlockMasks built from the indices the loader workers ship, and Dynamo's own counters must show at
 most two compiles (the first graph, and at most one re-trace that marks sizes dynamic).
+
+The compiled layers are also trained here, through the real step over real loader batches: SDPA
+on a dense mask (flex has no CPU backward), bf16 autocast as on the GPU, and the step's loss and
+every gradient must equal the eager layers' within bf16 tolerance.
 
 Also here: what the runner does when compiling fails (a compile function that fails on purpose).
 """
@@ -21,12 +27,14 @@ from transformers import AutoConfig
 
 from peagle.model.draft import build_draft_from_target
 from peagle.model.flex import FlexRunner
+from peagle.model.regional_compile import DraftCompiler, uncompile_layers
 from peagle.model.mask import block_mask_from_indices, cod_block_mask, peagle_mask_mod
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.errors import UserError
-from peagle.schemas.train_config import StoreSpec
+from peagle.schemas.train_config import StoreSpec, TrainConfig
 from peagle.stages.train.batch import CodSettings
 from peagle.stages.train.loader import LoaderConfig, TrainLoader
+from peagle.stages.train.loop import Trainer
 from peagle.stages.train.step import compiled_graph_count
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -34,10 +42,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without to
 NUM_BATCHES = 12
 
 
-@pytest.fixture(scope="module")
-def flex_batches(tiny_store):
-    """Real loader batches (flex: the workers ship block indices), of pairwise different COD lengths."""
-    config = LoaderConfig(stores=(StoreSpec(str(tiny_store.root)),), token_budget=160, attention="flex",
+def _distinct_batches(tiny_store, attention: str) -> list:
+    """Real loader batches of pairwise different COD lengths (flex: the workers ship block indices)."""
+    config = LoaderConfig(stores=(StoreSpec(str(tiny_store.root)),), token_budget=160, attention=attention,
                           block_size=32, cod=CodSettings(num_depths=4), num_workers=1)
     loader = TrainLoader(config)
     batches, lengths = [], set()
@@ -48,6 +55,11 @@ def flex_batches(tiny_store):
                 batches.append(batch)
     assert len(batches) >= NUM_BATCHES, f"only {len(batches)} distinct COD lengths"
     return batches[:NUM_BATCHES]
+
+
+@pytest.fixture(scope="module")
+def flex_batches(tiny_store):
+    return _distinct_batches(tiny_store, "flex")
 
 
 def _draft(tiny_store):
@@ -64,20 +76,62 @@ def _forward(draft, batch, flex):
 
 
 @pytest.mark.slow
-def test_compiled_flex_forward_compiles_at_most_twice_over_real_batches(tiny_store, flex_batches):
+@pytest.mark.parametrize("mode", ["flex", "layers"])
+def test_compiled_flex_forward_compiles_at_most_twice_over_real_batches(tiny_store, flex_batches, mode):
+    """``flex``: flex compiled alone (one region); ``layers``: both decoder layers compiled whole with
+    the BlockMask passed in and flex traced inside (two regions: layer 0 and the other layer)."""
     draft = _draft(tiny_store)
     torch._dynamo.reset()  # nothing compiled by earlier tests may serve these calls
-    runner = FlexRunner(compile=True)
+    compiler = DraftCompiler(draft.layers, mode=mode, attention="flex")
     before = compiled_graph_count()
     with torch.no_grad():
-        outputs = [_forward(draft, batch, runner) for batch in flex_batches]
+        outputs = [_forward(draft, batch, compiler.flex) for batch in flex_batches]
     compiles = compiled_graph_count() - before
+    uncompile_layers(draft.layers)
     with torch.no_grad():  # (eager flex traces with Dynamo too, so it is counted apart)
         eager = [_forward(draft, batch, None) for batch in flex_batches[:3]]
-    assert runner.compiled and runner.compile_error is None
-    assert 1 <= compiles <= 2, f"{compiles} graphs compiled over {len(flex_batches)} COD lengths"
+    if mode == "flex":
+        assert compiler.flex.compiled and compiler.flex.compile_error is None
+    regions = 1 if mode == "flex" else 2
+    assert 1 <= compiles <= 2 * regions, f"{compiles} graphs compiled over {len(flex_batches)} COD lengths"
     for got, want in zip(outputs, eager):  # and the compiled kernel computes what eager flex does
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def _trainer(tiny_store, compile: str) -> Trainer:
+    config = TrainConfig(store=(str(tiny_store.root),), target=str(tiny_store.target_dir), out="unused",
+                         num_depths=4, attention="sdpa", compile=compile, max_steps=10, lr=1e-3, warmup_steps=0,
+                         optimizer="adamw")
+    return Trainer.for_model(config, _draft(tiny_store).train(), compute_dtype=torch.bfloat16)
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+@pytest.mark.slow
+def test_compiled_layers_train_like_eager_ones_and_compile_at_most_twice_over_real_batches(tiny_store):
+    batches = _distinct_batches(tiny_store, "sdpa")
+    eager, compiled = _trainer(tiny_store, "off"), _trainer(tiny_store, "layers")
+    assert compiled.step_fn.compiler.mode == "layers" and eager.step_fn.compiler.mode == "off"
+    assert "decoder layers compiled whole" in compiled.step_fn.describe()
+    torch._dynamo.reset()
+    start, graphs = compiled_graph_count(), []
+    for i, batch in enumerate(batches):
+        compiled.step_fn.optimizer.zero_grad(set_to_none=True)
+        stats, (count, _, _) = compiled.step_fn.forward_backward([batch])
+        graphs.append(compiled_graph_count() - start)
+        if i < 2:  # the same loss and gradients as the eager layers (bf16 autocast: bf16 tolerance)
+            eager.step_fn.optimizer.zero_grad(set_to_none=True)
+            want, _ = eager.step_fn.forward_backward([batch])
+            assert float(stats.loss_sum) == pytest.approx(float(want.loss_sum), rel=2e-2)
+            torch.testing.assert_close(stats.depth_count, want.depth_count)
+            for (name, p), q in zip(compiled.draft.named_parameters(), eager.draft.parameters()):
+                if q.grad is not None:
+                    assert _relative(p.grad, q.grad) < 5e-2, name
+    # Three regions (layer 0, the other layers' shared code, the loss chunk): at most two graphs each,
+    # and none after the second batch.
+    assert graphs[-1] <= 6 and graphs[-1] == graphs[1], graphs
 
 
 def _failing_compile(error: Exception):

@@ -1,9 +1,12 @@
 """The CUDA path of training (``pytest -m cuda``; skipped without a CUDA device).
 
 On a GPU these check what the CPU suite cannot: compiled flex attention's loss and gradients
-against SDPA (bf16 autocast, fp32 master weights), the BlockMask built from the loader workers'
-indices against ``create_block_mask`` on the device, that a step issues no host sync before the
-clip (``torch.cuda.set_sync_debug_mode("error")``), and kill -9 + resume through the real CLI.
+against SDPA (bf16 autocast, fp32 master weights), the decoder layers compiled whole (Triton, flex
+inside) against flex compiled alone, the flex kernel options and fp8 matmuls against the default,
+a step on batches copied on the side stream against one on host batches, the BlockMask built from
+the loader workers' indices against ``create_block_mask`` on the device, that a step issues no host
+sync before the optimizer (``torch.cuda.set_sync_debug_mode("error")``), and kill -9 + resume
+through the real CLI.
 Batches come from the real loader over the real tiny store, pinned by the DataLoader's pin thread.
 benchmarks/gpu_suite.sh runs them and records the counts (``cuda_tests`` in its summary).
 """
@@ -24,7 +27,9 @@ from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.train_config import StoreSpec, TrainConfig
 from peagle.stages.train.batch import CodSettings
 from peagle.stages.train.loader import LoaderConfig, TrainLoader
+from peagle.stages.train.device import DevicePrefetcher
 from peagle.stages.train.loop import Trainer
+from peagle.stages.train.optim import clip_and_step
 
 pytestmark = pytest.mark.cuda
 
@@ -41,14 +46,14 @@ def _batches(tiny_store, count: int, *, partitions: int = 1, epoch: int = 0) -> 
     return batches
 
 
-def _trainer(tiny_store, attention: str, partitions: int = 1) -> Trainer:
+def _trainer(tiny_store, attention: str, partitions: int = 1, **options) -> Trainer:
     hf_config = AutoConfig.from_pretrained(tiny_store.target_dir)
     draft_config = DraftConfig.from_target_config(hf_config, num_layers=2, mask_token_id=tiny_store.mask_token_id)
     torch.manual_seed(0)
     draft = build_draft_from_target(tiny_store.target_dir, draft_config, train_lm_head=True)
     config = TrainConfig(store=(str(tiny_store.root),), target=str(tiny_store.target_dir), out="unused",
                          num_depths=4, sequence_partitions=partitions, attention=attention, max_steps=10,
-                         lr=1e-3, warmup_steps=0)
+                         lr=1e-3, warmup_steps=0, **options)
     trainer = Trainer.for_model(config, draft)
     assert trainer.device.type == "cuda" and trainer.step_fn.compute_dtype == torch.bfloat16
     return trainer
@@ -63,14 +68,65 @@ def test_flex_and_sdpa_give_the_same_loss_and_gradients(tiny_store, partitions):
         stats, (count, _, _) = trainer.step_fn.forward_backward(batches)
         grads = {name: p.grad.float().clone() for name, p in trainer.draft.named_parameters() if p.grad is not None}
         results[attention] = (float(stats.loss_sum) / count, grads)
-        if attention == "flex":
-            assert trainer.step_fn.flex.compiled and trainer.step_fn.flex.compile_error is None
+        compiler = trainer.step_fn.compiler
+        assert compiler.mode == "layers" and compiler.fallback_reason is None, compiler.describe()
     (flex_loss, flex_grads), (sdpa_loss, sdpa_grads) = results["flex"], results["sdpa"]
     assert flex_loss == pytest.approx(sdpa_loss, rel=1e-2)
     assert flex_grads.keys() == sdpa_grads.keys() and len(flex_grads) == len(list(trainer.draft.parameters()))
     for name, want in sdpa_grads.items():  # bf16 attention in both, different kernels: relative error
         error = float((flex_grads[name] - want).norm() / want.norm().clamp_min(1e-12))
         assert error < 3e-2, f"{name}: relative gradient difference {error:.3g}"
+
+
+def _loss_and_grads(trainer: Trainer, batches: list) -> tuple[float, dict]:
+    trainer.step_fn.optimizer.zero_grad(set_to_none=True)
+    stats, (count, _, _) = trainer.step_fn.forward_backward(batches)
+    grads = {name: p.grad.float().clone() for name, p in trainer.draft.named_parameters() if p.grad is not None}
+    return float(stats.loss_sum) / count, grads
+
+
+def _assert_close(got: tuple[float, dict], want: tuple[float, dict], rel: float) -> None:
+    assert got[0] == pytest.approx(want[0], rel=rel)
+    assert got[1].keys() == want[1].keys()
+    for name, grad in want[1].items():
+        error = float((got[1][name] - grad).norm() / grad.norm().clamp_min(1e-12))
+        assert error < 3 * rel, f"{name}: relative gradient difference {error:.3g}"
+
+
+@pytest.mark.parametrize("options", [{"compile": "flex"}, {"flex_kernel": "rows-safe"}, {"flex_kernel": "tma"}],
+                         ids=lambda o: next(iter(o.values())))
+def test_compiled_layers_and_kernel_options_compute_what_the_default_does(tiny_store, options):
+    batches = _batches(tiny_store, 2, partitions=2)
+    want = _loss_and_grads(_trainer(tiny_store, "flex", 2), batches)
+    other = _trainer(tiny_store, "flex", 2, **options)
+    _assert_close(_loss_and_grads(other, batches), want, rel=1e-2)
+    assert other.step_fn.compiler.fallback_reason is None, other.step_fn.compiler.describe()
+
+
+def test_fp8_matmuls_train_within_fp8_error_of_bf16(tiny_store):
+    pytest.importorskip("torchao.float8")
+    batches = _batches(tiny_store, 2)
+    want = _loss_and_grads(_trainer(tiny_store, "flex"), batches)
+    fp8 = _trainer(tiny_store, "flex", fp8_matmuls=True)
+    assert "fp8 matmuls" in fp8.step_fn.describe()
+    _assert_close(_loss_and_grads(fp8, batches), want, rel=5e-2)
+
+
+def test_batches_copied_on_the_side_stream_give_the_step_of_host_batches(tiny_store):
+    batches = _batches(tiny_store, 3)
+    results = []
+    for prefetch in (False, True):
+        trainer = _trainer(tiny_store, "flex")
+        steps = iter([[b] for b in batches])
+        source = DevicePrefetcher(steps, trainer.device) if prefetch else steps
+        losses = []
+        for micro_batches in source:
+            if prefetch:
+                assert all(b.aux_TAH.is_cuda for b in micro_batches)
+            trainer.train_step(micro_batches)
+            losses.append(trainer.window_metrics(1.0)["loss"])
+        results.append(losses)
+    assert results[1] == pytest.approx(results[0], rel=1e-5)
 
 
 def test_block_mask_from_loader_indices_equals_create_block_mask_on_the_device(tiny_store):
@@ -97,7 +153,7 @@ def test_block_mask_from_loader_indices_equals_create_block_mask_on_the_device(t
     assert checked >= 8
 
 
-def test_a_step_does_not_sync_with_the_host_before_the_clip(tiny_store):
+def test_a_step_does_not_sync_with_the_host_before_the_optimizer_is_done(tiny_store):
     trainer = _trainer(tiny_store, "flex")
     warmup, timed = _batches(tiny_store, 2), _batches(tiny_store, 1, epoch=1)
     for batch in warmup:  # compiling (and autotuning) may sync; the steady state may not
@@ -108,7 +164,7 @@ def test_a_step_does_not_sync_with_the_host_before_the_clip(tiny_store):
     torch.cuda.set_sync_debug_mode("error")
     try:
         stats, _ = trainer.step_fn.forward_backward(timed)
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        clip_and_step(trainer.step_fn.optimizer, params, 1.0)  # the clip folded into the fused AdamW
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert float(stats.depth_count.sum()) > 0
@@ -128,7 +184,7 @@ def test_kill_and_resume_on_cuda_gives_the_same_losses(tiny_store, tmp_path, run
 
     straight = run_peagle(*args(tmp_path / "straight"))
     assert straight.returncode == 0, straight.stderr[-3000:]
-    assert "attention flex (torch.compile'd), compute bfloat16" in straight.stderr
+    assert "attention flex (decoder layers compiled whole), compute bfloat16" in straight.stderr
     killed = run_peagle(*args(tmp_path / "killed"), env={"PEAGLE_FAILPOINT": "train.step:5"})
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     resumed = run_peagle(*args(tmp_path / "killed"))

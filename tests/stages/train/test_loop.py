@@ -17,7 +17,8 @@ from peagle.schemas.errors import UserError
 from peagle.schemas.train_config import TrainConfig
 from peagle.stages.train import checkpoint as ckpt
 from peagle.stages.train.loop import Trainer, run_training
-from peagle.stages.train.step import lr_factor, resolve_attention
+from peagle.stages.train.optim import lr_factor
+from peagle.stages.train.step import SDPA_PER_DOCUMENT, resolve_attention
 sys.path.insert(0, str(Path(__file__).parent))  # sibling test helpers, whatever pytest's import mode
 from test_partition_equivalence import (assert_same, batch_of, loss_and_grads, random_items, tiny_draft,  # noqa: E402
                                         trainer_for)
@@ -30,7 +31,9 @@ def test_lr_warms_up_then_decays_to_a_tenth():
 
 
 def test_attention_auto_is_sdpa_on_cpu_and_flex_is_refused_there():
-    assert resolve_attention("auto", torch.device("cpu")) == "sdpa"
+    assert resolve_attention("auto", torch.device("cpu")) == SDPA_PER_DOCUMENT == resolve_attention("sdpa", torch.device("cpu"))
+    assert resolve_attention("sdpa", torch.device("cuda", 0)) == "sdpa"
+    assert resolve_attention("auto", torch.device("cuda", 0)) == "flex"
     with pytest.raises(UserError, match="--attention flex needs a CUDA device"):
         resolve_attention("flex", torch.device("cpu"))
 

@@ -269,3 +269,82 @@ def test_a_bf16_head_alone_gets_its_gradient_summed_in_fp32():
         grads.append(weight.grad)
     assert grads[1].dtype == torch.bfloat16
     torch.testing.assert_close(grads[1].float(), grads[0].float(), atol=2e-2, rtol=2e-2)
+
+
+def _autograd_chunk(logits, ids, probs, loss):
+    """The reference: ``_divergence_terms``' per-row loss and its autograd gradient, in fp32."""
+    from peagle.stages.train.loss import ELEMENT_LOSSES
+
+    z = logits.detach().float().requires_grad_()
+    ids = ids.long()
+    in_vocab = ids >= 0
+    counted = in_vocab.any(dim=-1)
+    logp = z.gather(1, ids.clamp_min(0)) - torch.logsumexp(z, dim=-1, keepdim=True)
+    p = torch.where(in_vocab, probs.float(), torch.zeros_like(logp))
+    row = ELEMENT_LOSSES[loss](p, logp, in_vocab) * counted.float()
+    row.sum().backward()
+    return row.detach(), z.grad, counted & (logits.argmax(dim=-1) == ids[:, 0])
+
+
+@pytest.mark.parametrize("loss", ["forward_kl", "tv"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_chunk_loss_equals_autograd_on_the_reference(loss, dtype):
+    from peagle.stages.train.loss import fused_chunk_loss
+
+    generator = torch.Generator().manual_seed(11)
+    ids, probs = random_targets(48, 64, 6, generator)
+    logits = (torch.randn(48, 64, generator=generator) * 3).to(dtype)
+    want_row, want_grad, want_correct = _autograd_chunk(logits, ids, probs, loss)
+    grad = logits.clone()
+    row, correct = fused_chunk_loss(grad, ids, probs, loss)  # the gradient, written over the logits
+    assert grad.dtype == dtype and row.dtype == torch.float32
+    torch.testing.assert_close(row, want_row, atol=1e-5, rtol=1e-5)
+    assert torch.equal(correct, want_correct)
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=4e-3, rtol=1e-2)  # bf16 rounding
+    torch.testing.assert_close(grad.float(), want_grad.to(dtype).float(), **tol)
+    assert torch.all(grad[:3] == 0)  # rows without a target: no loss, no gradient
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", ["forward_kl", "tv"])
+def test_compiled_fused_chunk_loss_equals_eager_and_compiles_at_most_twice(loss):
+    """The trainer compiles the per-chunk pass (dynamic shapes): same numbers, one graph for every
+    chunk height (the last chunk of each forward is shorter), bf16 logits as on the GPU."""
+    from peagle.stages.train.loss import fused_chunk_loss
+    from peagle.stages.train.step import compiled_graph_count
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fused_chunk_loss, dynamic=True)
+    before = compiled_graph_count()
+    generator = torch.Generator().manual_seed(12)
+    for rows in (40, 17, 64, 33, 9, 50, 41, 12, 27, 60):
+        ids, probs = random_targets(rows, 96, 8, generator)
+        logits = torch.randn(rows, 96, generator=generator).to(torch.bfloat16)
+        eager_grad, compiled_grad = logits.clone(), logits.clone()
+        want_row, want_correct = fused_chunk_loss(eager_grad, ids, probs, loss)
+        got_row, got_correct = compiled(compiled_grad, ids, probs, loss)
+        torch.testing.assert_close(got_row, want_row, atol=1e-5, rtol=1e-5)
+        assert torch.equal(got_correct, want_correct)
+        torch.testing.assert_close(compiled_grad.float(), eager_grad.float(), atol=4e-3, rtol=1e-2)
+    assert 1 <= compiled_graph_count() - before <= 2
+
+
+def test_a_passed_compute_copy_of_the_head_changes_nothing():
+    """The trainer hands the loss a cached bf16 copy of a frozen head instead of a cast per chunk."""
+    from peagle.stages.train.loss import compute_weight
+
+    generator = torch.Generator().manual_seed(13)
+    ids, probs = random_targets(30, 20, 4, generator)
+    hidden, weight = torch.randn(30, 8, generator=generator), torch.randn(20, 8, generator=generator)
+    depth = torch.zeros(30, dtype=torch.long)
+    results = []
+    for passed in (False, True):
+        h = hidden.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            copy = compute_weight(weight) if passed else None
+            assert copy is None or copy.dtype == torch.bfloat16
+            stats, _ = chunked_loss_sum(h, weight, ids, probs, depth, 1, chunk_rows=7, head_compute_VH=copy)
+        stats.loss_sum.backward()
+        results.append((stats.to_vector(), h.grad))
+    torch.testing.assert_close(results[1][0], results[0][0], atol=0, rtol=0)
+    torch.testing.assert_close(results[1][1], results[0][1], atol=0, rtol=0)

@@ -221,7 +221,7 @@ def test_state_dict_round_trip_resumes_exactly() -> None:
 
 
 def test_build_optimizer_gives_muon_its_rate_and_the_schedule_keeps_the_ratio() -> None:
-    from peagle.stages.train.step import build_optimizer, lr_factor
+    from peagle.stages.train.optim import build_optimizer, lr_factor
 
     config = TrainConfig(store=("s",), target="t", out="o", optimizer="muon", muon_lr=0.05, lr=1e-3, weight_decay=0.1)
     draft = tiny_draft()
@@ -259,7 +259,7 @@ def test_a_muon_run_resumes_exactly_from_a_mid_checkpoint(tmp_path, tiny_store) 
     from peagle.pipeline import checkpoint_files as cf
     from peagle.stages.train import checkpoint as ckpt
     from peagle.stages.train.loop import run_training
-    from peagle.stages.train.step import lr_factor
+    from peagle.stages.train.optim import lr_factor
     from test_loop import TIMING, metrics, run_config
 
     straight = tmp_path / "straight"

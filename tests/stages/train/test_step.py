@@ -100,6 +100,7 @@ def _trainer(tiny_store, **kw) -> Trainer:
 @pytest.mark.parametrize("partitions", [1, 2])
 def test_forward_backward_runs_no_op_that_syncs_with_the_host(tiny_store, partitions):
     trainer = _trainer(tiny_store, sequence_partitions=partitions, attention="sdpa")
+    trainer.step_fn.attention = "sdpa"  # one dense mask, as off the CPU (per document reads doc ids on the host)
     batches = list(_loader(tiny_store, sequence_partitions=partitions).batches(0))[:2]
     assert sum(len(b.units) for b in batches) == 2 * partitions
     result = {}
@@ -129,7 +130,7 @@ def test_flex_evaluation_runs_no_op_that_syncs_with_the_host(tiny_store):
     """Everything around the flex kernel: the mask_mod closure, the BlockMask from shipped indices."""
     trainer = _trainer(tiny_store, attention="sdpa")
     trainer.step_fn.attention = "flex"  # evaluation only: flex has a CPU forward, no CPU backward
-    trainer.step_fn.model.flex = opaque_flex
+    trainer.step_fn.compiler.flex = opaque_flex
     batches = list(_loader(tiny_store, attention="flex", block_size=32).batches(0))[:2]
     result = {}
     seen = record_host_syncs(lambda: result.update(stats=trainer.step_fn.evaluate(batches)[0]))
@@ -160,3 +161,42 @@ def test_a_step_reports_one_stats_record(tiny_store):
     assert sum(summary["depth_count"]) == result.num_supervised
     record = trainer.window_metrics(1.0)
     assert record["loss"] == pytest.approx(summary["loss"]) and record["graphs_compiled"] == 0
+
+
+def test_the_clip_folded_into_fused_adamw_gives_clip_grad_norm_s_update():
+    """A fused AdamW divides by the clip factor as it reads each gradient (``grad_scale``); the
+    update equals clip_grad_norm_ + step, whether the norm is over the limit or under it."""
+    from peagle.stages.train.optim import clip_and_step
+
+    for max_norm in (0.05, 1e3):
+        results = []
+        for fused in (False, True):
+            torch.manual_seed(0)
+            params = [torch.nn.Parameter(torch.randn(7, 5)), torch.nn.Parameter(torch.randn(11))]
+            opt = torch.optim.AdamW(params, lr=0.1, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+            norms = []
+            for step in range(3):
+                for p in params:
+                    p.grad = torch.randn_like(p, generator=torch.Generator().manual_seed(step)) * 3
+                norms.append(clip_and_step(opt, params, max_norm))
+            assert not hasattr(opt, "grad_scale")
+            results.append(([p.detach().clone() for p in params], norms))
+        (plain, plain_norms), (folded, folded_norms) = results
+        for a, b in zip(folded, plain):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(torch.stack(folded_norms), torch.stack(plain_norms))
+    assert clip_and_step(opt, params, 0.0) is None
+
+
+def test_a_frozen_head_is_cast_once_and_recast_when_it_changes(tiny_store):
+    trainer = _trainer(tiny_store, attention="sdpa")
+    draft_step = trainer.step_fn.model
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        first = draft_step.head_compute_weight()
+        assert first.dtype == torch.bfloat16 and draft_step.head_compute_weight() is first
+        with torch.no_grad():
+            trainer.draft.lm_head.weight.mul_(2)  # a load_state_dict, say
+        second = draft_step.head_compute_weight()
+    assert second is not first
+    torch.testing.assert_close(second.float(), (trainer.draft.lm_head.weight.detach()).to(torch.bfloat16).float())
+    assert draft_step.head_compute_weight().dtype == torch.float32  # no autocast: the weight itself

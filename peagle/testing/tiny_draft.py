@@ -1,0 +1,39 @@
+"""Small random P-EAGLE drafts and flat COD rows for tests (tests/model, tests/stages/train)."""
+
+from __future__ import annotations
+
+import torch
+
+from peagle.model.draft import PEagleDraft
+from peagle.schemas.draft_config import DraftConfig
+
+
+def small_config(**overrides) -> DraftConfig:
+    fields = dict(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
+                  rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                  num_layers=3, target_hidden_size=64, num_aux=3, target_vocab_size=200,
+                  draft_vocab_size=200, mask_token_id=199, max_position_embeddings=512,
+                  aux_layer_ids=[2, 4, 5])
+    fields.update(overrides)
+    return DraftConfig(**fields)
+
+
+def random_draft(config: DraftConfig, seed: int = 0, **kwargs) -> PEagleDraft:
+    torch.manual_seed(seed)
+    draft = PEagleDraft(config, **kwargs)
+    with torch.no_grad():  # non-trivial norms (fc_norm.{j} too) so that a swapped or skipped norm would show
+        for name, param in draft.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    return draft
+
+
+def cod_row(lengths: list[int], num_depths: int):
+    """A full-chain flat COD row (every anchor at every depth) of packed samples, in the COD layout."""
+    offsets = torch.tensor([0] + lengths[:-1]).cumsum(0)
+    anchor_N = torch.cat([torch.cat([torch.arange(n) + o for n, o in zip(lengths, offsets)])
+                          for _ in range(num_depths)])
+    depth_N = torch.arange(num_depths).repeat_interleave(sum(lengths))
+    sample_start_N = torch.cat([torch.full((n,), int(o)) for n, o in zip(lengths, offsets)]).repeat(num_depths)
+    position_N = anchor_N - sample_start_N + depth_N
+    return anchor_N, depth_N, position_N
