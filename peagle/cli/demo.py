@@ -320,8 +320,9 @@ def print_summary(summary: dict) -> None:
             lines.append(f"{'':<12} on {calm.get('num_prompts')} prompts with non-repetitive continuations: "
                          f"acceptance length {_fmt(calm.get('acceptance_length'))}")
         if section.get("speedup") is not None:
-            lines.append(f"{'':<12} wall-clock speedup over plain decoding {_fmt(section.get('speedup'))}x "
-                         "(tiny target on CPU: the draft costs as much as the target)")
+            plain = "vLLM serving the target alone" if mode == "vllm" else "plain decoding in our loop"
+            lines.append(f"{'':<12} {_fmt(section.get('tokens_per_target_forward'))} tokens per target forward; "
+                         f"wall-clock speedup {_fmt(section.get('speedup'))}x over {plain} (CPU)")
     times = ", ".join(f"{k} {v:.0f}s" for k, v in summary["timings_s"].items())
     lines += [f"time         {summary['wall_s']:.0f} s total ({times})",
               f"report       {summary['report_dir']}/report.json and its PNG plots", "=" * 72]

@@ -223,6 +223,10 @@ def summary_table(report: dict[str, Any]) -> str:
         lines.append(f"own loop: {_fmt(online.get('tokens_per_target_forward'), 2)} tokens/target forward, "
                      f"speedup {_fmt(online.get('speedup'), 2)}x over plain decoding, non-repetitive prompts AL "
                      f"{_fmt((online.get('non_repetitive') or {}).get('acceptance_length'))}")
+    served = report.get("vllm") or {}
+    if served.get("speedup") is not None:
+        lines.append(f"vLLM: {_fmt(served.get('tokens_per_target_forward'), 2)} tokens/target forward, "
+                     f"speedup {_fmt(served.get('speedup'), 2)}x over vLLM serving the target alone (same prompts)")
     for mode, key in (("online", "greedy_output_matches_plain"), ("vllm", "greedy_output_matches_target_only")):
         value = (report.get(mode) or {}).get(key)
         if value is not None:

@@ -82,6 +82,8 @@ class VllmResult:
             "acceptance_length_by_k": by_k,
             "acceptance_length": by_k[-1] if by_k else float("nan"),
             "generated_tokens": tokens,
+            # every prompt's first token comes from its prefill, every later forward verifies a draft
+            "tokens_per_target_forward": tokens / (self.num_drafts + len(self.outputs)) if self.outputs else None,
             "spec_seconds": self.seconds,
             "spec_tokens_per_second": tokens / self.seconds if self.seconds else float("nan"),
             "settings": self.settings,
@@ -91,6 +93,8 @@ class VllmResult:
             out["plain_seconds"] = self.target_only_seconds
             out["plain_tokens_per_second"] = plain_tokens / self.target_only_seconds if self.target_only_seconds else None
             out["greedy_output_matches_target_only"] = self.outputs == self.target_only_outputs
+            out["speedup"] = (out["spec_tokens_per_second"] / out["plain_tokens_per_second"]
+                              if out["plain_tokens_per_second"] else None)
         return out
 
 
