@@ -135,7 +135,7 @@ def demo(
          "--backend", backend_name, "--regenerate", "--temperature", "0.7", "--max-new-tokens", "160",
          "--max-seq-len", "512", "--samples-per-shard", "256", "--seed", str(seed), "--hidden-dtype", hidden_dtype],
         "extract")
-    timings["vocab"] = stage(["vocab", str(store), "--draft-vocab-size", "512", "--quiet"], "vocab")
+    timings["vocab"] = stage(["vocab", "--store", str(store), "--draft-vocab-size", "512", "--quiet"], "vocab")
     timings["train"] = stage(
         ["train", "--store", str(store), "--target", str(target), "--out", str(run),
          "--num-layers", str(num_layers), "--num-depths", str(num_depths), "--draft-vocab-size", "512",

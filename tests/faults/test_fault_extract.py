@@ -95,7 +95,7 @@ def compare_with_baseline(base, store: Path, runner, outcome: Outcome) -> None:
     diffs = diff_snapshots(base.files, got)
     outcome.problems += [f"after the re-run: {d}" for d in diffs]
     outcome.data_lost += lost_samples(base, got)
-    verify = runner.run("store", "verify", store)
+    verify = runner.run("store", "verify", "--store", store)
     if verify.returncode != 0 or "Traceback" in verify.stderr:
         outcome.problems.append("`peagle store verify` failed:\n" + verify.describe())
 
