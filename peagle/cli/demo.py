@@ -23,7 +23,11 @@ from typing import Optional
 import typer
 
 from peagle.cli import VERBOSE_KEY, app
+from peagle.cli.config_command import PeagleCommand, check_out_is_not_a_file, split_list
+from peagle.schemas.dtypes import dtype_choice
 from peagle.schemas.errors import UserError
+from peagle.schemas.eval_config import EVAL_MODES
+from peagle.schemas.store import HIDDEN_DTYPES
 
 DEFAULT_CACHE = Path(os.environ.get("PEAGLE_CACHE_DIR", Path.home() / ".cache" / "peagle"))
 
@@ -78,26 +82,50 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
-@app.command("demo")
+def check_demo_options(*, out: Path, hidden_dtype: str, eval_modes: str | None, counts: dict[str, int],
+                       seed: int) -> tuple[str, str | None]:
+    """Every option, before the demo starts (a typo must not wait for the pipeline to run): (the hidden
+    dtype, the eval modes) as the stages take them.
+
+    Raises:
+        UserError: one line naming the option.
+    """
+    check_out_is_not_a_file(out)
+    hidden_dtype = dtype_choice("hidden-dtype", hidden_dtype, HIDDEN_DTYPES)
+    if eval_modes is not None:
+        modes = split_list(eval_modes, str, "eval-modes")
+        unknown = sorted(set(modes) - set(EVAL_MODES))
+        if unknown or not modes:
+            raise UserError(f"--eval-modes takes a comma list of {','.join(EVAL_MODES)}, got {eval_modes!r}")
+        eval_modes = ",".join(modes)
+    for flag, value in counts.items():
+        if value < 1:
+            raise UserError(f"--{flag} must be >= 1, got {value}")
+    if seed < 0:
+        raise UserError(f"--seed must be >= 0, got {seed}")
+    return hidden_dtype, eval_modes
+
+
+@app.command("demo", cls=PeagleCommand)
 def demo(
     ctx: typer.Context,
     out: Path = typer.Option(Path("peagle-demo"), "--out", help="Directory for everything the demo writes "
-                             "(data, store, run, export, report). Re-running reuses finished stages."),
+                             "(data, store, run, export, report). Re-running reuses finished stages.", metavar="DIR"),
     cache_dir: Path = typer.Option(DEFAULT_CACHE, "--cache-dir", help="Where the trained demo target is "
-                                   "cached (env PEAGLE_CACHE_DIR)."),
+                                   "cached (env PEAGLE_CACHE_DIR).", metavar="DIR"),
     backend: Backend = typer.Option(Backend.auto, "--backend", help="Extract backend: auto (vllm if it imports), "
-                                    "vllm, hf."),
-    num_depths: int = typer.Option(5, "--num-depths", help="K: tokens the draft proposes per step."),
-    num_layers: int = typer.Option(1, "--num-layers", help="Draft decoder layers."),
-    train_steps: int = typer.Option(300, "--train-steps", help="Draft training steps."),
-    target_steps: int = typer.Option(200, "--target-steps",
+                                    "vllm, hf.", metavar="auto|vllm|hf"),
+    num_depths: int = typer.Option(5, "--num-depths", help="K: tokens the draft proposes per step.", metavar="N"),
+    num_layers: int = typer.Option(1, "--num-layers", help="Draft decoder layers.", metavar="N"),
+    train_steps: int = typer.Option(300, "--train-steps", help="Draft training steps.", metavar="N"),
+    target_steps: int = typer.Option(200, "--target-steps", metavar="N",
                                      help="Training steps of the demo target (first run only; cached by its settings)."),
-    num_heldout: int = typer.Option(16, "--num-heldout", help="Chats held out as eval prompts."),
-    seed: int = typer.Option(0, "--seed", help="Seed for data split, training and sampling."),
+    num_heldout: int = typer.Option(16, "--num-heldout", help="Chats held out as eval prompts.", metavar="N"),
+    seed: int = typer.Option(0, "--seed", help="Seed for data split, training and sampling.", metavar="N"),
     hidden_dtype: str = typer.Option("bf16", "--hidden-dtype", help="How the store keeps the aux hidden states: "
                                      "bf16, or fp8 (about half the disk; docs/fp8.md).", metavar="bf16|fp8"),
     eval_modes: Optional[str] = typer.Option(None, "--eval-modes", help="Comma list of offline,online,vllm "
-                                             "(default: all that can run here)."),
+                                             "(default: all that can run here).", metavar="offline,online,vllm"),
 ) -> None:
     """Run the whole pipeline on a tiny target trained on Python's own documentation.
 
@@ -108,6 +136,10 @@ def demo(
     """
     from peagle.testing.demo_target import DemoTargetSpec, build_demo_target
 
+    hidden_dtype, eval_modes = check_demo_options(
+        out=out, hidden_dtype=hidden_dtype, eval_modes=eval_modes, seed=seed,
+        counts={"num-depths": num_depths, "num-layers": num_layers, "train-steps": train_steps,
+                "target-steps": target_steps, "num-heldout": num_heldout})
     started = time.monotonic()
     out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
