@@ -8,8 +8,9 @@ must not "succeed": it would leave a store with nothing to train on, found out o
   ``--strict`` applies to it as to a real run (one line naming the first bad record);
 * a dry or real run fails (``check_input``, exit 2) when it reads no usable record, when what it
   commits holds no supervised token, or when it skips more than ``--max-skipped-share`` of the
-  records it read; the line names the first few bad records (file and line, or row) and why, in
-  words, not as a Python dict.
+  records it read (blank lines are no records); the line names the first few bad records (file and
+  line, or row) and why, in words, not as a Python dict. A real run judges every shard of its worker
+  by their commit records, so a worker killed and re-run fails as the uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -72,8 +73,9 @@ def words(skipped: dict[str, int]) -> str:
 
 
 def record_skips(skipped: dict[str, int]) -> int:
-    """Skipped records (the counts also hold samples dropped from kept records, which are not records)."""
-    return sum(n for reason, n in skipped.items() if reason in C.SKIP_REASONS)
+    """Skipped records (the counts also hold samples dropped from kept records, which are not records),
+    blank lines left out: they are no records a user meant, and count neither way."""
+    return sum(n for reason, n in skipped.items() if reason in C.SKIP_REASONS and reason != C.BLANK_LINE)
 
 
 @dataclass(kw_only=True)
@@ -112,7 +114,7 @@ def scan_records(ranges: Iterable[tuple[str, int, int]], *, strict: bool) -> Inp
             if strict:
                 raise UserError(f"{bad} [--strict]")
             scan.skipped[bad.reason] += 1
-            if len(scan.examples) < NUM_EXAMPLES:
+            if len(scan.examples) < NUM_EXAMPLES and bad.reason != C.BLANK_LINE:
                 scan.examples.append(bad)
     return scan
 
@@ -126,7 +128,8 @@ def check_input(*, num_records: int, skipped: dict[str, int], examples: list[Bad
         UserError: one line with the counts in words and the first bad records.
     """
     num_skipped = record_skips(skipped)
-    if not num_records:
+    num_records -= skipped.get(C.BLANK_LINE, 0)
+    if num_records <= 0:
         return
     share, advice = num_skipped / num_records, "fix the input"
     if num_skipped == num_records:

@@ -27,7 +27,7 @@ from peagle.schemas.extract_config import ExtractConfig
 from peagle.stages.extract.backend import TargetBackend, TargetOutput
 from peagle.stages.extract.readers import check_data_path, iter_file_records
 from peagle.stages.extract.regenerate import SamplingSettings, regenerate_records
-from peagle.stages.extract.conversation import CONTAINS_MASK_TOKEN
+from peagle.stages.extract.conversation import BLANK_LINE, CONTAINS_MASK_TOKEN
 from peagle.stages.extract.input_check import NUM_EXAMPLES, BadRecord, check_input, words
 from peagle.stages.extract.run_plan import ExtractPlan, check_fits, format_plan, make_plan
 from peagle.stages.extract.template import TokenizedSample, prepare_record
@@ -149,7 +149,7 @@ def prepare_shard(shard: P.PlannedShard, records: list, target: Target, settings
             if config.strict:
                 raise UserError(f"{bad} [--strict]")
             out.skipped[prepared.skip_reason] += 1
-            if len(out.examples) < NUM_EXAMPLES:
+            if len(out.examples) < NUM_EXAMPLES and prepared.skip_reason != BLANK_LINE:
                 out.examples.append(bad)
             continue
         if prepared.num_dropped:
@@ -230,6 +230,7 @@ def run_extract(config: ExtractConfig, *, echo: Callable[[str], None] = print,
         # A run killed between its last commit record and the manifest left the manifest stale.
         rebuild_manifest(root)
         echo("nothing to do: every shard of this worker is committed")
+        check_worker_input(root, mine, [], config)  # as loud as the run that committed them
         return summary
 
     backend = open_backend(backend_name, config, settings, target)
@@ -270,9 +271,24 @@ def run_extract(config: ExtractConfig, *, echo: Callable[[str], None] = print,
     if skipped_total.get(CONTAINS_MASK_TOKEN):
         echo(f"warning: {skipped_total[CONTAINS_MASK_TOKEN]} records contain the mask token {settings.mask_token_id} "
              "and were skipped; `peagle store info` shows the counts")
-    check_input(num_records=sum(s.num_records for s in pending), skipped=skipped_total, examples=examples,
-                supervised_tokens=supervised, max_skipped_share=config.max_skipped_share, what="extraction")
+    check_worker_input(root, mine, examples, config)
     return summary
+
+
+def check_worker_input(root: Path, mine: list[P.PlannedShard], examples: list[BadRecord],
+                       config: ExtractConfig) -> None:
+    """``check_input`` over every shard of this worker, from their commit records: a killed and re-run
+    worker fails as the uninterrupted one would (``examples``: the bad records this run saw)."""
+    indices = {s.index for s in mine}
+    records = [r for r in list_commits(root) if r.index in indices]
+    skipped: Counter = Counter()
+    for r in records:
+        skipped.update(r.skipped)
+    counted = all(r.token_counts or not r.num_samples for r in records)  # older records did not count
+    supervised = sum(n for r in records for k, n in r.token_counts.items() if k.startswith(S.SUPERVISED + "."))
+    check_input(num_records=sum(r.num_records for r in records), skipped=skipped, examples=examples,
+                supervised_tokens=supervised if counted else None, max_skipped_share=config.max_skipped_share,
+                what="extraction")
 
 
 def _close_quietly(writer: ShardWriter) -> None:
