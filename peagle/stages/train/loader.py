@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from peagle.pipeline.atomic import canonical_json
 from peagle.pipeline.plan import store_completeness
 from peagle.pipeline.split import is_heldout
-from peagle.pipeline.store import Store, manifest_hash, open_store
+from peagle.pipeline.store import Store, check_shards, manifest_hash, open_store
 from peagle.pipeline.store_reader import ShardReader, read_num_positions
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
@@ -296,9 +296,12 @@ class TrainLoader:
         """Each store opened now, holding only the decided shards (their commit statistics checked)."""
         stores = []
         for store, shards in zip(self.stores, decided.shards):
-            now = open_store(store.root, verify=self.config.verify)
-            wanted = set(shards)
+            now, wanted = open_store(store.root), set(shards)  # sizes; --verify hashes each shard once:
             stores.append(replace(now, shards=[r for r in now.shards if r.index in wanted]))
+            new = [r for r in stores[-1].shards if (str(now.root), r.index) not in self._columns]
+            problems = check_shards(now.root, new, verify=True) if self.config.verify else []
+            if problems:
+                raise UserError(f"store {now.root} is damaged: {problems[0]}")
             if not self.config.allow_bad_aux_rows:
                 check_commit_stats(stores[-1])
         index = build_sample_index(stores, self.config, self._columns, warn=False)
