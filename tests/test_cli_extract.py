@@ -113,10 +113,10 @@ def test_store_layout_matches_design(baseline):
         "skipped", "num_truncated", "backend", "stats", "token_counts", "num_supervised_turns"}
     stats = manifest["shards"][0]["stats"]  # content statistics, one entry per aux layer (peagle store check)
     assert len(stats["layers"]) == 3 and stats["layers"][0]["zero_rows"] == 0 and stats["topk"]["non_finite_rows"] == 0
-    info = _ok(run_peagle("store", "info", baseline)).stdout
+    info = _ok(run_peagle("store", "info", "--store", baseline)).stdout
     assert f"tokens       {manifest['num_tokens']:,}" in info and "malformed_json 1" in info
     assert "on disk vs 816 raw tensor bytes" in info
-    assert "verify ok: 5 committed shards" in _ok(run_peagle("store", "verify", baseline)).stdout
+    assert "verify ok: 5 committed shards" in _ok(run_peagle("store", "verify", "--store", baseline)).stdout
 
 
 def test_verify_exits_non_zero_on_a_damaged_shard(baseline, tmp_path):
@@ -126,7 +126,7 @@ def test_verify_exits_non_zero_on_a_damaged_shard(baseline, tmp_path):
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
-    proc = run_peagle("store", "verify", damaged)
+    proc = run_peagle("store", "verify", "--store", damaged)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert f"{S.tensors_name(2)} sha256 does not match its commit record" in proc.stderr
     assert "verify FAILED: 1 problem(s) in 5 committed shards" in proc.stderr
@@ -148,6 +148,7 @@ def test_rerun_skips_committed_shards(baseline, data, tiny_llama):
     mtimes = {p: p.stat().st_mtime_ns for p in (baseline / S.SHARDS_DIR).iterdir()}
     proc = _ok(run_peagle(*_args(data, tiny_llama, baseline)))
     assert "5 already committed, 0 to do" in proc.stdout and "nothing to do" in proc.stdout
+    assert "shards       5 of 5 committed (backend hf)" in _ok(run_peagle("store", "info", "--store", baseline)).stdout
     assert {p: p.stat().st_mtime_ns for p in (baseline / S.SHARDS_DIR).iterdir()} == mtimes
 
 
@@ -160,7 +161,7 @@ def test_kill_at_every_failpoint_then_resume_gives_identical_store(baseline, dat
         assert proc.returncode == -signal.SIGKILL, (failpoint, proc.returncode, proc.stderr)
     _ok(run_peagle(*_args(data, tiny_llama, out)))
     assert _snapshot(out) == _snapshot(baseline)
-    assert "verify ok" in _ok(run_peagle("store", "verify", out)).stdout
+    assert "verify ok" in _ok(run_peagle("store", "verify", "--store", out)).stdout
 
 
 def test_kill_at_a_random_moment_then_resume(baseline, data, tiny_llama, tmp_path):
@@ -194,7 +195,34 @@ def test_missing_model_dir_and_unreadable_data_are_one_line(data, tiny_llama, tm
 
 def test_strict_is_one_line_naming_file_and_line(data, tiny_llama, tmp_path):
     _one_line_error(run_peagle(*_args(data, tiny_llama, tmp_path / "s", "--strict")),
-                    f"{data['a']} line 7: malformed_json")
+                    f"{data['a']} line 7: not valid JSON (malformed_json)")
+
+
+def test_bad_input_is_loud_in_the_dry_run_the_real_run_vocab_and_store_check(data, tiny_llama, tmp_path):
+    """An input of nothing but bad lines must not "succeed" anywhere (issue 22)."""
+    bad = tmp_path / "allbad.jsonl"
+    bad.write_text('{oops\n{"messages": "x"}\n')
+    out = tmp_path / "s"
+    args = ["extract", "--data", bad, "--target", tiny_llama, "--out", out, *COMMON]
+    # the dry run decodes every line it counts, and --strict applies to it
+    _one_line_error(run_peagle(*args, "--dry-run", "--strict"), f"{bad} line 1: not valid JSON (malformed_json)",
+                    "[--strict]")
+    line = _one_line_error(run_peagle(*args, "--dry-run"), "the dry run found no usable record: all 2 were skipped")
+    assert "1 not valid JSON" in line and f"first: {bad} line 1: not valid JSON" in line
+    assert f"{bad} line 2: `messages` (or `conversations`) is not a list" in line
+    assert not out.exists()
+    line = _one_line_error(run_peagle(*args), "extraction found no usable record", f"{bad} line 2")
+    assert "{'" not in line  # in words, not a Python dict
+    # what it committed (an empty shard) is refused downstream
+    vocab = run_peagle("vocab", "--store", out, "--draft-vocab-size", "10", "--quiet")
+    _one_line_error(vocab, "holds no supervised token")
+    check = run_peagle("store", "check", "--store", out)
+    assert check.returncode == 1 and "the store holds no supervised token" in check.stdout, check.stdout
+    # a share of bad records above --max-skipped-share fails too (2 of the 22 records of a.jsonl are bad)
+    line = _one_line_error(run_peagle(*_args(data, tiny_llama, tmp_path / "t", "--dry-run", "--max-skipped-share",
+                                             "0.05")), "skipped 2 of 22 records (9%, more than --max-skipped-share 0.05)")
+    assert f"{data['a']} line 7: not valid JSON" in line and f"{data['a']} line 14" in line
+    _ok(run_peagle(*_args(data, tiny_llama, tmp_path / "t", "--dry-run", "--max-skipped-share", "0.1")))
 
 
 def test_config_file_keys_are_the_flags(data, tiny_llama, tmp_path):

@@ -27,7 +27,7 @@ def pipeline(run_peagle, root: Path, target: Path, backend: str, eval_mode: str)
                   "--hidden-dtype", "fp8", "--samples-per-shard", "8", "--max-seq-len", "256", "--topk", "8",
                   "--device", "cpu"))
     assert open_store(store).settings.hidden_dtype == "fp8"
-    ok(run_peagle("vocab", store, "--draft-vocab-size", "256", "--quiet"))
+    ok(run_peagle("vocab", "--store", store, "--draft-vocab-size", "256", "--quiet"))
     ok(run_peagle("train", "--store", store, "--target", target, "--out", run, "--max-steps", "4",
                   "--num-layers", "1", "--num-depths", "3", "--token-budget", "512", "--draft-vocab-size", "256",
                   "--heldout-fraction", "0.25", "--eval-every", "2", "--log-every", "1", "--num-workers", "1"))

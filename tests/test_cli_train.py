@@ -38,7 +38,7 @@ def store(tmp_path_factory, tiny_llama):
     proc = peagle("extract", "--data", data, "--target", tiny_llama, "--out", root / "store",
                       "--samples-per-shard", "6", "--backend", "hf", "--device", "cpu", "--max-seq-len", "256")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    proc = peagle("vocab", root / "store", "--draft-vocab-size", "200", "--quiet")
+    proc = peagle("vocab", "--store", root / "store", "--draft-vocab-size", "200", "--quiet")
     assert proc.returncode == 0, proc.stderr[-2000:]
     return root / "store"
 

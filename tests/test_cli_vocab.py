@@ -24,7 +24,7 @@ def store(tmp_path_factory, tiny_llama):
 def test_vocab_command_writes_the_vocab_and_reports_coverage(store, tmp_path, run_peagle):
     config = tmp_path / "vocab.toml"
     config.write_text("draft-vocab-size = 50\nquiet = true\n")  # keys are the flags
-    result = run_peagle("vocab", store, "--config", config)
+    result = run_peagle("vocab", "--store", store, "--config", config)
     assert result.returncode == 0, result.stderr
     info = json.loads((store / "vocab" / "draft-50.json").read_text())
     assert f"coverage {info['coverage']:.4f}" in result.stdout
@@ -33,7 +33,7 @@ def test_vocab_command_writes_the_vocab_and_reports_coverage(store, tmp_path, ru
 
 
 def test_vocab_command_refuses_a_size_above_the_target_vocab_in_one_line(store, run_peagle):
-    result = run_peagle("vocab", store, "--draft-vocab-size", "5000")
+    result = run_peagle("vocab", "--store", store, "--draft-vocab-size", "5000")
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr
     assert "5000" in result.stderr and "1024" in result.stderr
@@ -41,9 +41,24 @@ def test_vocab_command_refuses_a_size_above_the_target_vocab_in_one_line(store, 
 
 def test_progress_into_a_pipe_is_plain_lines(store, run_peagle):
     """stderr is a pipe here, as in a log file: one line per 10% and no carriage-return frames."""
-    result = run_peagle("vocab", store, "--draft-vocab-size", "60")
+    result = run_peagle("vocab", "--store", store, "--draft-vocab-size", "60")
     assert result.returncode == 0, result.stderr
     assert "\r" not in result.stderr
     assert [line.split(",")[0] for line in result.stderr.splitlines()] == [
         "counting tokens: 1/2 shard (50%)", "counting tokens: 2/2 shard (100%)"]
-    assert run_peagle("vocab", store, "--draft-vocab-size", "61", "--quiet").stderr == ""
+    assert run_peagle("vocab", "--store", store, "--draft-vocab-size", "61", "--quiet").stderr == ""
+
+
+def test_the_positional_store_still_works_for_a_release_with_a_deprecation_line(store, run_peagle):
+    result = run_peagle("vocab", store, "--draft-vocab-size", "62", "--quiet")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ("peagle: note: `peagle vocab STORE` is deprecated (it goes in the next release); write "
+                             "`peagle vocab --store STORE`\n")
+    info = run_peagle("store", "info", store)
+    assert info.returncode == 0 and "shards       2 of 2 committed" in info.stdout
+    assert "`peagle store info --store STORE`" in info.stderr
+    both = run_peagle("vocab", store, "--store", store.parent, "--draft-vocab-size", "62")
+    assert both.returncode == 2 and "name two values" in both.stderr
+    neither = run_peagle("vocab", "--draft-vocab-size", "62")
+    assert neither.returncode == 2 and neither.stderr.strip() == (
+        "peagle: error: missing option --store STORE. See `peagle vocab --help`.")

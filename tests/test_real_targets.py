@@ -42,8 +42,8 @@ def run_chain(family: str, target: Path, root: Path, run_peagle) -> dict:
     store, run, export = root / "store", root / "run", root / "export"
     ok("extract", "--data", data, "--target", target, "--out", store, "--backend", "hf", "--topk", "8",
        "--max-seq-len", "1024", "--samples-per-shard", "4", "--device", "cpu", "--threads", "2")
-    info = ok("store", "info", store).stdout
-    ok("vocab", store, "--draft-vocab-size", DRAFT_VOCAB)
+    info = ok("store", "info", "--store", store).stdout
+    ok("vocab", "--store", store, "--draft-vocab-size", DRAFT_VOCAB)
     train = ok("train", "--store", store, "--target", target, "--out", run, "--max-steps", "3", "--num-depths", K,
                "--num-layers", "1", "--token-budget", "2048", "--num-workers", "0", "--heldout-fraction", "0",
                "--warmup-steps", "1", "--eval-every", "0")

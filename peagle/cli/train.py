@@ -1,7 +1,7 @@
 """``peagle train``: flags generated from ``TrainConfig`` (README.md, docs/draft-and-export.md, docs/reliability.md), then the trainer.
 
-Run it as is for one process, or under ``torchrun --nproc-per-node N`` for data parallelism (every
-rank runs this same command).
+Run it as is for one process, or as ``torchrun --nproc-per-node N -m peagle train ...`` for data
+parallelism (every rank runs this same command).
 """
 
 from __future__ import annotations
@@ -13,11 +13,15 @@ from peagle.schemas.train_config import ATTENTION_BACKENDS, DRAFT_ARCHITECTURES,
 _HELP = """Train a P-EAGLE draft on shard stores written by `peagle extract`.
 
 Writes RUN_DIR/metrics.jsonl and RUN_DIR/checkpoints/; re-running the same command resumes from the
-newest valid checkpoint. Under `torchrun --nproc-per-node N peagle train ...` it trains with DDP
-(--fsdp: FSDP2, with --optimizer adamw). Example:
+newest valid checkpoint. Under torchrun (`-m peagle train`, as below) it trains with DDP (--fsdp:
+FSDP2, with --optimizer adamw). With --follow it trains while extraction still commits into the
+store (RUN_DIR/epochs.json records the shards of every epoch). Examples:
 
 \b
-  peagle vocab STORE --draft-vocab-size 32000 && peagle train --store STORE --target MODEL_DIR --out RUN
+  peagle vocab --store STORE --draft-vocab-size SIZE
+  peagle train --store STORE --target MODEL_DIR --out RUN_DIR --max-steps STEPS
+  torchrun --nproc-per-node GPUS -m peagle train --store STORE --target MODEL_DIR --out RUN_DIR --max-steps STEPS
+  peagle train --follow --store STORE --target MODEL_DIR --out RUN_DIR --max-steps STEPS
 """
 
 
@@ -29,8 +33,8 @@ def _run(config: TrainConfig) -> None:
 
 COMMAND = ConfigCommand(
     name="train", config_class=TrainConfig, run=_run, help=_HELP,
-    metavars={"store": "PATH[:WEIGHT]", "target": "MODEL_DIR", "out": "RUN_DIR", "attention": "|".join(ATTENTION_BACKENDS),
+    metavars={"store": "STORE[:WEIGHT]", "target": "MODEL_DIR", "out": "RUN_DIR", "attention": "|".join(ATTENTION_BACKENDS),
               "draft_architecture": "|".join(DRAFT_ARCHITECTURES),
               "eval_store": "STORE", "init_from": "EXPORT_DIR", "optimizer": "|".join(OPTIMIZERS),
-              "loss": "|".join(LOSSES)})
+              "loss": "|".join(LOSSES), "epoch_shards": "FILE", "follow_timeout": "SECONDS"})
 COMMAND.register(app)

@@ -10,13 +10,20 @@ an existing store gets indices after every existing one, and a known file keeps 
 Worker partitioning is World-style: worker ``shard_index`` of ``num_shards`` takes every global shard
 ``s`` with ``s % num_shards == shard_index``.
 
-Everything except ``read_registrations`` and ``register_inputs`` is pure and does no I/O.
+The registrations are the store's plan: the shards its inputs make, per input file (the range) and in
+all (their union), recorded the moment a run registers its inputs, before its first shard. A store is
+*complete* when every planned shard has a commit record (:class:`Completeness`): `peagle store info`
+shows it, `store verify` fails without it, and `vocab` and `train` refuse an incomplete store.
+
+Everything except ``read_registrations``, ``register_inputs`` and ``store_completeness`` is pure and
+does no I/O.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -45,6 +52,12 @@ class InputRegistration:
     records_per_shard: int
     first_shard: int
     end_shard: int
+    path: str = ""  # absolute path at first registration ("" in registrations written before it was kept)
+
+    def records_of(self, shard: int) -> tuple[int, int]:
+        """``[first, end)`` records of this file that global shard ``shard`` holds."""
+        first = (shard - self.first_shard) * self.records_per_shard
+        return first, min(first + self.records_per_shard, self.num_records)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,7 +110,8 @@ def assign_registrations(existing: list[InputRegistration], files: list[InputFil
             continue
         reg = InputRegistration(sha256=f.sha256, name=Path(f.path).name, num_records=f.num_records,
                                 records_per_shard=records_per_shard, first_shard=next_shard,
-                                end_shard=next_shard + num_shards_for(f.num_records, records_per_shard))
+                                end_shard=next_shard + num_shards_for(f.num_records, records_per_shard),
+                                path=str(Path(f.path).absolute()))
         by_hash[f.sha256] = reg
         new.append(reg)
         next_shard = reg.end_shard
@@ -160,3 +174,90 @@ def register_inputs(root: str | os.PathLike, files: list[InputFile],
         for reg in new:
             atomic_write_json(registration_path(root, reg.sha256), asdict(reg))
     return existing + new
+
+
+# --------------------------------------------------------------------------------------------------
+# Completeness: the plan against the commit records
+
+
+@dataclass(frozen=True, kw_only=True)
+class Completeness:
+    """How much of a store's plan is committed (module docstring)."""
+
+    root: Path
+    registrations: tuple[InputRegistration, ...]
+    committed: frozenset[int]  # shard indices with a commit record
+
+    @property
+    def planned(self) -> list[int]:
+        """Every shard the registered inputs make, ascending (a file of no records makes none)."""
+        return sorted({s for r in self.registrations for s in range(r.first_shard, r.end_shard)})
+
+    @property
+    def missing(self) -> list[int]:
+        return [s for s in self.planned if s not in self.committed]
+
+    @property
+    def num_committed(self) -> int:
+        """Committed shards of the plan."""
+        return len(self.planned) - len(self.missing)
+
+    @property
+    def recorded(self) -> bool:
+        """Whether the store records a plan: stores from before registrations did not (nor does a
+        store whose inputs all held zero records)."""
+        return bool(self.registrations)
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing
+
+    def registration_of(self, shard: int) -> InputRegistration:
+        return next(r for r in self.registrations if r.first_shard <= shard < r.end_shard)
+
+    def missing_records(self) -> int:
+        return sum(end - first for first, end in (self.registration_of(s).records_of(s) for s in self.missing))
+
+    def planned_records(self) -> int:
+        return sum(r.num_records for r in self.registrations)
+
+    def describe(self) -> str:
+        """``1 of 2 shards committed (missing: shard 1, 10 of 20 planned records)``."""
+        head = f"{self.num_committed} of {len(self.planned)} shards committed"
+        if self.complete:
+            return head
+        return (f"{head} (missing: {plural(len(self.missing), 'shard')} {format_ranges(self.missing)}, "
+                f"{self.missing_records():,} of {self.planned_records():,} planned records)")
+
+    def refusal(self, verb: str) -> str:
+        """The one line with which ``verb`` (vocab, train) refuses an incomplete store."""
+        return (f"store {self.root} is incomplete: {self.describe()}; finish the extraction (`peagle store info "
+                f"--store {self.root}` prints the command), or pass --allow-incomplete to {verb} on what is "
+                "committed")
+
+    def warning(self, verb: str) -> str:
+        """What ``--allow-incomplete`` says: how much is missing."""
+        share = self.missing_records() / max(self.planned_records(), 1)
+        return (f"warning: store {self.root} is incomplete and --allow-incomplete was given: {verb} on "
+                f"{self.describe()}, {share:.0%} of the planned records missing")
+
+
+def store_completeness(root: str | os.PathLike, committed: Iterable[int]) -> Completeness:
+    """The store's plan (its registrations) against ``committed`` (the indices of its commit records)."""
+    return Completeness(root=Path(root), registrations=tuple(read_registrations(root)),
+                        committed=frozenset(committed))
+
+
+def format_ranges(indices: Iterable[int]) -> str:
+    """``[1, 3, 4, 5, 9]`` -> ``"1, 3-5, 9"``."""
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def plural(n: int, word: str) -> str:
+    return word if n == 1 else word + "s"

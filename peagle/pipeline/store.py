@@ -77,7 +77,7 @@ def check_same_settings(existing: S.StoreSettings, wanted: S.StoreSettings, root
     first = [f"target.{f}" for f in ("path", "content_hash", "architecture", "dtype")]
     for key in first + sorted((set(old) | set(new)) - set(first)):
         if old.get(key) != new.get(key):
-            hint = (f" (or convert it: `peagle store convert {root} --hidden-dtype {new[key]} --out NEW`)"
+            hint = (f" (or convert it: `peagle store convert --store {root} --hidden-dtype {new[key]} --out NEW`)"
                     if key == "hidden_dtype" else "")
             raise UserError(f"store {root} was made with {key}={old.get(key)!r}, this run asks for "
                             f"{key}={new.get(key)!r}; use another --out or the store's settings{hint}")
@@ -217,7 +217,7 @@ class Store:
 def damaged(path: Path, err: Exception) -> UserError:
     """The one-line error for a shard file that exists with the right size but does not parse."""
     detail = str(err).strip().splitlines()[0][:120] if str(err).strip() else type(err).__name__
-    return UserError(f"{path} is damaged ({detail}); run `peagle store verify {path.parent.parent}`")
+    return UserError(f"{path} is damaged ({detail}); run `peagle store verify --store {path.parent.parent}`")
 
 
 def open_store(root: str | os.PathLike, *, verify: bool = False) -> Store:
@@ -229,7 +229,7 @@ def open_store(root: str | os.PathLike, *, verify: bool = False) -> Store:
     records = list_commits(root)
     problems = check_shards(root, records, verify=verify)
     if problems:
-        more = f" (and {len(problems) - 1} more; run `peagle store verify {root}`)" if len(problems) > 1 else ""
+        more = f" (and {len(problems) - 1} more; run `peagle store verify --store {root}`)" if len(problems) > 1 else ""
         raise UserError(f"store {root} is damaged: {problems[0]}{more}")
     return Store(root=root, settings=settings, shards=records)
 

@@ -10,7 +10,6 @@ import math
 from dataclasses import dataclass
 
 from peagle.schemas.errors import UserError
-from peagle.schemas.fields import field_docs  # noqa: F401  (the CLI reads the help text through this module)
 
 DEVICES = ("auto", "cpu", "cuda")
 

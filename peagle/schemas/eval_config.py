@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from peagle.schemas.dtypes import dtype_choice
 from peagle.schemas.errors import UserError
 
 EVAL_MODES = ("offline", "online", "vllm")
@@ -83,5 +84,4 @@ class EvalConfig:
             raise UserError(f"--num-depths must be >= 1, got {self.num_depths}")
         if self.device not in DEVICES:
             raise UserError(f"--device must be one of {'|'.join(DEVICES)}, got {self.device!r}")
-        if self.target_dtype not in TARGET_DTYPES:
-            raise UserError(f"--target-dtype must be one of {'|'.join(TARGET_DTYPES)}, got {self.target_dtype!r}")
+        object.__setattr__(self, "target_dtype", dtype_choice("target-dtype", self.target_dtype, TARGET_DTYPES))

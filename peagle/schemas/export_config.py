@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from peagle.schemas.dtypes import dtype_choice
 from peagle.schemas.errors import UserError
 
 EXPORT_DTYPES = ("float32", "bfloat16")
@@ -33,7 +34,6 @@ class ExportConfig:
     the served dtype anyway)."""
 
     def __post_init__(self) -> None:
-        if self.dtype not in EXPORT_DTYPES:
-            raise UserError(f"--dtype must be one of {'|'.join(EXPORT_DTYPES)}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", dtype_choice("dtype", self.dtype, EXPORT_DTYPES))
         if self.speculative_tokens is not None and self.speculative_tokens < 1:
             raise UserError(f"--speculative-tokens must be >= 1, got {self.speculative_tokens}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from peagle.schemas.dtypes import dtype_choice
 from peagle.schemas.errors import UserError
 from peagle.schemas.store import HIDDEN_DTYPES
 
@@ -61,7 +62,13 @@ class ExtractConfig:
     """Fail on the first malformed record (one line naming file and line) instead of skipping it."""
 
     dry_run: bool = False
-    """Print the plan (records, estimated tokens and store size, free disk) and stop."""
+    """Print the plan (records, estimated tokens and store size, free disk) and stop. It decodes and
+    checks every record it counts (--strict applies), and fails as a real run would on bad input."""
+
+    max_skipped_share: float = 0.5
+    """Fail (exit 2, naming the first bad records and why) when more than this share of the records a
+    run reads are skipped as unusable; 1 never fails on skips. A run that reads no usable record, or
+    commits no supervised token, fails whatever this says."""
 
     loss_on: str = "all"
     """Which assistant turns are supervised: `all`, `last` (the last one only), or `per_turn` (one
@@ -147,9 +154,8 @@ class ExtractConfig:
             raise UserError("no input data: pass --data PATH (one or more JSONL or Parquet files)")
         _choice("backend", self.backend, BACKENDS)
         _choice("loss-on", self.loss_on, LOSS_ON)
-        _choice("dtype", self.dtype, DTYPES)
-        _choice("logprob-dtype", self.logprob_dtype, LOGPROB_DTYPES)
-        _choice("hidden-dtype", self.hidden_dtype, HIDDEN_DTYPES)
+        for name, allowed in (("dtype", DTYPES), ("logprob_dtype", LOGPROB_DTYPES), ("hidden_dtype", HIDDEN_DTYPES)):
+            object.__setattr__(self, name, dtype_choice(_flag(name), getattr(self, name), allowed))
         _choice("device", self.device, DEVICES)
         for name in ("topk", "max_seq_len", "samples_per_shard", "num_shards", "batch_size",
                      "max_batch_tokens", "max_new_tokens"):
@@ -166,6 +172,8 @@ class ExtractConfig:
             raise UserError(f"--threads must be >= 0, got {self.threads}")
         if self.temperature < 0:
             raise UserError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.max_skipped_share <= 1:
+            raise UserError(f"--max-skipped-share must be in [0, 1], got {self.max_skipped_share}")
         if not 0 < self.top_p <= 1:
             raise UserError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.aux_layers is not None:

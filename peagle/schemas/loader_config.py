@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from peagle.schemas.errors import UserError
-from peagle.schemas.train_config import StoreSpec
+from peagle.schemas.train_config import StoreSpec, TrainConfig, parse_store_spec
 
 SPLITS = ("train", "heldout", "all")
 LOADER_ATTENTION = ("flex", "sdpa")
@@ -51,6 +51,7 @@ class LoaderConfig:
     verify: bool = False
     dequantize_in_workers: bool = True  # fp8 stores: workers dequantise (CPU); False ships fp8 to the device
     allow_bad_aux_rows: bool = False  # train on stores whose commit statistics show zero/non-finite rows
+    allow_incomplete: bool = False  # train on stores with planned shards not committed (peagle.pipeline.plan)
     mask_token_id: int | None = None  # default: the stores' StoreSettings.mask_token_id
     aux_layer_ids: tuple[int, ...] | None = None  # what the draft reads; None = whatever the stores hold
 
@@ -62,3 +63,26 @@ class LoaderConfig:
                             f"{self.shuffle_window}")
         if self.attention not in LOADER_ATTENTION:
             raise UserError(f"loader attention must be flex or sdpa, got {self.attention!r}")
+
+
+def stream_config(c: TrainConfig, *, aux_layer_ids: tuple[int, ...], attention: str, on_cuda: bool,
+                  eval_split: bool) -> LoaderConfig | None:
+    """The training stream of a run, or its evaluation stream (the eval store, else the held-out split;
+    None if neither). ``attention`` is the step's resolved one; the loader only needs to know whether
+    it is flex (block indices) or any form of SDPA."""
+    stores, split, fraction = c.stores(), "train", c.heldout_fraction
+    if c.eval_store is not None:
+        stores, split, fraction = ([parse_store_spec(c.eval_store)] if eval_split else stores), "all", 0.0
+    elif eval_split:
+        if c.heldout_fraction == 0:
+            return None
+        split = "heldout"
+    return LoaderConfig(
+        stores=tuple(stores), seed=c.seed, token_budget=c.token_budget,
+        cod=CodSettings(num_depths=c.num_depths, down_sample_ratio=c.down_sample_ratio,
+                        down_sample_ratio_min=c.down_sample_ratio_min, max_anchors=c.max_anchors),
+        split=split, heldout_fraction=fraction, shuffle=not eval_split,
+        sequence_partitions=c.sequence_partitions, attention="flex" if attention == "flex" else "sdpa",
+        num_workers=0 if eval_split else c.num_workers, pin_memory=on_cuda,
+        verify=c.verify, dequantize_in_workers=not on_cuda, allow_bad_aux_rows=c.allow_bad_aux_rows,
+        allow_incomplete=c.allow_incomplete, aux_layer_ids=tuple(aux_layer_ids), mask_token_id=c.mask_token_id)

@@ -25,7 +25,7 @@ LOSSES = ("forward_kl", "tv")
 
 SAFE_TO_CHANGE = frozenset({
     "out", "max_steps", "epochs", "eval_every", "save_every", "keep_checkpoints", "log_every", "num_workers",
-    "verify", "eval_store", "allow_bad_aux_rows", "compile", "flex_kernel",
+    "verify", "eval_store", "allow_bad_aux_rows", "compile", "flex_kernel", "allow_incomplete", "follow_timeout",
 })
 """Fields a resumed run may change: they steer how long the run goes, what it reports and where it
 lives (a run directory may be moved), not what a step computes. (Changing the run length re-times
@@ -64,7 +64,7 @@ class TrainConfig:
     """Settings of `peagle train` (docs/cod.md, docs/draft-and-export.md, docs/reliability.md): data, draft shape, optimisation, run mechanics."""
 
     store: tuple[str, ...]
-    """Shard store(s) written by `peagle extract`, as PATH or PATH:WEIGHT. Repeat the flag to mix
+    """Shard store(s) written by `peagle extract`, as STORE or STORE:WEIGHT. Repeat the flag to mix
     stores: each batch draws samples from store i with probability weight_i / sum(weights)."""
 
     target: str
@@ -238,7 +238,29 @@ class TrainConfig:
 
     allow_bad_aux_rows: bool = False
     """Train on stores whose commit statistics show all-zero or non-finite aux rows (by default such
-    a store is refused, naming the shard: `peagle store check STORE` finds the samples)."""
+    a store is refused, naming the shard: `peagle store check --store STORE` finds the samples)."""
+
+    allow_incomplete: bool = False
+    """Train on stores with planned shards that are not committed (a worker died, or is still at work),
+    saying how much is missing; by default such a store is refused, naming the missing shards
+    (`peagle store info --store STORE` prints the command that extracts them)."""
+
+    follow: bool = False
+    """Train while extraction still commits into the stores: start once a shard is committed; each epoch
+    covers the shards committed when it begins (while a store is incomplete, a new epoch waits for a new
+    commit rather than repeat the same data). Needs --max-steps; the draft vocab is the one built before
+    the run starts (`peagle vocab --store STORE --allow-incomplete`), frozen for the run. RUN_DIR/epochs.json
+    records the shards of every epoch; a store still incomplete when the steps are spent is an error
+    (after the final checkpoint) unless --allow-incomplete."""
+
+    follow_timeout: float = 3600.0
+    """With --follow: seconds to wait for the first (or a next) committed shard before giving up with one
+    line naming the missing shards (re-running the same command then resumes)."""
+
+    epoch_shards: str | None = None
+    """Train epoch e on exactly the shards FILE records for it (the RUN_DIR/epochs.json of a --follow run;
+    epochs it does not list cover every committed shard): repeats that run's consumption on the
+    finished store, step for step."""
 
     def __post_init__(self) -> None:
         store = (self.store,) if isinstance(self.store, str) else tuple(self.store or ())
@@ -257,6 +279,13 @@ class TrainConfig:
                             f"got {self.draft_architecture!r}")
         if self.max_steps is not None and self.epochs is not None:
             raise UserError(f"--max-steps {self.max_steps} and --epochs {self.epochs} are exclusive; pass one")
+        if self.follow and self.max_steps is None:
+            raise UserError("--follow needs --max-steps: the length of an epoch is not known before the store is "
+                            "complete, so --epochs cannot size the run")
+        if self.follow and self.epoch_shards is not None:
+            raise UserError("--follow and --epoch-shards are exclusive: --epoch-shards repeats a finished --follow run")
+        if not (math.isfinite(self.follow_timeout) and self.follow_timeout > 0):
+            raise UserError(f"--follow-timeout must be > 0 seconds, got {self.follow_timeout}")
         for name in ("num_depths", "sequence_partitions", "num_layers", "token_budget", "grad_accum",
                      "log_every", "keep_checkpoints"):
             _at_least(name, getattr(self, name), 1)
@@ -338,7 +367,7 @@ def config_mismatch(saved: dict[str, Any], current: TrainConfig) -> str | None:
     return None
 
 
-_PATH_FIELDS = ("target", "out", "init_from")
+_PATH_FIELDS = ("target", "out", "init_from", "epoch_shards")
 
 
 def _normalise(name: str, value: Any) -> Any:

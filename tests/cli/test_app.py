@@ -195,6 +195,6 @@ def test_verbose_decides_whether_the_command_quiets_its_libraries(verbose, monke
     environ = {k: v for k, v in os.environ.items() if k not in owned}
     monkeypatch.setattr(os, "environ", environ)
     with pytest.raises(SystemExit) as exit_info:
-        main([*(["--verbose"] if verbose else []), "store", "info", str(tmp_path / "missing")])
+        main([*(["--verbose"] if verbose else []), "store", "info", "--store", str(tmp_path / "missing")])
     assert exit_info.value.code == 2 and capsys.readouterr().err.startswith("peagle: error: ")
     assert all((k in environ) != verbose for k in QUIET_ENVIRONMENT)

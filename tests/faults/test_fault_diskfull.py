@@ -63,7 +63,7 @@ def check_store_after_failure(store: Path) -> list[str]:
     problems = [f"left behind: {t}" for t in temp_files(store)]
     if (store / "store.json").exists():
         _, bad = verify_store(store)
-        problems += bad
+        problems += [p for p in bad if not p.startswith("incomplete: ")]  # a failed extraction is incomplete
         committed = {p.stem for p in (store / "commits").glob("[0-9]*.json")}
         if (store / "manifest.json").exists():
             listed = {Path(s["parquet"]).stem for s in json.loads((store / "manifest.json").read_text())["shards"]}

@@ -118,7 +118,7 @@ def test_damaged_store_is_refused(extract_baseline, train_baseline, runner, tmp_
         damage.apply(store)
         run = store.parent / (store.name + "-run")
         problems = []
-        verify = runner.run("store", "verify", store)
+        verify = runner.run("store", "verify", "--store", store)
         # Detection: the damaged file named, no traceback. (Its exit status is checked apart, in
         # test_verify_exits_non_zero_on_damage, so that one CLI bug does not hide what is detected.)
         if "Traceback" in verify.stderr or damage.names not in verify.stderr or "verify ok" in verify.stdout:
@@ -175,7 +175,7 @@ def _verify_damaged(extract_baseline, runner, root: Path, damage: Damage) -> Res
     store = root / damage.name.replace(" ", "_").replace(":", "")
     shutil.copytree(extract_baseline.store, store)
     damage.apply(store)
-    return runner.run("store", "verify", store)
+    return runner.run("store", "verify", "--store", store)
 
 
 def test_verify_exits_non_zero_on_damage(extract_baseline, runner, tmp_path, figures):

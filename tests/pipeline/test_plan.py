@@ -77,7 +77,7 @@ def test_register_inputs_writes_the_registry_and_reuses_it(tmp_path):
     assert P.read_registrations(tmp_path) == regs
     stored = json.loads(P.registration_path(tmp_path, "a" * 8).read_text())
     assert stored == {"sha256": "a" * 8, "name": "a", "num_records": 10, "records_per_shard": 4,
-                      "first_shard": 0, "end_shard": 3}
+                      "first_shard": 0, "end_shard": 3, "path": "/data/a"}
     assert P.register_inputs(tmp_path, files, 4) == regs  # idempotent
     more = P.register_inputs(tmp_path, [_file("c", 1)], 4)
     assert [(r.name, r.first_shard) for r in more] == [("a", 0), ("b", 3), ("c", 4)]
@@ -101,3 +101,36 @@ def test_concurrent_registration_never_hands_out_overlapping_ranges(tmp_path):
     assert ranges[0][0] == 0 and ranges[-1][1] == 4 * 3  # contiguous: 4 files x 3 shards
     for names_result in results:  # every worker saw the final ranges of the files it asked for
         assert set(names_result) <= set(final)
+
+
+def test_a_registration_written_before_paths_were_kept_still_reads(tmp_path):
+    (tmp_path / "inputs").mkdir()
+    P.registration_path(tmp_path, "a" * 8).write_text(json.dumps(
+        {"sha256": "a" * 8, "name": "a", "num_records": 10, "records_per_shard": 4, "first_shard": 0, "end_shard": 3}))
+    assert P.read_registrations(tmp_path)[0].path == ""
+
+
+def test_completeness_is_the_plan_against_the_commit_records(tmp_path):
+    """The registrations are the plan (per file and in all); missing = planned without a commit record."""
+    P.register_inputs(tmp_path, [_file("a", 10), _file("b", 3), _file("c", 0)], 4)  # a: 0-2, b: 3, c: none
+    two_workers_one_done = P.store_completeness(tmp_path, [0, 2])  # worker 0 of 2 finished, worker 1 died
+    assert two_workers_one_done.planned == [0, 1, 2, 3]
+    assert two_workers_one_done.missing == [1, 3] and two_workers_one_done.num_committed == 2
+    assert not two_workers_one_done.complete and two_workers_one_done.recorded
+    assert two_workers_one_done.missing_records() == 4 + 3 and two_workers_one_done.planned_records() == 13
+    assert two_workers_one_done.describe() == ("2 of 4 shards committed (missing: shards 1, 3, 7 of 13 planned "
+                                               "records)")
+    refusal = two_workers_one_done.refusal("train")
+    assert "incomplete" in refusal and "shards 1, 3" in refusal and "--allow-incomplete" in refusal
+    assert "54% of the planned records missing" in two_workers_one_done.warning("training")
+    assert P.store_completeness(tmp_path, [0, 1, 2, 3]).complete
+    # a second extract of new inputs extends the plan: the store is incomplete again until they commit
+    P.register_inputs(tmp_path, [_file("d", 5)], 4)
+    extended = P.store_completeness(tmp_path, [0, 1, 2, 3])
+    assert extended.missing == [4, 5] and extended.describe().startswith("4 of 6 shards committed")
+    assert not P.store_completeness(tmp_path / "nothing", [0]).recorded  # a store from before registrations
+
+
+def test_format_ranges():
+    assert P.format_ranges([]) == ""
+    assert P.format_ranges([5, 1, 3, 4, 9]) == "1, 3-5, 9"

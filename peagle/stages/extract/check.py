@@ -1,4 +1,4 @@
-"""`peagle store check STORE`: does the store hold what a target computes? The content check that
+"""`peagle store check --store STORE`: does the store hold what a target computes? The content check that
 ``store verify`` (checksums) is not.
 
 Inference engines have shipped bugs that dump all-zero, NaN or stale hidden states for some requests
@@ -21,7 +21,9 @@ module reads every committed row once and judges, per problem:
 * **duplicated aux rows**: a row equal, bit for bit, to the row of another position whose prefix
   differs (stale state). Equal prefixes give equal states legitimately (a shared system prompt), as
   does a leading run of one repeated token (every position attends to identical values);
-* **commit statistics that disagree with the rows** they were committed with.
+* **commit statistics that disagree with the rows** they were committed with;
+* **no supervised token at all**: a store extracted from input the extractor could not use (every
+  record skipped, or no assistant text) holds nothing a draft can be trained on.
 
 ``check_target`` (``--target``) recomputes samples with the target itself. The report is one
 ``CheckReport`` (``check_report``): a table per problem with counts and the worst samples, and one
@@ -300,6 +302,15 @@ def judge_commit_stats(store: Store, computed: list[tuple[int, S.ShardStats]]) -
                                "changed after commit, with checksums re-made")
 
 
+def judge_supervised(scans: list[_SampleScan]) -> Finding:
+    """A store without one supervised token fails: there is nothing to train on."""
+    supervised = int(sum(s.rows.supervised_n1.sum() for s in scans))
+    return Finding(key="no_supervised_tokens", title="store without a supervised token", unit="stores",
+                   count=int(supervised == 0), allowed=0,
+                   explanation=f"the store holds no supervised token in its {len(scans)} samples: nothing to train "
+                               "on (`peagle store info` shows what extraction skipped, and why)")
+
+
 def _same_stats(a: S.ShardStats, b: S.ShardStats) -> bool:
     da, db = asdict(a), asdict(b)
 
@@ -326,7 +337,7 @@ def check_store(config: CheckConfig, *, progress: bool | None = None,
                          num_samples=store.num_samples, num_tokens=store.num_tokens)
     report.findings = [*judge_rows(store, scans, config), judge_alignment(scans, config),
                        judge_duplicates(scans, keys, config),
-                       judge_commit_stats(store, computed)]
+                       judge_commit_stats(store, computed), judge_supervised(scans)]
     if config.target is not None:
         from peagle.stages.extract.check_target import check_target
 

@@ -1,4 +1,4 @@
-"""`peagle store check STORE --target MODEL_DIR`: recompute random samples with the Hugging Face target
+"""`peagle store check --store STORE --target MODEL_DIR`: recompute random samples with the Hugging Face target
 (extract's own HF backend) and compare them with what the store holds.
 
 Per recomputed sample: the relative error ``||stored − recomputed|| / ||recomputed||`` of each aux

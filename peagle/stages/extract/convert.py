@@ -1,4 +1,4 @@
-"""`peagle store convert STORE --hidden-dtype fp8 --out NEW`: rewrite a store's aux states in another
+"""`peagle store convert --store STORE --hidden-dtype fp8 --out NEW`: rewrite a store's aux states in another
 encoding, shard by shard, resumably, under the extract commit protocol.
 
 Each committed shard of STORE becomes the same shard of NEW: its Parquet file is copied byte for
@@ -11,7 +11,7 @@ into a directory made with other settings is refused in one line (``init_store``
 
 The source shard's sha256 is checked before it is converted: a damaged shard must not come out
 with a fresh, valid checksum. NEW gets STORE's input registrations, so ``peagle extract --out NEW``
-continues it; draft vocabularies are not copied (``peagle vocab NEW`` rebuilds one in seconds,
+continues it; draft vocabularies are not copied (``peagle vocab --store NEW`` rebuilds one in seconds,
 and it records NEW's own manifest hash).
 """
 
@@ -49,7 +49,7 @@ def convert_shard(source: Store, record: S.ShardRecord, out: Path, settings: S.S
     problems = check_shards(source.root, [record], verify=True)
     if problems:
         raise UserError(f"store {source.root} is damaged: {problems[0]}; not converting it (run "
-                        f"`peagle store verify {source.root}`)")
+                        f"`peagle store verify --store {source.root}`)")
     tensors = open_shard_tensors(source, record.index)
     aux = stored_aux(tensors)
     table = source.read_rows(record.index, ["input_ids", "loss_mask", "token_offset", "num_tokens"])
@@ -109,7 +109,7 @@ def convert_store(source_root: str | Path, out_root: str | Path, hidden_dtype: s
     summary = ConvertSummary(source=source.root, out=out, hidden_dtype=hidden_dtype,
                              already=sum(r.index in done for r in source.shards))
     pending = [r for r in source.shards if r.index not in done]
-    echo(f"peagle store convert {source.root} ({source.settings.hidden_dtype}) -> {out} ({hidden_dtype}): "
+    echo(f"peagle store convert --store {source.root} ({source.settings.hidden_dtype}) -> {out} ({hidden_dtype}): "
          f"{len(source.shards)} shards, {summary.already} converted already, {len(pending)} to do")
     bar = tqdm(total=sum(r.num_tokens for r in pending), unit="tok", unit_scale=True, desc="convert",
                file=sys.stderr, disable=None if progress is None else not progress)
@@ -126,7 +126,7 @@ def convert_store(source_root: str | Path, out_root: str | Path, hidden_dtype: s
     echo(f"converted {len(summary.converted)} shards; {after:,} bytes vs {before:,} in {source.root} "
          f"({after / before if before else 0:.3f}x)")
     if (source.root / S.VOCAB_DIR).is_dir():
-        echo(f"note: draft vocabularies are not copied; build one with `peagle vocab {out} --draft-vocab-size N`")
+        echo(f"note: draft vocabularies are not copied; build one with `peagle vocab --store {out} --draft-vocab-size N`")
     return summary
 
 

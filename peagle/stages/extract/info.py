@@ -1,4 +1,5 @@
-"""`peagle store info` (what a store holds) and `peagle store verify` (are its files intact)."""
+"""`peagle store info` (what a store holds, how much of its plan is committed) and `peagle store verify`
+(are its files intact, is every planned shard committed)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from peagle.pipeline.atomic import canonical_json
+from peagle.pipeline.plan import Completeness, format_ranges, plural, store_completeness
 from peagle.pipeline.store import check_shards, list_commits, manifest_dict, read_settings
 from peagle.pipeline.store_reader import raw_bytes_per_token
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 from peagle.stages.extract.conversation import SKIP_REASONS
+from peagle.stages.extract.finish_command import finish_commands
 from peagle.stages.extract.mask_token import describe_mask_token
 
 
@@ -44,6 +47,7 @@ class StoreInfo:
     num_supervised_turns: int
     num_rendered_per_turn: int
     num_shards_without_counts: int  # committed by a peagle that did not count token kinds
+    completeness: Completeness  # the plan (input registrations) against the commit records
 
     @property
     def bytes_per_token(self) -> float:
@@ -83,6 +87,7 @@ def store_info(root: str | Path) -> StoreInfo:
         token_counts=dict(counts), num_supervised_turns=sum(r.num_supervised_turns for r in records),
         num_rendered_per_turn=sum(r.num_rendered_per_turn for r in records),
         num_shards_without_counts=sum(1 for r in records if r.num_tokens and not r.token_counts),
+        completeness=store_completeness(root, (r.index for r in records)),
     )
 
 
@@ -99,7 +104,8 @@ def format_info(info: StoreInfo) -> str:
         + ("" if s.supervise_reasoning else ", reasoning not supervised"),
         f"mask token   {describe_mask_token(s.mask_token_id, s.mask_token, s.mask_token_source)}",
         f"tokenizer    {s.tokenizer_fingerprint[:12]}, chat template {s.chat_template_hash[:12]}",
-        f"shards       {info.num_shards} committed" + (f" (backend {', '.join(info.backends)})" if info.backends else ""),
+        f"shards       {_shards_line(info)}" + (f" (backend {', '.join(info.backends)})" if info.backends else ""),
+        *_missing_lines(info),
         f"records      {info.num_records:,} read, {_record_skips(info.skipped):,} skipped",
         f"samples      {info.num_samples:,} ({info.num_truncated:,} truncated to max_seq_len)",
         f"tokens       {info.num_tokens:,}",
@@ -111,6 +117,28 @@ def format_info(info: StoreInfo) -> str:
     if info.skipped:
         lines.append("skipped      " + ", ".join(f"{k} {v}" for k, v in info.skipped.items()))
     return "\n".join(lines)
+
+
+def _shards_line(info: StoreInfo) -> str:
+    c = info.completeness
+    if not c.recorded:
+        return f"{info.num_shards} committed, no plan recorded (a store from before peagle recorded one)"
+    return f"{c.num_committed} of {len(c.planned)} committed" + ("" if c.complete else ": INCOMPLETE")
+
+
+def _missing_lines(info: StoreInfo) -> list[str]:
+    """Which shards are missing (and whose records they hold), and the command that extracts them."""
+    c = info.completeness
+    if c.complete:
+        return []
+    by_input: dict[str, list[int]] = {}
+    for shard in c.missing:
+        by_input.setdefault(c.registration_of(shard).name, []).append(shard)
+    where = "; ".join(f"{plural(len(shards), 'shard')} {format_ranges(shards)} of {name}"
+                      for name, shards in by_input.items())
+    lines = [f"missing      {where} ({c.missing_records():,} of {c.planned_records():,} planned records)",
+             "finish with  (one worker extracts every missing shard; re-running it after a kill goes on)"]
+    return lines + [f"             {command}" for command in finish_commands(c, info.settings, info.backends)]
 
 
 def _record_skips(skipped: dict[str, int]) -> int:
@@ -165,11 +193,16 @@ def manifest_problem(root: Path, settings: S.StoreSettings, records: list[S.Shar
 
 def verify_store(root: str | Path) -> tuple[int, list[str]]:
     """(number of committed shards, problems): every committed file's size and sha256 against its
-    commit record. An empty problem list means the store is intact."""
+    commit record, and every planned shard committed. An empty problem list means the store is
+    intact and complete."""
     root = _open_root(root)
     settings = read_settings(root)
     records = list_commits(root)
     problems = check_shards(root, records, verify=True)
     if manifest_problem(root, settings, records):
         problems.append(manifest_problem(root, settings, records))
+    completeness = store_completeness(root, (r.index for r in records))
+    if not completeness.complete:
+        problems.append(f"incomplete: {completeness.describe()}; `peagle store info --store {root}` prints the "
+                        "command that finishes it")
     return len(records), problems

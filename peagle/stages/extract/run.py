@@ -8,35 +8,32 @@ batches are a fixed function of a shard's samples, and torch's thread count is f
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from peagle.pipeline import plan as P
 from peagle.pipeline.atomic import remove_stale_temps
 from peagle.pipeline.failpoints import failpoint
 from peagle.pipeline.prefetch import prefetch
 from peagle.pipeline.progress import Progress
-from peagle.pipeline.store import (check_same_settings, init_store, list_commits, read_settings, rebuild_manifest,
-                                   sha256_file)
-from peagle.pipeline.store_reader import raw_bytes_per_token
+from peagle.pipeline.store import init_store, list_commits, rebuild_manifest
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 from peagle.schemas.extract_config import ExtractConfig
 from peagle.stages.extract.backend import TargetBackend, TargetOutput
-from peagle.stages.extract.readers import check_data_path, count_records, iter_file_records
+from peagle.stages.extract.readers import check_data_path, iter_file_records
 from peagle.stages.extract.regenerate import SamplingSettings, regenerate_records
-from peagle.stages.extract.conversation import CONTAINS_MASK_TOKEN
-from peagle.stages.extract.mask_token import describe_mask_token
+from peagle.stages.extract.conversation import BLANK_LINE, CONTAINS_MASK_TOKEN
+from peagle.stages.extract.input_check import NUM_EXAMPLES, BadRecord, check_input, words
+from peagle.stages.extract.run_plan import ExtractPlan, check_fits, format_plan, make_plan
 from peagle.stages.extract.template import TokenizedSample, prepare_record
 from peagle.stages.extract.target import Target, load_target, resolve_backend_name, store_settings
 from peagle.stages.extract.writer import ShardContent, ShardWriter
 
-ESTIMATE_RECORDS = 256  # records tokenized to estimate the token count of a large plan
 PER_TURN_DROPPED = "per_turn_truncated_no_loss"  # per_turn samples cut to no loss (not record skips)
 WRITER_THREADS = 2  # shards written at once: sha256 and file writes release the GIL
 
@@ -51,24 +48,7 @@ class PreparedShard:
     skipped: Counter
     num_truncated: int = 0
     num_rendered_per_turn: int = 0
-
-
-@dataclass(kw_only=True)
-class ExtractPlan:
-    settings: S.StoreSettings
-    files: list[P.InputFile]
-    shards: list[P.PlannedShard]  # every shard of the inputs
-    mine: list[P.PlannedShard]  # this worker's
-    pending: list[P.PlannedShard]  # this worker's, not yet committed
-    estimated_tokens: int
-    estimated_from_records: int
-    estimated_mask_skips: int  # records of the estimate that contain the mask token
-    free_bytes: int
-    notes: list[str] = field(default_factory=list)  # things the user should know before it starts
-
-    @property
-    def estimated_bytes(self) -> int:
-        return self.estimated_tokens * raw_bytes_per_token(self.settings)
+    examples: list[BadRecord] = field(default_factory=list)  # the first skipped records
 
 
 @dataclass(kw_only=True)
@@ -80,116 +60,6 @@ class ExtractSummary:
     @property
     def num_tokens(self) -> int:
         return sum(r.num_tokens for r in self.records)
-
-
-# --------------------------------------------------------------------------------------------------
-# Planning
-
-
-def check_fits(plan: "ExtractPlan", root: Path) -> None:
-    """Refuse to start when the estimated store does not fit on the disk (docs/store.md)."""
-    if plan.estimated_bytes > plan.free_bytes:
-        raise UserError(f"not enough disk for {root}: the plan needs ~{_human(plan.estimated_bytes)}, "
-                        f"{_human(plan.free_bytes)} is free")
-
-
-def input_files(paths: tuple[str, ...]) -> list[P.InputFile]:
-    counts = count_records(paths)  # also checks every path (one-line errors)
-    files = []
-    for path, n in zip(paths, counts):
-        try:
-            digest = sha256_file(path)
-        except OSError as err:
-            raise UserError(f"cannot read data file {path}: {err.strerror or err}") from err
-        files.append(P.InputFile(path=str(path), sha256=digest, num_records=n))
-    return files
-
-
-def make_plan(config: ExtractConfig, target: Target, settings: S.StoreSettings) -> ExtractPlan:
-    """The plan, read-only: nothing is created, so ``--dry-run`` and a refused start leave no trace."""
-    root = Path(config.out)
-    files = input_files(config.data)
-    exists = (root / S.STORE_SETTINGS_FILE).exists()
-    if exists:
-        existing = read_settings(root)
-        if existing.mask_token_source is None:
-            raise UserError(f"store {root} was written by an older peagle that recorded no mask token choice; "
-                            "extract into a new --out (the old store still trains: `peagle train --mask-token-id N`)")
-        check_same_settings(existing, settings, root)
-    registrations = P.read_registrations(root) if exists else []
-    new = P.assign_registrations(registrations, files, config.samples_per_shard)
-    notes = [f"note: {r.name} is in the store already with other content: this content gets new shards "
-             f"{r.first_shard}..{r.end_shard - 1}; the old shards stay" for r in new
-             if any(old.name == r.name for old in registrations)]
-    registrations += new
-    shards = P.plan_shards(files, registrations)
-    mine = P.shards_of_worker(shards, config.shard_index, config.num_shards)
-    done = {r.index for r in list_commits(root)} if exists else set()
-    pending = [s for s in mine if s.index not in done]
-    tokens, sampled, mask_skips = estimate_tokens(pending, target.tokenizer, settings, config.loss_on)
-    if mask_skips:
-        notes.append(f"note: {mask_skips} of the {sampled} records read for the estimate contain the mask token "
-                     f"{settings.mask_token_id}: such records are skipped (contains_mask_token); pass another "
-                     "--mask-token-id if that is too many")
-    probe = root if root.exists() else next((p for p in root.parents if p.exists()), Path("."))
-    return ExtractPlan(settings=settings, files=files, shards=shards, mine=mine, pending=pending,
-                       estimated_tokens=tokens, estimated_from_records=sampled, estimated_mask_skips=mask_skips,
-                       free_bytes=shutil.disk_usage(probe).free, notes=notes)
-
-
-def estimate_tokens(pending: list[P.PlannedShard], tokenizer: Any, settings: S.StoreSettings, loss_on: str,
-                    max_records: int = ESTIMATE_RECORDS) -> tuple[int, int, int]:
-    """(estimated tokens of the pending shards, records tokenized for it, how many of those contain
-    the mask token): every record when there are at most ``max_records``, else the first records of
-    up to 16 evenly spread shards, scaled."""
-    total_records = sum(s.num_records for s in pending)
-    if not total_records:
-        return 0, 0, 0
-    picks = pending if len(pending) <= 16 else [pending[i * len(pending) // 16] for i in range(16)]
-    per_shard = max(1, max_records // len(picks))
-    tokens = sampled = mask_skips = 0
-    for shard in picks:
-        stop = shard.end_record if total_records <= max_records else min(shard.end_record, shard.first_record + per_shard)
-        for record in iter_file_records(shard.input_path, shard.first_record, stop):
-            prepared = prepare_record(record, tokenizer, loss_on=loss_on, max_seq_len=settings.max_seq_len,
-                                      mask_token_id=settings.mask_token_id)
-            tokens += sum(len(s.input_ids) for s in prepared.samples)
-            mask_skips += prepared.skip_reason == CONTAINS_MASK_TOKEN
-            sampled += 1
-    return round(tokens * total_records / max(sampled, 1)), sampled, mask_skips
-
-
-def format_plan(plan: ExtractPlan, config: ExtractConfig, store: Path) -> str:
-    s, t = plan.settings, plan.settings.target
-    num_records = sum(f.num_records for f in plan.files)
-    pending_records = sum(p.num_records for p in plan.pending)
-    how = "exact" if plan.estimated_from_records >= pending_records else f"from {plan.estimated_from_records} records"
-    lines = [
-        f"peagle extract plan -> {store}",
-        f"  target     {t.path} ({t.architecture}, {t.num_hidden_layers} layers, hidden {t.hidden_size}, "
-        f"vocab {t.vocab_size}, {t.dtype})",
-        f"  inputs     {len(plan.files)} file(s), {num_records} records -> {len(plan.shards)} shards "
-        f"({config.samples_per_shard} records per shard)",
-        f"  worker     {config.shard_index} of {config.num_shards}: {len(plan.mine)} shards, "
-        f"{len(plan.mine) - len(plan.pending)} already committed, {len(plan.pending)} to do ({pending_records} records)",
-        f"  settings   aux layers {','.join(map(str, s.aux_layer_ids))}, top-k {s.topk} ({s.logprob_dtype}), "
-        f"max len {s.max_seq_len}, loss on {s.loss_on}, hidden states {s.hidden_dtype}"
-        + ("" if s.supervise_reasoning else " (reasoning not supervised)"),
-        f"  mask token {describe_mask_token(s.mask_token_id, s.mask_token, s.mask_token_source)}",
-        f"  tokens     ~{plan.estimated_tokens:,} ({how})",
-        f"  size       ~{_human(plan.estimated_bytes)} at {raw_bytes_per_token(s):,} bytes/token; "
-        f"free disk {_human(plan.free_bytes)}",
-        *plan.notes,
-    ]
-    return "\n".join(lines)
-
-
-def _human(num_bytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if num_bytes < 1024 or unit == "TiB":
-            return f"{num_bytes:.1f} {unit}" if unit != "B" else f"{int(num_bytes)} B"
-        num_bytes /= 1024
-    raise AssertionError
 
 
 # --------------------------------------------------------------------------------------------------
@@ -275,11 +145,12 @@ def prepare_shard(shard: P.PlannedShard, records: list, target: Target, settings
                                   mask_token_id=settings.mask_token_id,
                                   supervise_reasoning=settings.supervise_reasoning)
         if prepared.skip_reason is not None:
+            bad = BadRecord(record.where, prepared.skip_reason, prepared.skip_detail)
             if config.strict:
-                raise UserError(f"{record.where}: {prepared.skip_reason}"
-                                + (f" ({prepared.skip_detail})" if prepared.skip_detail not in (None, prepared.skip_reason) else "")
-                                + " [--strict]")
+                raise UserError(f"{bad} [--strict]")
             out.skipped[prepared.skip_reason] += 1
+            if len(out.examples) < NUM_EXAMPLES and prepared.skip_reason != BLANK_LINE:
+                out.examples.append(bad)
             continue
         if prepared.num_dropped:
             out.skipped[PER_TURN_DROPPED] += prepared.num_dropped
@@ -340,6 +211,13 @@ def run_extract(config: ExtractConfig, *, echo: Callable[[str], None] = print,
     check_fits(plan, root)
     summary = ExtractSummary(plan=plan)
     if config.dry_run:
+        scan = plan.scan
+        if config.strict and scan.examples:
+            raise UserError(f"{scan.examples[0]} [--strict]")
+        exact = plan.estimated_from_records >= sum(s.num_records for s in plan.pending)
+        check_input(num_records=scan.num_records, skipped=scan.skipped, examples=scan.examples,
+                    supervised_tokens=plan.estimated_supervised if exact else None,
+                    max_skipped_share=config.max_skipped_share, what="the dry run")
         return summary
 
     init_store(root, settings)
@@ -353,6 +231,7 @@ def run_extract(config: ExtractConfig, *, echo: Callable[[str], None] = print,
         # A run killed between its last commit record and the manifest left the manifest stale.
         rebuild_manifest(root)
         echo("nothing to do: every shard of this worker is committed")
+        check_worker_input(root, mine, [], config)  # as loud as the run that committed them
         return summary
 
     backend = open_backend(backend_name, config, settings, target)
@@ -364,9 +243,11 @@ def run_extract(config: ExtractConfig, *, echo: Callable[[str], None] = print,
     shards = prepared_shards(pending, backend, target, settings, config, echo=bar.write if progress else echo)
     if not config.regenerate:  # regeneration runs the backend, so it stays on this thread
         shards = prefetch(shards, depth=1)  # templating of shard s+1 overlaps the forward of shard s
+    examples: list[BadRecord] = []
     try:
         for prepared in shards:
             shard = prepared.shard
+            examples += prepared.examples[:NUM_EXAMPLES - len(examples)]
             outputs = run_forward(backend, prepared.samples, config)
             writer.submit(ShardContent(index=shard.index, input_name=shard.input_name,
                                        first_record=shard.first_record, end_record=shard.end_record,
@@ -386,12 +267,30 @@ def run_extract(config: ExtractConfig, *, echo: Callable[[str], None] = print,
     skipped_total = Counter()
     for r in summary.records:
         skipped_total.update(r.skipped)
-    echo(f"committed {len(summary.records)} shards, {summary.num_tokens:,} tokens"
-         + (f"; skipped {dict(sorted(skipped_total.items()))}" if skipped_total else ""))
+    supervised = sum(n for r in summary.records for k, n in r.token_counts.items() if k.startswith(S.SUPERVISED + "."))
+    echo(f"committed {len(summary.records)} shards, {summary.num_tokens:,} tokens ({supervised:,} supervised)"
+         + (f"; skipped {words(skipped_total)}" if skipped_total else ""))
     if skipped_total.get(CONTAINS_MASK_TOKEN):
         echo(f"warning: {skipped_total[CONTAINS_MASK_TOKEN]} records contain the mask token {settings.mask_token_id} "
              "and were skipped; `peagle store info` shows the counts")
+    check_worker_input(root, mine, examples, config)
     return summary
+
+
+def check_worker_input(root: Path, mine: list[P.PlannedShard], examples: list[BadRecord],
+                       config: ExtractConfig) -> None:
+    """``check_input`` over every shard of this worker, from their commit records: a killed and re-run
+    worker fails as the uninterrupted one would (``examples``: the bad records this run saw)."""
+    indices = {s.index for s in mine}
+    records = [r for r in list_commits(root) if r.index in indices]
+    skipped: Counter = Counter()
+    for r in records:
+        skipped.update(r.skipped)
+    counted = all(r.token_counts or not r.num_samples for r in records)  # older records did not count
+    supervised = sum(n for r in records for k, n in r.token_counts.items() if k.startswith(S.SUPERVISED + "."))
+    check_input(num_records=sum(r.num_records for r in records), skipped=skipped, examples=examples,
+                supervised_tokens=supervised if counted else None, max_skipped_share=config.max_skipped_share,
+                what="extraction")
 
 
 def _close_quietly(writer: ShardWriter) -> None:

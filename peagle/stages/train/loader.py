@@ -20,27 +20,37 @@ and compute segment plans and flex block indices. The trainer receives finished 
 
 **A store whose commit statistics show broken rows is refused** (all-zero or non-finite aux rows,
 ``ShardRecord.stats``), naming the shard and ``--allow-bad-aux-rows``; stores of different hidden
-encodings (bf16 + fp8) are refused in one line, with the conversion command.
+encodings (bf16 + fp8) are refused in one line, with the conversion command; **an incomplete store**
+(planned shards not committed) is refused naming the missing shards, unless ``allow_incomplete``.
+
+**A growing store** (``--follow``) or a recorded consumption (``--epoch-shards``): a *source*
+(``follow.py``) decides which committed shards each epoch covers when it begins; the epoch is then
+planned over exactly those, and the decision is part of the loader state. Without a source every
+epoch covers the shards committed when the loader opened the stores.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from dataclasses import asdict
-from typing import Any, Iterator
+from dataclasses import asdict, replace
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from peagle.pipeline.atomic import canonical_json
+from peagle.pipeline.plan import store_completeness
 from peagle.pipeline.split import is_heldout
-from peagle.pipeline.store import Store, manifest_hash, open_store
+from peagle.pipeline.store import Store, check_shards, manifest_hash, open_store
 from peagle.pipeline.store_reader import ShardReader, read_num_positions
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 from peagle.schemas.loader_config import LoaderConfig
 from peagle.stages.train.batch import TrainBatch, collate, make_item
 from peagle.stages.train.epoch_plan import EpochPlan, PlanSettings, SampleIndex, plan_epoch, worker_batches
+from peagle.stages.train.follow import EpochShards, check_still_committed
 from peagle.stages.train.mask_token import resolve_mask_token_id
 from peagle.stages.train.vocab import DraftVocab
 
@@ -59,14 +69,21 @@ def plan_settings(config: LoaderConfig) -> PlanSettings:
 # Opening
 
 
-def open_training_stores(config: LoaderConfig) -> list[Store]:
-    """Open every store, check its aux layers against what the draft reads, and every store against the
-    first (whether a store fits the target is ``peagle.model.target.check_store_matches_target``).
+def open_training_stores(config: LoaderConfig, *, growing: bool = False) -> list[Store]:
+    """Open every store, check its aux layers against what the draft reads, every store against the
+    first (whether a store fits the target is ``peagle.model.target.check_store_matches_target``), and
+    that each is complete (unless ``allow_incomplete``, or ``growing``: a store followed as it grows).
 
     Raises:
-        UserError: one line naming the store, the field and both values.
+        UserError: one line naming the store, the field and both values; or the missing shards.
     """
     stores = [open_store(spec.path, verify=config.verify) for spec in config.stores]
+    for store in stores:
+        completeness = store_completeness(store.root, (r.index for r in store.shards))
+        if not completeness.complete and not growing:
+            if not config.allow_incomplete:
+                raise UserError(completeness.refusal("train"))
+            log.warning("%s", completeness.warning("training"))
     for store in stores:
         held = tuple(store.settings.aux_layer_ids)
         if config.aux_layer_ids is not None and held != tuple(config.aux_layer_ids):
@@ -77,7 +94,7 @@ def open_training_stores(config: LoaderConfig) -> list[Store]:
         encodings = (store.settings.hidden_dtype, stores[0].settings.hidden_dtype)
         if encodings[0] != encodings[1]:
             raise UserError(f"store {store.root} holds {encodings[0]} hidden states but store {stores[0].root} holds "
-                            f"{encodings[1]}; one run reads one encoding: `peagle store convert {store.root} "
+                            f"{encodings[1]}; one run reads one encoding: `peagle store convert --store {store.root} "
                             f"--hidden-dtype {encodings[1]} --out NEW` and train on NEW")
         held = _store_facts(store)
         for name, value in first.items():
@@ -108,7 +125,7 @@ def check_commit_stats(store: Store) -> None:
             layers.append(f"top-k: {stats.topk.non_finite_rows} non-finite")
         raise UserError(f"store {store.root} shard {S.shard_stem(record.index)} holds broken rows by its commit "
                         f"statistics ({'; '.join(layers)}): a draft trained on them learns garbage; "
-                        f"`peagle store check {store.root}` names the samples, --allow-bad-aux-rows trains anyway")
+                        f"`peagle store check --store {store.root}` names the samples, --allow-bad-aux-rows trains anyway")
 
 
 def _store_facts(store: Store) -> dict[str, Any]:
@@ -126,12 +143,19 @@ def _show(value: Any) -> str:
 # Metadata (Parquet columns only)
 
 
-def build_sample_index(stores: list[Store], config: LoaderConfig) -> SampleIndex:
-    """Sample ids and training lengths of every committed shard (no tensors, no token columns)."""
+def build_sample_index(stores: list[Store], config: LoaderConfig,
+                       cache: dict[tuple[str, int], tuple[list[str], np.ndarray]] | None = None, *,
+                       warn: bool = True) -> SampleIndex:
+    """Sample ids and training lengths of every committed shard (no tensors, no token columns); ``cache``
+    keeps each shard's columns for the next epoch of a growing store."""
     store_of, shard_of, row_of, positions, ids = [], [], [], [], []
+    cache = {} if cache is None else cache
     for s, store in enumerate(stores):
         for j, record in enumerate(store.shards):
-            sample_ids, num_positions = read_num_positions(store, record.index)
+            key = (str(store.root), record.index)
+            if key not in cache:
+                cache[key] = read_num_positions(store, record.index)
+            sample_ids, num_positions = cache[key]
             store_of.append(np.full(num_positions.size, s, np.int32))
             shard_of.append(np.full(num_positions.size, j, np.int32))
             row_of.append(np.arange(num_positions.size, dtype=np.int32))
@@ -144,7 +168,7 @@ def build_sample_index(stores: list[Store], config: LoaderConfig) -> SampleIndex
         held = np.fromiter((is_heldout(i, config.heldout_fraction) for i in ids), bool, len(ids))
         in_split = held if config.split == "heldout" else ~held
     too_long = in_split & (positions_of > config.token_budget)
-    if too_long.any():
+    if too_long.any() and warn:
         log.warning("%d samples are longer than --token-budget %d and are skipped", int(too_long.sum()),
                     config.token_budget)
     eligible = in_split & (positions_of >= 1) & ~too_long
@@ -193,19 +217,30 @@ class ShardStream(IterableDataset):
 # The loader the trainer holds
 
 
+EpochSource = Callable[[int, "EpochShards | None"], EpochShards]
+"""``(epoch, the previous epoch's shards) -> this epoch's shards`` (``follow.FollowSource``, ``ReplaySource``)."""
+
+
 class TrainLoader:
     """The batch stream of one rank, with resumable state (module docstring).
 
     ``for batch in loader`` yields the rest of the current epoch and then moves to the next epoch;
     ``stream()`` goes on forever. ``state_dict()`` counts batches handed out (not prefetched).
+
+    With a ``source`` (a growing store, or a recorded consumption), each epoch covers the shards the
+    source decides when the epoch begins: rank 0's decision, taken by every rank through ``agree``
+    (a broadcast from rank 0 under DDP); ``on_epoch`` hears of each decision (the run's record).
     """
 
     def __init__(self, config: LoaderConfig, *, vocab: DraftVocab | None = None, rank: int = 0,
-                 world_size: int = 1):
+                 world_size: int = 1, source: EpochSource | None = None,
+                 agree: Callable[[Any], Any] = lambda decided: decided,
+                 on_epoch: Callable[[int, EpochShards], None] | None = None):
         if not 0 <= rank < world_size:
             raise UserError(f"rank {rank} is outside world size {world_size}")
         self.config, self.rank, self.world_size = config, rank, world_size
-        self.stores = open_training_stores(config)
+        self.source, self.agree, self.on_epoch = source, agree, on_epoch
+        self.stores = open_training_stores(config, growing=source is not None)
         settings = self.stores[0].settings
         vocab_size = settings.target.vocab_size
         if vocab is not None and vocab.target_vocab_size != vocab_size:
@@ -213,18 +248,68 @@ class TrainLoader:
                             f"{self.stores[0].root} has target vocab {vocab_size}")
         self.target_to_draft_V = vocab.target_to_draft() if vocab is not None else torch.arange(vocab_size)
         self.mask_token_id = resolve_mask_token_id(self.stores, config.mask_token_id)
-        self.index = build_sample_index(self.stores, config)
         self.manifest_hashes = [manifest_hash(store.root) for store in self.stores]
         self.epoch, self.batch_in_epoch = 0, 0
-        self._plan: tuple[int, EpochPlan] | None = None
-        if config.split == "train" and self.plan(0).num_batches == 0:
+        self.epoch_shards: dict[int, EpochShards] = {}  # with a source: the shards of every epoch begun
+        self._columns: dict[tuple[str, int], tuple[list[str], np.ndarray]] = {}
+        self._too_long_said = 0
+        self.index = None if source is not None else build_sample_index(self.stores, config, self._columns)
+        self._plan: tuple[int, EpochPlan, list[Store], SampleIndex] | None = None
+        if source is None and config.split == "train" and self.plan(0).num_batches == 0:
             raise UserError(f"the training stores hold {int(self.index.eligible.sum())} usable samples: not "
                             f"one batch per rank for world size {world_size}")
 
     def plan(self, epoch: int) -> EpochPlan:
+        return self._epoch(epoch)[1]
+
+    def _epoch(self, epoch: int) -> tuple[int, EpochPlan, list[Store], SampleIndex]:
+        """The epoch's plan, with the stores (as of the epoch's shards) and the sample index it plans over."""
         if self._plan is None or self._plan[0] != epoch:
-            self._plan = (epoch, plan_epoch(self.index, plan_settings(self.config), epoch, self.world_size))
-        return self._plan[1]
+            stores, index = self._view(epoch)
+            self._plan = (epoch, plan_epoch(index, plan_settings(self.config), epoch, self.world_size), stores, index)
+        return self._plan
+
+    def _view(self, epoch: int) -> tuple[list[Store], SampleIndex]:
+        """The stores and sample index of ``epoch``: everything opened, or the shards its source decided
+        (waiting for more while they give no batch: a growing store's first shards may all be held out)."""
+        if self.source is None:
+            return self.stores, self.index
+        recorded = self.epoch_shards.get(epoch)
+        if recorded is not None:  # resumed, or asked again: the shards the epoch began with
+            check_still_committed([s.root for s in self.stores], epoch, recorded)
+            return self._restricted(recorded)
+        decided = self.agree(self.source(epoch, self.epoch_shards.get(epoch - 1)))
+        stores, index = self._restricted(decided)
+        while self.config.split == "train" and plan_epoch(index, plan_settings(self.config), epoch,
+                                                          self.world_size).num_batches == 0:
+            if decided.complete:
+                raise UserError(f"the training stores hold {int(index.eligible.sum())} usable samples: not "
+                                f"one batch per rank for world size {self.world_size}")
+            decided = self.agree(self.source(epoch, decided))
+            stores, index = self._restricted(decided)
+        self.epoch_shards[epoch] = decided
+        if self.on_epoch is not None:
+            self.on_epoch(epoch, decided)
+        return stores, index
+
+    def _restricted(self, decided: EpochShards) -> tuple[list[Store], SampleIndex]:
+        """Each store opened now, holding only the decided shards (their commit statistics checked)."""
+        stores = []
+        for store, shards in zip(self.stores, decided.shards):
+            now, wanted = open_store(store.root), set(shards)  # sizes; --verify hashes each shard once:
+            stores.append(replace(now, shards=[r for r in now.shards if r.index in wanted]))
+            new = [r for r in stores[-1].shards if (str(now.root), r.index) not in self._columns]
+            problems = check_shards(now.root, new, verify=True) if self.config.verify else []
+            if problems:
+                raise UserError(f"store {now.root} is damaged: {problems[0]}")
+            if not self.config.allow_bad_aux_rows:
+                check_commit_stats(stores[-1])
+        index = build_sample_index(stores, self.config, self._columns, warn=False)
+        if index.num_too_long > self._too_long_said:  # once, not every epoch of a growing store
+            self._too_long_said = index.num_too_long
+            log.warning("%d samples are longer than --token-budget %d and are skipped", index.num_too_long,
+                        self.config.token_budget)
+        return stores, index
 
     @property
     def num_batches(self) -> int:
@@ -233,11 +318,11 @@ class TrainLoader:
 
     def batches(self, epoch: int, start: int = 0) -> Iterator[TrainBatch]:
         """Batches ``start..`` of ``epoch`` on this rank, built by ``num_workers`` workers; no state change."""
-        plan = self.plan(epoch)
+        _, plan, stores, index = self._epoch(epoch)
         refs, bounds = plan.refs_of_rank[self.rank], plan.bounds_of_rank[self.rank]
         used = refs[:bounds[plan.num_batches]]
-        loc_3B = np.stack([self.index.store_of[used], self.index.shard_of[used], self.index.row_of[used]])
-        dataset = ShardStream(self.stores, self.config, loc_3B=loc_3B, bounds=bounds[:plan.num_batches + 1],
+        loc_3B = np.stack([index.store_of[used], index.shard_of[used], index.row_of[used]])
+        dataset = ShardStream(stores, self.config, loc_3B=loc_3B, bounds=bounds[:plan.num_batches + 1],
                               num_batches=plan.num_batches, start=start, epoch=epoch,
                               target_to_draft_V=self.target_to_draft_V, mask_token_id=self.mask_token_id)
         workers = self.config.num_workers
@@ -277,14 +362,24 @@ class TrainLoader:
             "seed": c.seed, "world_size": self.world_size, "token_budget": c.token_budget, "split": c.split,
             "heldout_fraction": c.heldout_fraction, "shuffle": c.shuffle, "shuffle_window": c.shuffle_window,
             **{f"cod.{k}": v for k, v in asdict(c.cod).items()},
-            # A store is its committed content (manifest hash), wherever it is mounted now.
-            **{f"store[{i}]": f"manifest {h[:16]}, weight {spec.weight}"
-               for i, (spec, h) in enumerate(zip(c.stores, self.manifest_hashes))},
+            **self._store_identities(),
         }
 
+    def _store_identities(self) -> dict[str, str]:
+        """A store is its committed content (manifest hash), wherever it is mounted now; a growing one is
+        its settings (what each epoch held is in ``epoch_shards``, checked when the epoch is planned)."""
+        if self.source is None:
+            return {f"store[{i}]": f"manifest {h[:16]}, weight {spec.weight}"
+                    for i, (spec, h) in enumerate(zip(self.config.stores, self.manifest_hashes))}
+        return {f"store[{i}]": f"settings {_settings_digest(store)[:16]}, weight {spec.weight}, shards per epoch"
+                for i, (spec, store) in enumerate(zip(self.config.stores, self.stores))}
+
     def state_dict(self) -> dict[str, Any]:
-        return {"version": STATE_VERSION, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
-                "identity": self._identity()}
+        state = {"version": STATE_VERSION, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
+                 "identity": self._identity()}
+        if self.source is not None:
+            state["epoch_shards"] = {str(e): shards.to_dict() for e, shards in sorted(self.epoch_shards.items())}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a saved position. Raises UserError (one line) when the stream would differ."""
@@ -296,3 +391,10 @@ class TrainLoader:
                 raise UserError(f"the checkpointed data stream had {key}={saved.get(key)}, this run has "
                                 f"{key}={now.get(key)}; resume with the same setting (or start a new run)")
         self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
+        if self.source is not None:  # epochs begun after the checkpoint begin again, with what is committed then
+            self.epoch_shards = {int(e): EpochShards.from_dict(d) for e, d in state.get("epoch_shards", {}).items()}
+            self._plan = None
+
+
+def _settings_digest(store: Store) -> str:
+    return hashlib.sha256(canonical_json(store.settings.to_dict())).hexdigest()

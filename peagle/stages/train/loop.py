@@ -13,9 +13,7 @@ after the first steps it must stay 0, or every new COD length pays a recompile).
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import json
 import logging
 import sys
 import time
@@ -29,7 +27,7 @@ from torch import Tensor
 from peagle.model.draft import PEagleDraft, build_draft_from_target
 from peagle.model.speculators_format import load_weights_into
 from peagle.model.target import check_store_matches_target, open_target
-from peagle.pipeline.atomic import atomic_write_bytes, atomic_write_json
+from peagle.pipeline.atomic import atomic_write_json
 from peagle.pipeline.checkpoint_files import latest_valid_checkpoint, read_checkpoint_part
 from peagle.pipeline.failpoints import failpoint
 from peagle.pipeline.progress import Progress
@@ -38,18 +36,19 @@ from peagle.pipeline.store import read_settings
 from peagle.schemas.checkpoint import DRAFT_CONFIG_KEY, PROVENANCE_KEY, TRAIN_CONFIG_KEY
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.errors import UserError
-from peagle.schemas.loader_config import CodSettings, LoaderConfig
+from peagle.schemas.loader_config import stream_config
 from peagle.schemas.train_config import TrainConfig, config_mismatch, parse_store_spec
 from peagle.stages.train import checkpoint as ckpt
+from peagle.stages.train import follow
 from peagle.stages.train.batch import TrainBatch
 from peagle.stages.train.device import DevicePrefetcher
 from peagle.stages.train.loader import TrainLoader
 from peagle.stages.train.loss import LossStats
 from peagle.stages.train.step import (StepResult, TrainStep, all_reduce_stats, compiled_graph_count, init_distributed,
                                       resolve_attention, summarise)
-from peagle.stages.train.vocab import choose_draft_vocab_size, load_draft_vocab
+from peagle.stages.train.metrics_file import append_metrics, truncate_metrics
+from peagle.stages.train.vocab import check_same_vocab, checkpoint_draft_vocab, choose_draft_vocab_size, load_draft_vocab
 
-METRICS_FILE = "metrics.jsonl"
 RUN_FILE = "run.json"
 DEFAULT_DRAFT_VOCAB = 32000
 
@@ -68,6 +67,8 @@ class Trainer:
         self.extra: dict[str, Any] = {}  # what the config part records besides the configs
         self.lr_used, self.data_wait_s = 0.0, 0.0
         self.compute_dtype: torch.dtype | None = None  # None: the device's default (step.py)
+        self.roots = [Path(spec.path) for spec in config.stores()]
+        self.epoch_began_at: dict[int, int] = {}  # with --follow/--epoch-shards: the step each epoch began at
 
     # ---------------------------------------------------------------------------------------- build
 
@@ -77,6 +78,8 @@ class Trainer:
         ckpt.seed_rngs(c.seed)  # before anything draws; a resume then restores the checkpoint's states
         self._setup_world()
         resume_from = self._find_resume_point()
+        if c.follow:  # extraction may not have committed anything yet
+            follow.wait_for_first_commit(self.roots, timeout_s=c.follow_timeout, say=self._say)
         target = open_target(c.target)
         target_cfg = target.config
         for path in [spec.path for spec in c.stores()] + ([parse_store_spec(c.eval_store).path] if c.eval_store else []):
@@ -85,22 +88,19 @@ class Trainer:
         settings = read_settings(first_store)
         vocab_size = int(target_cfg.vocab_size)
         draft_vocab_size, note = choose_draft_vocab_size(
-            first_store, c.draft_vocab_size or _checkpoint_draft_vocab_size(resume_from), vocab_size, DEFAULT_DRAFT_VOCAB)
+            first_store, c.draft_vocab_size or checkpoint_draft_vocab(resume_from)[0], vocab_size, DEFAULT_DRAFT_VOCAB)
         if note:
             self._say(note)
         if draft_vocab_size > vocab_size:
             raise UserError(f"--draft-vocab-size {draft_vocab_size} is larger than the target vocab {vocab_size}")
-        vocab = None if draft_vocab_size == vocab_size else load_draft_vocab(first_store, draft_vocab_size)
-
-        self.loader = TrainLoader(self._loader_config(target_cfg, settings, eval_split=False), vocab=vocab,
-                                  rank=self.rank, world_size=self.world_size)
-        eval_config = self._loader_config(target_cfg, settings, eval_split=True)
-        if eval_config is not None and c.eval_every > 0:
-            self.eval_loader = TrainLoader(eval_config, vocab=vocab, rank=self.rank, world_size=self.world_size)
-            if self.eval_loader.plan(0).num_batches == 0:
-                self._say("warning: the evaluation split holds no batch (raise --heldout-fraction or pass "
-                          "--eval-store); evaluation is off")
-                self.eval_loader = None
+        vocab = None if draft_vocab_size == vocab_size else load_draft_vocab(first_store, draft_vocab_size,
+                                                                              growing=c.follow, say=self._say)
+        source = follow.epoch_source(self.roots, follow=c.follow, epoch_shards=c.epoch_shards,
+                                     timeout_s=c.follow_timeout, say=self._say)
+        self.loader = TrainLoader(stream_config(c, aux_layer_ids=settings.aux_layer_ids, attention=self.attention,
+                                                on_cuda=self.device.type == "cuda", eval_split=False), vocab=vocab,
+                                  rank=self.rank, world_size=self.world_size, source=source, agree=self._agree,
+                                  on_epoch=self._record_epoch)
         # --epochs (default 1) becomes a step count once, from epoch 0's plan: resume-safe and exact.
         epochs = c.epochs if c.epochs is not None else 1.0
         total_steps = c.max_steps or max(1, int(epochs * self.loader.num_batches) // c.grad_accum)
@@ -119,12 +119,17 @@ class Trainer:
         self._build_optimization(draft, total_steps)
         self.extra = {"store_manifest_hash": self.loader.manifest_hashes[0],
                       "store_manifest_hashes": list(self.loader.manifest_hashes),
+                      "draft_vocab": None if vocab is None else vocab.identity_record(),
                       PROVENANCE_KEY: provenance()}  # this process: the revision and host that train
         if resume_from is not None:
+            check_same_vocab(checkpoint_draft_vocab(resume_from)[1], self.extra["draft_vocab"], first_store)
             self.load_state_dict(ckpt.load_checkpoint(resume_from))
             self._say(f"resumed from {resume_from} (step {self.step})")
+            if source is not None:  # epochs the killed run began after its checkpoint begin again
+                self._record_epoch(None, None)
+        self.eval_loader = self._eval_loader(target_cfg, settings, vocab)
         if self.rank == 0:
-            self._truncate_metrics(self.step)
+            truncate_metrics(self.run_dir, self.step)
             self.run_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_json(self.run_dir / RUN_FILE, self._config_part())
         num_params = sum(p.numel() for p in self.draft.parameters())
@@ -132,6 +137,44 @@ class Trainer:
         self._say(f"draft: {c.num_layers} layers, {num_params / 1e6:.1f}M params ({num_trainable / 1e6:.1f}M "
                   f"trainable), vocab {draft_vocab_size}; world {self.world_size} on {self.device.type}, "
                   f"{self.step_fn.describe()}; {self.loader.num_batches} batches/epoch/rank, {total_steps} steps")
+
+    def _eval_loader(self, target_cfg: Any, settings: Any, vocab: Any) -> TrainLoader | None:
+        """The evaluation stream; a followed store's held-out split is that of the first epoch's shards."""
+        config = stream_config(self.config, aux_layer_ids=settings.aux_layer_ids, attention=self.attention,
+                               on_cuda=self.device.type == "cuda", eval_split=True)
+        if config is None or self.config.eval_every == 0:
+            return None
+        source = None
+        if self.loader.source is not None and self.config.eval_store is None:
+            self.loader.plan(0)  # decides epoch 0 where no checkpoint recorded it
+            first = self.loader.epoch_shards[0]
+            source = lambda epoch, previous: first  # noqa: E731
+        loader = TrainLoader(config, vocab=vocab, rank=self.rank, world_size=self.world_size, source=source,
+                             agree=self._agree)
+        if loader.plan(0).num_batches == 0:
+            self._say("warning: the evaluation split holds no batch (raise --heldout-fraction or pass "
+                      "--eval-store); evaluation is off")
+            return None
+        return loader
+
+    def _agree(self, decided: Any) -> Any:
+        """Rank 0's ``decided`` on every rank (the shards an epoch covers must be the same everywhere)."""
+        if self.world_size == 1:
+            return decided
+        box = [decided]
+        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        return box[0]
+
+    def _record_epoch(self, epoch: int | None, shards: Any) -> None:
+        """RUN_DIR/epochs.json: the shards of every epoch begun (``follow.py``); ``epoch`` None rewrites it
+        from the loader's state (after a resume)."""
+        if epoch is not None:
+            self.epoch_began_at[epoch] = self.step
+        if self.rank == 0:
+            began = {e: s for e, s in self.epoch_began_at.items() if e in self.loader.epoch_shards}
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(self.run_dir / follow.EPOCHS_FILE,
+                              follow.epochs_record(self.roots, self.loader.epoch_shards, began))
 
     @classmethod
     def for_model(cls, config: TrainConfig, draft: PEagleDraft, *,
@@ -163,26 +206,6 @@ class Trainer:
     @property
     def draft(self) -> PEagleDraft:
         return self.step_fn.draft
-
-    def _loader_config(self, target_cfg: Any, settings: Any, *, eval_split: bool) -> LoaderConfig | None:
-        """The training stream, or the evaluation stream (eval store, else the held-out split; None if neither)."""
-        c = self.config
-        stores, split, fraction = c.stores(), "train", c.heldout_fraction
-        if c.eval_store is not None:
-            stores, split, fraction = ([parse_store_spec(c.eval_store)] if eval_split else stores), "all", 0.0
-        elif eval_split:
-            if c.heldout_fraction == 0:
-                return None
-            split = "heldout"
-        return LoaderConfig(
-            stores=tuple(stores), seed=c.seed, token_budget=c.token_budget,
-            cod=CodSettings(num_depths=c.num_depths, down_sample_ratio=c.down_sample_ratio,
-                            down_sample_ratio_min=c.down_sample_ratio_min, max_anchors=c.max_anchors),
-            split=split, heldout_fraction=fraction, shuffle=not eval_split,
-            sequence_partitions=c.sequence_partitions, attention="flex" if self.attention == "flex" else "sdpa",
-            num_workers=0 if eval_split else c.num_workers, pin_memory=self.device.type == "cuda",
-            verify=c.verify, dequantize_in_workers=self.device.type != "cuda", allow_bad_aux_rows=c.allow_bad_aux_rows,
-            aux_layer_ids=tuple(settings.aux_layer_ids), mask_token_id=c.mask_token_id)
 
     def _find_resume_point(self) -> Path | None:
         """Rank 0 picks the newest valid checkpoint (warning about damaged ones) and checks its config."""
@@ -270,6 +293,11 @@ class Trainer:
                 self.checkpointer.save(self.step, self.state_dict())
         if bar is not None:
             bar.close()
+        if c.follow:  # the steps are spent: is the store complete, was every shard trained on?
+            now = self._agree(follow.snapshot(self.roots) if self.rank == 0 else None)
+            for line in follow.end_of_follow(now, self.roots, self.loader.epoch_shards, max_steps=self.total_steps,
+                                             allow_incomplete=c.allow_incomplete):
+                self._say(line)
 
     def window_metrics(self, seconds: float) -> dict[str, Any]:
         """The metrics of the steps since the last call (one metrics.jsonl line); resets the window."""
@@ -299,7 +327,8 @@ class Trainer:
             ckpt.MODEL: get_model_state_dict(self.draft, options=options),
             ckpt.OPTIMIZER: get_optimizer_state_dict(self.draft, self.step_fn.optimizer, options=options),
             ckpt.LR_SCHEDULER: self.step_fn.scheduler.state_dict(),
-            ckpt.TRAIN_STATE: {"step": self.step, "tokens_seen": self.tokens_seen, "window": window},
+            ckpt.TRAIN_STATE: {"step": self.step, "tokens_seen": self.tokens_seen, "window": window,
+                               "epoch_began_at": {str(e): s for e, s in self.epoch_began_at.items()}},
             ckpt.CONFIG: self._config_part(),
             ckpt.DATALOADER: self.loader.state_dict() if self.loader is not None else {},
             ckpt.RNG: ckpt.rng_state(),
@@ -315,6 +344,7 @@ class Trainer:
         self.step_fn.scheduler.load_state_dict(state[ckpt.LR_SCHEDULER])
         train_state = state[ckpt.TRAIN_STATE]
         self.step, self.tokens_seen = int(train_state["step"]), int(train_state["tokens_seen"])
+        self.epoch_began_at = {int(e): int(s) for e, s in train_state.get("epoch_began_at", {}).items()}
         # The logging window in flight at the checkpoint: the next metrics line covers the same steps.
         saved = {k: (v.to(self.device) if isinstance(v, Tensor) else v) for k, v in train_state["window"].items()}
         try:
@@ -349,20 +379,7 @@ class Trainer:
 
     def _write_metrics(self, record: dict[str, Any]) -> None:
         if self.rank == 0:
-            with open(self.run_dir / METRICS_FILE, "a") as f:
-                f.write(json.dumps(record) + "\n")
-
-    def _truncate_metrics(self, step: int) -> None:
-        """Drop metrics lines past the resumed step (a killed run wrote them; this run writes them again)."""
-        path = self.run_dir / METRICS_FILE
-        if not path.exists():
-            return
-        kept = []
-        for line in path.read_text().splitlines():
-            with contextlib.suppress(json.JSONDecodeError, AttributeError):
-                if json.loads(line).get("step", 0) <= step:
-                    kept.append(line + "\n")
-        atomic_write_bytes(path, "".join(kept).encode())
+            append_metrics(self.run_dir, record)
 
     def _config_part(self) -> dict[str, Any]:
         """What export and resume read: the run config, the draft config, the stores trained on and the
@@ -373,13 +390,6 @@ class Trainer:
     def _say(self, line: str) -> None:
         if self.rank == 0:
             print(f"peagle: {line}", file=sys.stderr, flush=True)
-
-
-def _checkpoint_draft_vocab_size(checkpoint: Path | None) -> int | None:
-    """The draft vocab size a run being resumed was built with (vocabs built since must not change it)."""
-    if checkpoint is None:
-        return None
-    return int(read_checkpoint_part(checkpoint, ckpt.CONFIG)[DRAFT_CONFIG_KEY]["draft_vocab_size"])
 
 
 def run_training(config: TrainConfig) -> None:

@@ -19,7 +19,12 @@ reader (docs/indexing.md):
 Files (written atomically; the json is written last and is what marks a vocab as built)::
 
     STORE/vocab/draft-N.safetensors   selected_ids [N] int64, counts [V] int64, d2t [N] int64, t2d [V] bool
-    STORE/vocab/draft-N.json          sizes, identity, coverage, counts, mask token, store manifest hash
+    STORE/vocab/draft-N.json          sizes, identity, coverage, counts, mask token, store manifest hash,
+                                      the shards counted (``shards``)
+
+An incomplete store (planned shards without a commit record, ``peagle.pipeline.plan``) is refused
+unless ``allow_incomplete``; a store without a single supervised token is refused always (there is
+nothing to choose from, and nothing to train on).
 
 Shape letters: V = target vocab size, N = draft vocab size.
 """
@@ -30,16 +35,21 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from peagle.pipeline.atomic import canonical_json
+from peagle.pipeline.checkpoint_files import read_checkpoint_part
+from peagle.pipeline.plan import format_ranges, store_completeness
 from peagle.pipeline.progress import track
 from peagle.pipeline.store import Store, manifest_hash, open_store, write_bytes_atomic
 from peagle.pipeline.store_reader import iter_shard_columns
 from peagle.schemas import store as S
+from peagle.schemas.checkpoint import DRAFT_CONFIG_KEY
 from peagle.schemas.errors import UserError
+from peagle.stages.train import checkpoint as ckpt
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +78,11 @@ class DraftVocab:
     num_supervised_tokens: int
     mask_token_id: int | None
     manifest_hash: str
+    shards: str | None = None  # the shards counted ("0-7"); None in vocabs built before it was recorded
+
+    def identity_record(self) -> dict[str, Any]:
+        """What a run records of its vocab (run.json, checkpoints): a resumed run must find the same one."""
+        return {"draft_vocab_size": self.draft_vocab_size, "manifest_hash": self.manifest_hash, "shards": self.shards}
 
     def target_to_draft(self) -> torch.Tensor:
         """``[V]`` int64: the draft id of every target id, -1 where it is not in the draft vocab."""
@@ -109,13 +124,20 @@ def select_draft_ids(counts_V: np.ndarray, draft_vocab_size: int, mask_token_id:
     return np.sort(ids[order[:draft_vocab_size]])
 
 
-def build_draft_vocab(store_root: str | Path, draft_vocab_size: int, *, progress: bool = False) -> DraftVocab:
+def build_draft_vocab(store_root: str | Path, draft_vocab_size: int, *, progress: bool = False,
+                      allow_incomplete: bool = False, echo: Callable[[str], None] = print) -> DraftVocab:
     """Count, select, and write ``STORE/vocab/draft-N.{safetensors,json}``; returns the vocab.
 
     Raises:
-        UserError: when ``draft_vocab_size`` is not in ``[1, target vocab]`` or the store is unreadable.
+        UserError: when ``draft_vocab_size`` is not in ``[1, target vocab]``, the store is unreadable,
+            incomplete (without ``allow_incomplete``) or holds no supervised token.
     """
     store = open_store(store_root)
+    completeness = store_completeness(store.root, (r.index for r in store.shards))
+    if not completeness.complete:
+        if not allow_incomplete:
+            raise UserError(completeness.refusal("count"))
+        echo(completeness.warning("counting"))
     vocab_size = store.settings.target.vocab_size
     mask_token_id = store.settings.mask_token_id
     if draft_vocab_size < 1:
@@ -124,6 +146,10 @@ def build_draft_vocab(store_root: str | Path, draft_vocab_size: int, *, progress
         raise UserError(f"--draft-vocab-size {draft_vocab_size} is larger than the target vocab "
                         f"{vocab_size} (store {store.root})")
     counts_V = count_supervised_tokens(store, progress=progress)
+    if not counts_V.any():
+        raise UserError(f"store {store.root} holds no supervised token in its {len(store.shards)} committed shards "
+                        f"({store.num_samples} samples): nothing to build a vocab from or to train on; "
+                        f"`peagle store info --store {store.root}` shows what extraction skipped")
     identity = draft_vocab_size == vocab_size
     selected_N = np.arange(vocab_size, dtype=np.int64) if identity else select_draft_ids(
         counts_V, draft_vocab_size, mask_token_id)
@@ -151,6 +177,8 @@ def build_draft_vocab(store_root: str | Path, draft_vocab_size: int, *, progress
         "mask_token_id": mask_token_id,
         "manifest_hash": digest,
         "num_shards": len(store.shards),
+        "shards": format_ranges(r.index for r in store.shards),
+        "complete": completeness.complete,
         "num_samples": store.num_samples,
         "tensors": f"draft-{draft_vocab_size}.safetensors",
     }
@@ -202,8 +230,10 @@ def choose_draft_vocab_size(store_root: str | Path, asked: int | None, target_vo
     return default, None
 
 
-def load_draft_vocab(store_root: str | Path, draft_vocab_size: int) -> DraftVocab:
-    """Read a vocab written by ``peagle vocab``; warns when the store has changed since.
+def load_draft_vocab(store_root: str | Path, draft_vocab_size: int, *, growing: bool = False,
+                     say: Callable[[str], None] = print) -> DraftVocab:
+    """Read a vocab written by ``peagle vocab``; warns when the store has changed since, or (``growing``:
+    a store followed while extraction goes on) says which shards the vocab, frozen for the run, counted.
 
     Raises:
         UserError: when that vocab was never built (naming the command that builds it) or is unreadable.
@@ -213,7 +243,7 @@ def load_draft_vocab(store_root: str | Path, draft_vocab_size: int) -> DraftVoca
     info_path, tensors_path = root / (stem + ".json"), root / (stem + ".safetensors")
     if not info_path.exists() or not tensors_path.exists():
         raise UserError(f"store {root} has no draft vocab of size {draft_vocab_size}; build it with "
-                        f"`peagle vocab {root} --draft-vocab-size {draft_vocab_size}`")
+                        f"`peagle vocab --store {root} --draft-vocab-size {draft_vocab_size}`")
     try:
         info = json.loads(info_path.read_text())
         from safetensors.torch import load_file
@@ -221,9 +251,12 @@ def load_draft_vocab(store_root: str | Path, draft_vocab_size: int) -> DraftVoca
         tensors = load_file(tensors_path)
     except Exception as err:  # unreadable json or safetensors: same advice
         raise UserError(f"draft vocab {info_path} is unreadable ({str(err).splitlines()[0]}); rebuild it with "
-                        f"`peagle vocab {root} --draft-vocab-size {draft_vocab_size}`") from err
+                        f"`peagle vocab --store {root} --draft-vocab-size {draft_vocab_size}`") from err
     current = manifest_hash(root)
-    if info["manifest_hash"] != current:
+    if growing:
+        say(f"draft vocab: frozen for this run as `peagle vocab` built it from shards {info.get('shards', '?')} of "
+            f"{root} ({info['num_shards']} shards); shards committed since are trained on, not counted")
+    elif info["manifest_hash"] != current:
         log.warning("draft vocab %s was built from an older state of store %s (shards added since); "
                     "rebuild it with `peagle vocab` to count them", info_path, root)
     return DraftVocab(
@@ -231,5 +264,27 @@ def load_draft_vocab(store_root: str | Path, draft_vocab_size: int) -> DraftVoca
         identity=info["identity"], selected_ids_N=tensors["selected_ids"], counts_V=tensors["counts"],
         d2t_N=tensors.get("d2t"), t2d_V=tensors.get("t2d"), coverage=info["coverage"],
         num_supervised_tokens=info["num_supervised_tokens"], mask_token_id=info["mask_token_id"],
-        manifest_hash=info["manifest_hash"],
+        manifest_hash=info["manifest_hash"], shards=info.get("shards"),
     )
+
+
+def checkpoint_draft_vocab(checkpoint: Path | None) -> tuple[int | None, dict[str, Any] | None]:
+    """(draft vocab size, vocab record) a run being resumed was built with (None, None without a checkpoint;
+    the record is None for an identity vocab and in checkpoints written before it was kept)."""
+    if checkpoint is None:
+        return None, None
+    part = read_checkpoint_part(checkpoint, ckpt.CONFIG)
+    return int(part[DRAFT_CONFIG_KEY]["draft_vocab_size"]), part.get("draft_vocab")
+
+
+def check_same_vocab(saved: dict[str, Any] | None, now: dict[str, Any] | None, store_root: str | Path) -> None:
+    """A resumed run trains the vocab it began with: its lm_head rows are those target ids.
+
+    Raises:
+        UserError: the vocab file was rebuilt from another state of the store since the run began.
+    """
+    if saved is None or now is None or saved["manifest_hash"] == now["manifest_hash"]:
+        return
+    raise UserError(f"draft vocab {Path(store_root) / vocab_stem(now['draft_vocab_size'])} was rebuilt since this "
+                    f"run began (it counted shards {saved.get('shards') or '?'} then, {now.get('shards') or '?'} "
+                    "now): a resumed run must keep its vocab; train the new one with a new --out")

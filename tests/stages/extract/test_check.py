@@ -229,19 +229,19 @@ def test_prefix_keys_make_shared_prefixes_and_leading_runs_legitimate_twins():
 
 
 def test_cli_exit_codes_json_and_one_line_usage_errors(stores, tmp_path, run_peagle):
-    ok = run_peagle("store", "check", stores["fp8"])
+    ok = run_peagle("store", "check", "--store", stores["fp8"])
     assert ok.returncode == 0 and "store check passed" in ok.stdout, ok.stderr
     bad = copy(stores["bf16"], tmp_path / "bad")
     F.zero_sample_rows(bad, 2, sample_ids(bad, 2)[0])
-    out = run_peagle("store", "check", bad, "--json")
+    out = run_peagle("store", "check", "--store", bad, "--json")
     assert out.returncode == 1, out.stderr
     report = json.loads(out.stdout)
     assert not report["ok"] and [f["key"] for f in report["findings"] if f["failed"]] == ["zero_rows"]
-    tolerant = run_peagle("store", "check", bad, "--max-zero-rows", "100000")
+    tolerant = run_peagle("store", "check", "--store", bad, "--max-zero-rows", "100000")
     assert tolerant.returncode == 0, tolerant.stdout
     for args, message in ((("--samples", "0"), "--samples must be >= 1"),
                           (("--agreement-ratio", "2"), "--agreement-ratio must be in [0, 1]")):
-        usage = run_peagle("store", "check", stores["fp8"], *args)
+        usage = run_peagle("store", "check", "--store", stores["fp8"], *args)
         assert usage.returncode == 2 and usage.stderr.strip().count("\n") == 0 and message in usage.stderr
-    missing = run_peagle("store", "check", tmp_path / "nothing")
+    missing = run_peagle("store", "check", "--store", tmp_path / "nothing")
     assert missing.returncode == 2 and "does not exist" in missing.stderr

@@ -70,7 +70,7 @@ def test_fp8_back_to_bf16_holds_the_dequantised_states(extracted, tmp_path):
 
 @pytest.mark.parametrize("failpoint", ["extract.after_commit:2", "extract.write:3"])
 def test_a_killed_conversion_rerun_ends_identical(extracted, tmp_path, run_peagle, failpoint):
-    args = ("store", "convert", extracted["bf16"], "--hidden-dtype", "fp8", "--out", tmp_path / "c")
+    args = ("store", "convert", "--store", extracted["bf16"], "--hidden-dtype", "fp8", "--out", tmp_path / "c")
     killed = run_peagle(*args, env={"PEAGLE_FAILPOINT": failpoint})
     assert killed.returncode == -9, killed.stderr
     assert len(open_store(tmp_path / "c").shards) < 4

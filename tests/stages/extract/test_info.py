@@ -46,7 +46,7 @@ def test_info_counts_committed_shards_only(store):
     assert info.raw_bytes_per_token == 3 * 16 * 2 + 4 * 6
     assert info.bytes_per_token > info.raw_bytes_per_token
     text = format_info(info)
-    for words in ("shards       2 committed (backend hf)", "tokens       15", "aux_layer_ids [2, 4, 5]",
+    for words in ("shards       2 committed, no plan recorded", "(backend hf)", "tokens       15", "aux_layer_ids [2, 4, 5]",
                   "skipped      malformed_json 2", "raw tensor bytes",
                   # this fixture's aux rows are all zero, and its commit statistics say so
                   "rows         45 all-zero and 0 non-finite rows by the commit statistics of 2 of 2 shards"):

@@ -18,6 +18,7 @@ from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 from peagle.schemas.extract_config import ExtractConfig
 from peagle.stages.extract import run as R
+from peagle.stages.extract import run_plan as RP
 from peagle.stages.extract.writer import NON_FINITE_TARGET
 from peagle.testing.chat_data import chat_records, write_chat_jsonl
 
@@ -52,16 +53,16 @@ def test_dry_run_prints_the_plan_and_creates_nothing(data, tiny_llama, tmp_path)
 
 def test_refuses_to_start_when_the_disk_cannot_hold_the_plan(data, tiny_llama, tmp_path):
     plan = _quiet(_config(data, tiny_llama, tmp_path / "s", dry_run=True)).plan
-    R.check_fits(plan, tmp_path)
+    RP.check_fits(plan, tmp_path)
     with pytest.raises(UserError, match="not enough disk .* needs ~.* is free"):
-        R.check_fits(replace(plan, free_bytes=plan.estimated_bytes - 1), tmp_path)
+        RP.check_fits(replace(plan, free_bytes=plan.estimated_bytes - 1), tmp_path)
 
 
 def test_token_estimate_from_a_sample_is_close(data, tiny_llama, tmp_path):
     plan = _quiet(_config(data, tiny_llama, tmp_path / "s", dry_run=True, samples_per_shard=2)).plan
     target = R.load_target(str(tiny_llama))
-    exact, n, _ = R.estimate_tokens(plan.pending, target.tokenizer, plan.settings, "all")
-    sampled, m, _ = R.estimate_tokens(plan.pending, target.tokenizer, plan.settings, "all", max_records=6)
+    exact, n, _, _ = RP.estimate_tokens(plan.pending, target.tokenizer, plan.settings, "all")
+    sampled, m, _, _ = RP.estimate_tokens(plan.pending, target.tokenizer, plan.settings, "all", max_records=6)
     assert (exact, n) == (plan.estimated_tokens, 12) and m == 6
     assert 0.5 * exact < sampled < 1.5 * exact
 
@@ -122,7 +123,7 @@ def test_rerun_with_another_target_is_refused(data, tiny_llama, tiny_qwen3, tmp_
 
 
 def test_strict_names_file_and_line(data, tiny_llama, tmp_path):
-    with pytest.raises(UserError, match=r"a.jsonl line 5: malformed_json \[--strict\]"):
+    with pytest.raises(UserError, match=r"a.jsonl line 5: not valid JSON \(malformed_json\) \[--strict\]"):
         _quiet(_config(data, tiny_llama, tmp_path / "s", strict=True, samples_per_shard=2))
     # the shards before the bad record's shard were finished and committed; a fixed re-run goes on
     assert [r.index for r in open_store(tmp_path / "s").shards] == [0, 1]

@@ -88,7 +88,7 @@ def test_missing_vocab_names_the_command(tiny_store):
     with pytest.raises(UserError) as err:
         load_draft_vocab(tiny_store.root, 77)
     msg = str(err.value)
-    assert "\n" not in msg and f"peagle vocab {tiny_store.root} --draft-vocab-size 77" in msg
+    assert "\n" not in msg and f"peagle vocab --store {tiny_store.root} --draft-vocab-size 77" in msg
 
 
 def test_train_uses_the_one_built_vocab_and_asks_when_there_are_several(tiny_store, tmp_path):

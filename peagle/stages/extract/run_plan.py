@@ -1,0 +1,161 @@
+"""The plan of one `peagle extract` run, read-only: which shards (all of the inputs, this worker's, the
+ones still to do), the estimated tokens and store size, the free disk, and, for ``--dry-run``, every
+record decoded and checked (``input_check``). Nothing is created, so a dry run or a refused start
+leaves no trace."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from peagle.pipeline import plan as P
+from peagle.pipeline.store import check_same_settings, list_commits, read_settings, sha256_file
+from peagle.pipeline.store_reader import raw_bytes_per_token
+from peagle.schemas import store as S
+from peagle.schemas.errors import UserError
+from peagle.schemas.extract_config import ExtractConfig
+from peagle.stages.extract.conversation import CONTAINS_MASK_TOKEN
+from peagle.stages.extract.input_check import InputScan, scan_records, words
+from peagle.stages.extract.mask_token import describe_mask_token
+from peagle.stages.extract.readers import count_records, iter_file_records
+from peagle.stages.extract.target import Target
+from peagle.stages.extract.template import prepare_record
+
+ESTIMATE_RECORDS = 256  # records tokenized to estimate the token count of a large plan
+
+
+@dataclass(kw_only=True)
+class ExtractPlan:
+    settings: S.StoreSettings
+    files: list[P.InputFile]
+    shards: list[P.PlannedShard]  # every shard of the inputs
+    mine: list[P.PlannedShard]  # this worker's
+    pending: list[P.PlannedShard]  # this worker's, not yet committed
+    estimated_tokens: int
+    estimated_from_records: int
+    estimated_mask_skips: int  # records of the estimate that contain the mask token
+    estimated_supervised: int  # supervised tokens, estimated as ``estimated_tokens``
+    free_bytes: int
+    notes: list[str] = field(default_factory=list)  # things the user should know before it starts
+    scan: InputScan | None = None  # --dry-run: every pending record decoded and checked
+
+    @property
+    def estimated_bytes(self) -> int:
+        return self.estimated_tokens * raw_bytes_per_token(self.settings)
+
+
+
+def check_fits(plan: "ExtractPlan", root: Path) -> None:
+    """Refuse to start when the estimated store does not fit on the disk (docs/store.md)."""
+    if plan.estimated_bytes > plan.free_bytes:
+        raise UserError(f"not enough disk for {root}: the plan needs ~{_human(plan.estimated_bytes)}, "
+                        f"{_human(plan.free_bytes)} is free")
+
+
+def input_files(paths: tuple[str, ...]) -> list[P.InputFile]:
+    counts = count_records(paths)  # also checks every path (one-line errors)
+    files = []
+    for path, n in zip(paths, counts):
+        try:
+            digest = sha256_file(path)
+        except OSError as err:
+            raise UserError(f"cannot read data file {path}: {err.strerror or err}") from err
+        files.append(P.InputFile(path=str(path), sha256=digest, num_records=n))
+    return files
+
+
+def make_plan(config: ExtractConfig, target: Target, settings: S.StoreSettings) -> ExtractPlan:
+    """The plan, read-only: nothing is created, so ``--dry-run`` and a refused start leave no trace."""
+    root = Path(config.out)
+    files = input_files(config.data)
+    exists = (root / S.STORE_SETTINGS_FILE).exists()
+    if exists:
+        existing = read_settings(root)
+        if existing.mask_token_source is None:
+            raise UserError(f"store {root} was written by an older peagle that recorded no mask token choice; "
+                            "extract into a new --out (the old store still trains: `peagle train --mask-token-id N`)")
+        check_same_settings(existing, settings, root)
+    registrations = P.read_registrations(root) if exists else []
+    new = P.assign_registrations(registrations, files, config.samples_per_shard)
+    notes = [f"note: {r.name} is in the store already with other content: this content gets new shards "
+             f"{r.first_shard}..{r.end_shard - 1}; the old shards stay" for r in new
+             if any(old.name == r.name for old in registrations)]
+    registrations += new
+    shards = P.plan_shards(files, registrations)
+    mine = P.shards_of_worker(shards, config.shard_index, config.num_shards)
+    done = {r.index for r in list_commits(root)} if exists else set()
+    pending = [s for s in mine if s.index not in done]
+    tokens, sampled, mask_skips, supervised = estimate_tokens(pending, target.tokenizer, settings, config.loss_on)
+    if mask_skips:
+        notes.append(f"note: {mask_skips} of the {sampled} records read for the estimate contain the mask token "
+                     f"{settings.mask_token_id}: such records are skipped (contains_mask_token); pass another "
+                     "--mask-token-id if that is too many")
+    probe = root if root.exists() else next((p for p in root.parents if p.exists()), Path("."))
+    scan = (scan_records([(s.input_path, s.first_record, s.end_record) for s in pending], strict=False)
+            if config.dry_run else None)
+    return ExtractPlan(settings=settings, files=files, shards=shards, mine=mine, pending=pending,
+                       estimated_tokens=tokens, estimated_from_records=sampled, estimated_mask_skips=mask_skips,
+                       estimated_supervised=supervised, free_bytes=shutil.disk_usage(probe).free, notes=notes,
+                       scan=scan)
+
+
+def estimate_tokens(pending: list[P.PlannedShard], tokenizer: Any, settings: S.StoreSettings, loss_on: str,
+                    max_records: int = ESTIMATE_RECORDS) -> tuple[int, int, int, int]:
+    """(estimated tokens of the pending shards, records tokenized for it, how many of those contain
+    the mask token, estimated supervised tokens): every record when there are at most ``max_records``,
+    else the first records of up to 16 evenly spread shards, scaled."""
+    total_records = sum(s.num_records for s in pending)
+    if not total_records:
+        return 0, 0, 0, 0
+    picks = pending if len(pending) <= 16 else [pending[i * len(pending) // 16] for i in range(16)]
+    per_shard = max(1, max_records // len(picks))
+    tokens = sampled = mask_skips = supervised = 0
+    for shard in picks:
+        stop = shard.end_record if total_records <= max_records else min(shard.end_record, shard.first_record + per_shard)
+        for record in iter_file_records(shard.input_path, shard.first_record, stop):
+            prepared = prepare_record(record, tokenizer, loss_on=loss_on, max_seq_len=settings.max_seq_len,
+                                      mask_token_id=settings.mask_token_id)
+            tokens += sum(len(s.input_ids) for s in prepared.samples)
+            supervised += sum(sum(s.loss_mask) for s in prepared.samples)
+            mask_skips += prepared.skip_reason == CONTAINS_MASK_TOKEN
+            sampled += 1
+    scale = total_records / max(sampled, 1)
+    return round(tokens * scale), sampled, mask_skips, round(supervised * scale)
+
+
+def format_plan(plan: ExtractPlan, config: ExtractConfig, store: Path) -> str:
+    s, t = plan.settings, plan.settings.target
+    num_records = sum(f.num_records for f in plan.files)
+    pending_records = sum(p.num_records for p in plan.pending)
+    how = "exact" if plan.estimated_from_records >= pending_records else f"from {plan.estimated_from_records} records"
+    lines = [
+        f"peagle extract plan -> {store}",
+        f"  target     {t.path} ({t.architecture}, {t.num_hidden_layers} layers, hidden {t.hidden_size}, "
+        f"vocab {t.vocab_size}, {t.dtype})",
+        f"  inputs     {len(plan.files)} file(s), {num_records} records -> {len(plan.shards)} shards "
+        f"({config.samples_per_shard} records per shard)",
+        f"  worker     {config.shard_index} of {config.num_shards}: {len(plan.mine)} shards, "
+        f"{len(plan.mine) - len(plan.pending)} already committed, {len(plan.pending)} to do ({pending_records} records)",
+        f"  settings   aux layers {','.join(map(str, s.aux_layer_ids))}, top-k {s.topk} ({s.logprob_dtype}), "
+        f"max len {s.max_seq_len}, loss on {s.loss_on}, hidden states {s.hidden_dtype}"
+        + ("" if s.supervise_reasoning else " (reasoning not supervised)"),
+        f"  mask token {describe_mask_token(s.mask_token_id, s.mask_token, s.mask_token_source)}",
+        f"  tokens     ~{plan.estimated_tokens:,} ({how}), ~{plan.estimated_supervised:,} supervised",
+        *([f"  checked    {plan.scan.num_records:,} records decoded: "
+           + (f"{sum(plan.scan.skipped.values()):,} unusable ({words(plan.scan.skipped)})" if plan.scan.skipped
+              else "all usable")] if plan.scan is not None else []),
+        f"  size       ~{_human(plan.estimated_bytes)} at {raw_bytes_per_token(s):,} bytes/token; "
+        f"free disk {_human(plan.free_bytes)}",
+        *plan.notes,
+    ]
+    return "\n".join(lines)
+
+
+def _human(num_bytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if num_bytes < 1024 or unit == "TiB":
+            return f"{num_bytes:.1f} {unit}" if unit != "B" else f"{int(num_bytes)} B"
+        num_bytes /= 1024
+    raise AssertionError

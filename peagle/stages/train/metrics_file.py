@@ -1,0 +1,34 @@
+"""``RUN_DIR/metrics.jsonl``: one JSON line per logged step and per evaluation, written by rank 0.
+
+A resumed run first drops the lines past its checkpoint's step (the killed run wrote them; this run
+writes them again), so the file of a killed-and-resumed run equals that of an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+from peagle.pipeline.atomic import atomic_write_bytes
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def append_metrics(run_dir: Path, record: dict[str, Any]) -> None:
+    with open(run_dir / METRICS_FILE, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drop metrics lines past ``step``."""
+    path = run_dir / METRICS_FILE
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError, AttributeError):
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line + "\n")
+    atomic_write_bytes(path, "".join(kept).encode())
