@@ -274,7 +274,7 @@ def extract_once(stages: Stages, work: Path, target: Path, paths: dict[str, Path
         str(budget.regen_temperature), *common])
     seconds["extract_heldout"] = stages.run("extract-heldout", ["extract", "--data", str(paths["heldout"]), "--out",
                                                                  str(work / "heldout-store"), "--temperature", "0", *common])
-    seconds["vocab"] = stages.run("vocab", ["vocab", str(work / "store"), "--draft-vocab-size",
+    seconds["vocab"] = stages.run("vocab", ["vocab", "--store", str(work / "store"), "--draft-vocab-size",
                                             str(budget.draft_vocab_size), "--quiet"])
     return {"backend": backend, "seconds": seconds, "cpu_seconds": {k: stages.cpu_seconds[k.replace("_", "-")]
                                                                    for k in seconds}}
