@@ -47,17 +47,18 @@ import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from quality import EVAL_K, NOISE_WORD, Budget, Stages, continuation_stats, train_flags, versus
+from quality import EVAL_K, NOISE_WORD, Budget, Stages, continuation_stats, train_flags
 
 from peagle.pipeline.atomic import atomic_write_json
 from peagle.pipeline.store import open_store
 from peagle.schemas.train_config import TrainConfig
-from peagle.testing.seed_statistics import describe
+from peagle.testing.seed_statistics import describe, welch
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECULATORS_VENV = ROOT / ".venv-speculators"
@@ -177,45 +178,47 @@ def run_dir(work: Path, config: str, seed: int) -> Path:
     return work / "runs" / config / f"seed{seed}"
 
 
-def evaluate(stages: Stages, tag: str, export: Path, run: Path, paths: dict[str, Path], budget: Budget) -> tuple[dict, float]:
-    """``peagle eval`` of one export at K = 5, the quality benchmark's modes and sizes: (report, seconds)."""
+def evaluate(stages: Stages, tag: str, export: Path, run: Path, paths: dict[str, Path], budget: Budget,
+             modes: list[str]) -> tuple[dict, float]:
+    """``peagle eval`` of one export at K = 5 in ``modes`` (vllm always), the budget's sizes: (report, seconds)."""
     seconds = stages.run(f"eval-{tag}", [
         "eval", str(export), "--target", str(paths["target"]), "--store", str(paths["heldout"]),
         "--prompts", str(paths["prompts"]), "--out", str(run / "report"), "--num-depths", str(EVAL_K),
-        "--mode", "offline,online,vllm", "--max-prompts", str(budget.num_prompts),
+        "--mode", ",".join(modes), "--max-prompts", str(budget.num_prompts),
         "--max-new-tokens", str(budget.max_new_tokens), "--max-samples", str(budget.num_heldout_chats), "--quiet"])
     return json.loads((run / "report" / "report.json").read_text()), seconds
 
 
 def acceptance_fields(tag: str, report: dict) -> dict:
-    """What a record keeps of an eval report (the quality benchmark's fields)."""
-    vllm, own, offline = report["vllm"], report["online"], report["offline"]
+    """What a record keeps of an eval report (the quality benchmark's fields; None for a mode not run)."""
+    vllm, own, offline = report["vllm"], report.get("online") or {}, report.get("offline") or {}
     if vllm.get("parallel_drafting") is not True:
         raise SystemExit(f"{tag}: vLLM ran without parallel drafting; its acceptance would mean nothing")
-    return {"al_vllm": vllm["acceptance_length"], "al_own": own["acceptance_length"],
-            "al_offline": offline["acceptance_length"], "per_depth": vllm["per_depth_acceptance"],
-            "per_depth_own": own["per_depth_acceptance"], "per_depth_offline": offline["per_depth_acceptance"],
+    return {"al_vllm": vllm["acceptance_length"], "al_own": own.get("acceptance_length"),
+            "al_offline": offline.get("acceptance_length"), "per_depth": vllm["per_depth_acceptance"],
+            "per_depth_own": own.get("per_depth_acceptance"), "per_depth_offline": offline.get("per_depth_acceptance"),
             "greedy_output_matches_plain": own.get("greedy_output_matches_plain"),
             "vllm_greedy_matches_target": vllm.get("greedy_output_matches_target_only"),
             "continuations": continuation_stats(report)}
 
 
-def run_peagle(stages: Stages, work: Path, paths: dict[str, Path], budget: Budget, flags: list[str], seed: int) -> dict:
+def run_peagle(stages: Stages, work: Path, paths: dict[str, Path], budget: Budget, modes: list[str], flags: list[str],
+               seed: int) -> dict:
     run, tag = run_dir(work, "peagle", seed), f"peagle-seed{seed}"
     seconds = {"train": stages.run(f"train-{tag}", ["train", "--store", str(paths["store"]), "--target",
                                                    str(paths["target"]), "--out", str(run), "--eval-store",
                                                    str(paths["heldout"]), *flags])}
     seconds["export"] = stages.run(f"export-{tag}", ["export", str(run), "--out", str(run / "export"),
                                                      "--speculative-tokens", str(EVAL_K)])
-    report, seconds["eval"] = evaluate(stages, tag, run / "export", run, paths, budget)
+    report, seconds["eval"] = evaluate(stages, tag, run / "export", run, paths, budget, modes)
     rows = [m for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if m.get("kind") == "train"]
     return {**acceptance_fields(tag, report), "positions": rows[-1]["tokens_seen"], "steps": rows[-1]["step"],
             "final_loss": rows[-1]["loss"], "seconds": seconds,
             "cpu_seconds": {stage: stages.cpu_seconds[f"{stage}-{tag}"] for stage in seconds}}
 
 
-def run_speculators(stages: Stages, work: Path, paths: dict[str, Path], budget: Budget, config: str, flags: list[str],
-                    seed: int, positions: int, python: Path) -> dict:
+def run_speculators(stages: Stages, work: Path, paths: dict[str, Path], budget: Budget, modes: list[str], config: str,
+                    flags: list[str], seed: int, positions: int, python: Path) -> dict:
     run, tag = run_dir(work, config, seed), f"{config}-seed{seed}"
     ours = ["--store", str(paths["store"]), "--target", str(paths["target"]), "--out", str(run / "train"),
             "--tokens", str(positions)] + (["--store-vocab"] if config == "speculators-peagle" else [])
@@ -223,7 +226,7 @@ def run_speculators(stages: Stages, work: Path, paths: dict[str, Path], budget: 
     seconds = {"train": stages.run(f"train-{tag}", [str(SPECULATORS_TRAINER), *ours, "--", *flags],
                                    program=[str(python)], env=env)}
     trained = json.loads((run / "train" / "run.json").read_text())
-    report, seconds["eval"] = evaluate(stages, tag, run / "train" / "export", run, paths, budget)
+    report, seconds["eval"] = evaluate(stages, tag, run / "train" / "export", run, paths, budget, modes)
     rows = [json.loads(line)["train"] for line in (run / "train" / "metrics.jsonl").read_text().splitlines()]
     return {**acceptance_fields(tag, report), "positions": trained["positions"], "steps": trained["steps"],
             "epochs": trained["epochs"], "final_loss": rows[-1]["loss"] if rows else None,
@@ -232,34 +235,37 @@ def run_speculators(stages: Stages, work: Path, paths: dict[str, Path], budget: 
             "cpu_seconds": {stage: stages.cpu_seconds[f"{stage}-{tag}"] for stage in seconds}}
 
 
-def run_one(stages: Stages, work: Path, paths: dict[str, Path], budget: Budget, config: str, flags: list[str],
-            seed: int, positions: int | None, python: Path | None, report_only: bool) -> dict:
+def run_one(stages: Stages, work: Path, paths: dict[str, Path], budget: Budget, modes: list[str], config: str,
+            flags: list[str], seed: int, positions: int | None, python: Path | None, report_only: bool) -> dict:
     """Train and evaluate one (configuration, seed); the record is reused while its flags are the same."""
     record_path = run_dir(work, config, seed) / "record.json"
-    key = {"train_flags": flags, "positions_wanted": positions, "eval": eval_settings(budget)}
+    key = {"train_flags": flags, "positions_wanted": positions, "eval": eval_settings(budget, modes)}
     if record_path.exists():
         old = json.loads(record_path.read_text())
         if all(old.get(k) == v for k, v in key.items()):
             print(f"reusing {record_path}", flush=True)
             return old
+        if not report_only:  # made with other flags: train afresh (a run without a record resumes instead)
+            shutil.rmtree(record_path.parent)
     if report_only:
         raise SystemExit(f"--report-only: {record_path} is missing or was made with other flags than {config!r} has now")
     started = time.monotonic()
     if CONFIGS[config] == "peagle":
-        measured = run_peagle(stages, work, paths, budget, flags, seed)
+        measured = run_peagle(stages, work, paths, budget, modes, flags, seed)
     else:
-        measured = run_speculators(stages, work, paths, budget, config, flags, seed, positions, python)
+        measured = run_speculators(stages, work, paths, budget, modes, config, flags, seed, positions, python)
     record = {"config": config, "trainer": CONFIGS[config], "seed": seed, **key, **measured,
               "wall_seconds": time.monotonic() - started}
     atomic_write_json(record_path, record)
-    print(f"{config} seed {seed}: AL vLLM {record['al_vllm']:.3f} (own {record['al_own']:.3f}, offline "
-          f"{record['al_offline']:.3f}); train {record['seconds']['train']:.0f} s, eval {record['seconds']['eval']:.0f} s, "
-          f"{record['wall_seconds']:.0f} s in all", flush=True)
+    others = ", ".join(f"{mode} {record[key]:.3f}" for mode, key in (("own", "al_own"), ("offline", "al_offline"))
+                       if record[key] is not None)
+    print(f"{config} seed {seed}: AL vLLM {record['al_vllm']:.3f} ({others}); train {record['seconds']['train']:.0f} s, "
+          f"eval {record['seconds']['eval']:.0f} s, {record['wall_seconds']:.0f} s in all", flush=True)
     return record
 
 
-def eval_settings(budget: Budget) -> dict:
-    return {"k": EVAL_K, "num_prompts": budget.num_prompts, "max_new_tokens": budget.max_new_tokens,
+def eval_settings(budget: Budget, modes: list[str]) -> dict:
+    return {"k": EVAL_K, "modes": modes, "num_prompts": budget.num_prompts, "max_new_tokens": budget.max_new_tokens,
             "max_samples": budget.num_heldout_chats}
 
 
@@ -270,21 +276,27 @@ def summarise(records: list[dict]) -> dict:
         by_config.setdefault(rec["config"], []).append(rec)
     out = {}
     for name, recs in by_config.items():
-        entry = {key: describe([r[key] for r in recs]) for key in ("al_vllm", "al_own", "al_offline")}
+        entry = {key: describe([r[key] for r in recs]) if all(r[key] is not None for r in recs) else None
+                 for key in ("al_vllm", "al_own", "al_offline")}
         entry["per_depth"] = [statistics.fmean(d) for d in zip(*(r["per_depth"] for r in recs))]
         entry["positions"] = statistics.fmean(r["positions"] for r in recs)
         entry["train_seconds"] = statistics.fmean(r["seconds"]["train"] for r in recs)
         entry["train_cpu_seconds"] = statistics.fmean(r["cpu_seconds"]["train"] for r in recs)
-        entry["greedy_equal_everywhere"] = all(r["greedy_output_matches_plain"] and r["vllm_greedy_matches_target"]
-                                               for r in recs)
+        entry["greedy_equal_everywhere"] = all(r["vllm_greedy_matches_target"] and r["greedy_output_matches_plain"]
+                                               is not False for r in recs)
         if name != "peagle" and "peagle" in by_config:
-            entry["vs_peagle"] = versus(recs, by_config["peagle"])
+            peagle = by_config["peagle"]
+            entry["vs_peagle"] = {key: welch([r[key] for r in recs], [r[key] for r in peagle])
+                                  for key in ("al_vllm", "al_own", "al_offline")
+                                  if entry[key] is not None and all(r[key] is not None for r in peagle)}
         out[name] = entry
     return out
 
 
 def print_table(summary: dict) -> None:
-    def fmt(d: dict) -> str:
+    def fmt(d: dict | None) -> str:
+        if d is None:
+            return "-"
         return f"{d['mean']:.3f}" + (f" ± {d['se']:.3f}" if d["se"] is not None else "")
 
     print(f"{'configuration':<21} {'n':>2} {'AL vLLM':>15} {'AL own':>15} {'AL offline':>15}  per-depth (vLLM)"
@@ -313,6 +325,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--draft-vocab-size", type=int, help="draft vocab size of every draft (default: the quality budget's)")
     ap.add_argument("--num-prompts", type=int, help="held-out prompts to generate for (default: the quality budget's)")
     ap.add_argument("--max-new-tokens", type=int, help="tokens generated per prompt (default: the quality budget's)")
+    ap.add_argument("--eval-modes", default="offline,online,vllm", help="`peagle eval` modes (vllm is always run; "
+                    "online, our own loop with the HF target, is the slowest on CPU)")
     ap.add_argument("--work", type=Path, default=Path("peer-ab-work"), help="working directory, reused on re-runs")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu/peer_ab.json"))
     ap.add_argument("--report-only", action="store_true", help="run nothing: the JSON and table from the records "
@@ -330,6 +344,7 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         raise SystemExit(f"unknown configuration(s) {', '.join(unknown)}; known: {', '.join(CONFIGS)}")
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    modes = list(dict.fromkeys([m for m in args.eval_modes.split(",") if m] + ["vllm"]))
 
     def flags_of(config: str, seed: int, mask_token_id: int) -> list[str]:
         peagle = train_flags(args.peagle_variant, budget, seed)
@@ -358,7 +373,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"speculators environment: {time.monotonic() - t0:.0f} s", flush=True)
     result: dict = {
         "settings": {"budget": {k: v for k, v in asdict(budget).items() if k in BUDGET_FIELDS},
-                     "eval": eval_settings(budget), "peagle_variant": args.peagle_variant,
+                     "eval": eval_settings(budget, modes), "peagle_variant": args.peagle_variant,
                      "configs": {c: flags_of(c, 0, store.settings.mask_token_id) for c in configs},
                      "seeds": seeds, **{name: str(path) for name, path in paths.items()},
                      "store_samples": store.num_samples, "store_tokens": store.num_tokens},
@@ -373,8 +388,8 @@ def main(argv: list[str] | None = None) -> dict:
                 continue
             if CONFIGS[config] == "speculators" and positions is None:
                 break  # --report-only without the peagle record of this seed: nothing to compare with
-            rec = run_one(stages, work, paths, budget, config, flags_of(config, seed, store.settings.mask_token_id),
-                          seed, positions, python, args.report_only)
+            rec = run_one(stages, work, paths, budget, modes, config,
+                          flags_of(config, seed, store.settings.mask_token_id), seed, positions, python, args.report_only)
             if config == "peagle":
                 positions = rec["positions"]
             result["records"].append(rec)

@@ -17,13 +17,16 @@ the store, converted by :mod:`peer_ab_data` (read there why, and what the target
 What this script sets itself: the verifier and its aux layers (the store's), the data and save
 paths, and the run length: ``--max-steps`` is the first step at which the positions trained (its
 packed rows, after its shift) reach ``--tokens`` (the peagle run's, so both see the same number),
-and ``--epochs`` what that takes. Three shims let the trainer run without an accelerator, none
-changing what a step computes: the trainer's device is the CPU, its autocast device type ``cpu``,
-and ``torch.accelerator.synchronize`` (its step timer's sync) a no-op when there is no accelerator.
+and ``--epochs`` what that takes. Shims let the trainer run without an accelerator: the trainer's
+device is the CPU, its autocast device type ``cpu``, ``torch.accelerator.synchronize`` (its step
+timer's sync) a no-op, none of which changes what a step computes; and ``torch.optim.Muon``'s
+Newton-Schulz iteration runs in fp32 instead of bf16 (:func:`fp32_newton_schulz`), as every other
+computation here does (``--hidden-states-dtype float32``).
 
 Writes ``RUN/export/`` (the last checkpoint's ``config.json`` and ``model.safetensors``: speculators'
-format, which vLLM serves), ``RUN/metrics.jsonl`` (its per-step training metrics) and
-``RUN/run.json`` (the resolved flags, steps, epochs and positions trained).
+format, which vLLM serves), ``RUN/metrics.jsonl`` (its per-step training metrics),
+``RUN/speculators_run.yaml`` (its own record of the resolved configuration, every default included)
+and ``RUN/run.json`` (the flags, steps, epochs and positions trained).
 """
 
 from __future__ import annotations
@@ -31,13 +34,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import shutil
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.optim._muon as torch_muon
 import speculators.train.trainer as speculators_trainer
 from speculators.models.eagle3.data import shift_batch
 from speculators.models.peagle import PEagleDraftModel
@@ -97,10 +100,26 @@ def trainer_config(args: argparse.Namespace) -> TrainerConfig:
     )
 
 
+def fp32_newton_schulz(grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int,
+                       eps: float) -> torch.Tensor:
+    """``torch.optim.Muon``'s Newton-Schulz orthogonalisation (torch/optim/_muon.py, the same steps and
+    coefficients) in fp32 instead of bf16: this CPU has no bf16 arithmetic, and emulated bf16 made
+    one Muon step of a SmolLM2-sized draft take minutes (peagle's Muon iterates in fp32 too)."""
+    a, b, c = ns_coefficients
+    tall = grad.size(0) > grad.size(1)
+    x = grad.float().T if tall else grad.float()
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
 def cpu_trainer(model, config: TrainerConfig, loader) -> Trainer:
-    """speculators' Trainer on a machine without an accelerator (the three shims of the module docstring)."""
+    """speculators' Trainer on a machine without an accelerator (the shims of the module docstring)."""
     if not torch.accelerator.is_available():
         torch.accelerator.synchronize = lambda *_args, **_kwargs: None
+        torch_muon._zeropower_via_newtonschulz = fp32_newton_schulz
     speculators_trainer.get_local_rank = lambda: "cpu"
     trainer = Trainer(model, config, loader, None)
     trainer.device_type = "cpu"
@@ -183,6 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer.run_training()
     train_seconds = time.monotonic() - trained
     publish_export(save_path / str(epochs - 1), opts.out / "export")
+    shutil.move(save_path / "run.yaml", opts.out / "speculators_run.yaml")
     shutil.rmtree(save_path)
     summary = {"flags": flags + fixed, "steps": steps, "epochs": epochs, "positions": positions,
                "positions_wanted": opts.tokens, "global_step": trainer.global_step,

@@ -94,6 +94,12 @@ def test_summary_compares_each_speculators_configuration_with_peagle(bench) -> N
     vs = summary["speculators-defaults"]["vs_peagle"]["al_vllm"]
     assert vs["diff"] == pytest.approx(-0.5) and vs["beyond_noise"]
     assert summary["speculators-defaults"]["greedy_equal_everywhere"]
+    # --eval-modes without online: no AL of our own loop, compared on what was measured
+    for rec in records:
+        rec["al_own"], rec["greedy_output_matches_plain"] = None, None
+    summary = bench.summarise(records)
+    assert summary["peagle"]["al_own"] is None and set(summary["speculators-defaults"]["vs_peagle"]) == {
+        "al_vllm", "al_offline"}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -197,5 +203,29 @@ def test_one_step_of_each_trainer_and_exports_peagle_reads(bench, toy_store, tin
         exported = load_export(out / "export")  # as `peagle eval` reads it
         assert exported.speculative_tokens == depths and exported.draft.config.architecture == arch
         assert exported.verifier == str(tiny_llama) and exported.draft.config.draft_vocab_size == DRAFT_VOCAB
-        assert not (out / "checkpoints").exists()
+        assert not (out / "checkpoints").exists() and "speculator_type: peagle" in (out / "speculators_run.yaml").read_text()
     assert json.loads((tmp_path / "speculators-peagle" / "run.json").read_text())["mask_token_id"] == mask_token
+
+
+NEWTON_SCHULZ = """
+import torch
+from torch.optim import _muon
+import peer_ab_speculators as trainer
+for shape in ((48, 96), (96, 48)):
+    grad = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    ours = trainer.fp32_newton_schulz(grad, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+    torch_bf16 = _muon._zeropower_via_newtonschulz(grad, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+    assert ours.dtype == torch.float32 and ours.shape == torch_bf16.shape, (ours.shape, torch_bf16.shape)
+    error = (ours - torch_bf16.float()).abs().max() / torch_bf16.float().abs().max()
+    assert error < 0.05, error  # bf16 rounding apart
+    print(float(error))
+"""
+
+
+@needs_speculators
+def test_fp32_newton_schulz_is_torch_muons_iteration() -> None:
+    """The CPU shim computes torch.optim.Muon's orthogonalisation, in fp32: equal to torch's own up to
+    bf16 rounding."""
+    proc = speculators_run(["-c", NEWTON_SCHULZ])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all(0 < float(line) < 0.05 for line in proc.stdout.split())
