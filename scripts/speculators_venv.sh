@@ -29,7 +29,7 @@ if [ "$python_want" != "$python_have" ]; then
   rm -rf "$VENV"
   exit 1
 fi
-"$VENV/bin/python" -m pip install -q --no-deps -r "$LOCK"
+"$VENV/bin/python" -m pip install -q --no-deps --no-compile -r "$LOCK"  # .pyc on first import only
 err=$(mktemp)
 trap 'rm -f "$err"' EXIT
 if ! "$VENV/bin/python" -c "import speculators.train.trainer, speculators.models.peagle, torch
