@@ -188,18 +188,19 @@ class Stages:
         self.verbose = verbose
         self.cpu_seconds: dict[str, float] = {}
 
-    def run(self, name: str, args: list[str]) -> float:
+    def run(self, name: str, args: list[str], program: list[str] | None = None, env: dict | None = None) -> float:
         """Wall seconds of the stage; its CPU seconds (user + system, all its processes) go to
-        ``self.cpu_seconds[name]``: on a shared machine wall time measures the neighbours too."""
-        print(f"$ peagle {shlex.join(args)}", flush=True)
+        ``self.cpu_seconds[name]``: on a shared machine wall time measures the neighbours too.
+        ``program`` (with ``env``) runs instead of ``peagle``: peer_ab.py's speculators trainer."""
+        print(f"$ {shlex.join([*(program or ['peagle']), *args])}", flush=True)
         log = self.logs / f"{name}.log"
         start, cpu_before = time.monotonic(), _children_cpu()
         with open(log, "w") as f:
-            rc = subprocess.run([sys.executable, "-m", "peagle", *args], stdout=None if self.verbose else f,
-                                stderr=subprocess.STDOUT).returncode
+            rc = subprocess.run([*(program or [sys.executable, "-m", "peagle"]), *args], env=env,
+                                stdout=None if self.verbose else f, stderr=subprocess.STDOUT).returncode
         if rc != 0:
             tail = "".join(log.read_text().splitlines(keepends=True)[-20:]) if log.exists() else ""
-            raise SystemExit(f"{tail}\nquality benchmark: `peagle {name}` failed (exit {rc}); log: {log}")
+            raise SystemExit(f"{tail}\nbenchmark stage `{name}` failed (exit {rc}); log: {log}")
         self.cpu_seconds[name] = _children_cpu() - cpu_before
         return time.monotonic() - start
 

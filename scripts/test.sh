@@ -11,6 +11,10 @@ bash scripts/setup.sh
 if [ "${PEAGLE_WITH_VLLM:-1}" = "1" ] && [ -f scripts/install_vllm.sh ]; then
   bash scripts/install_vllm.sh .venv
 fi
+# speculators 0.9.0 in its own venv, for benchmarks/peer_ab.py's test (PEAGLE_WITH_SPECULATORS=0: it skips)
+if [ "${PEAGLE_WITH_SPECULATORS:-1}" = "1" ]; then
+  bash scripts/speculators_venv.sh
+fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false
 status=0
 .venv/bin/python -m pytest -q -p no:cacheprovider -m "not vllm" \
