@@ -209,12 +209,14 @@ def _expand_last_row(x_R1: Tensor, num_repeats: int) -> Tensor:
 class PEagleDraft(nn.Module):
     """P-EAGLE draft. ``forward`` returns final-normed hidden states; ``compute_logits`` applies lm_head.
 
-    ``lm_head`` is frozen unless ``train_lm_head``; ``embed_tokens`` trains (P-EAGLE's choice).
+    ``lm_head`` is frozen unless ``train_lm_head``; ``embed_tokens`` trains unless not
+    ``train_embeddings`` (P-EAGLE trains it; EAGLE-3 drafts keep the target's).
     ``d2t`` (draft index -> target id offset) and ``t2d`` (target id in draft vocab) are the buffers
     vLLM reads; identity/all-True when the draft vocab is the whole target vocab.
     """
 
-    def __init__(self, config: DraftConfig, *, train_lm_head: bool = False, activation_checkpointing: bool = False):
+    def __init__(self, config: DraftConfig, *, train_lm_head: bool = False, train_embeddings: bool = True,
+                 activation_checkpointing: bool = False):
         super().__init__()
         self.config = config
         self.activation_checkpointing = activation_checkpointing
@@ -235,6 +237,7 @@ class PEagleDraft(nn.Module):
         self.reset_parameters()
         self.set_vocab_map(torch.arange(config.draft_vocab_size) if not config.has_vocab_map else None)
         self.lm_head.weight.requires_grad_(train_lm_head)
+        self.embed_tokens.weight.requires_grad_(train_embeddings)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -218,6 +218,11 @@ class TrainConfig:
     train_lm_head: bool = False
     """Also train lm_head (by default it keeps the target's rows, frozen, as in the reference)."""
 
+    train_embeddings: bool = True
+    """Train embed_tokens (P-EAGLE's choice; it starts as the target's). `--no-train-embeddings` keeps
+    the target's embedding frozen, as EAGLE-3 drafts do: on little data a trained embedding moves
+    the tokens it sees away from the ones it does not."""
+
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward: less memory, about 1/3 more compute."""
 
@@ -343,10 +348,11 @@ class TrainConfig:
 
 
 ABSENT_MEANT: dict[str, Any] = {"optimizer": "adamw", "norm_before_residual": False, "norm_before_fc": False,
-                                 "fc_norm": False}
+                                 "fc_norm": False, "train_embeddings": True}
 """What a field missing from a saved config meant, where that is not today's default: runs
 checkpointed before ``--optimizer`` existed trained with AdamW, and runs checkpointed before the
-EAGLE-3.1 norm options existed trained without them (both since made defaults)."""
+EAGLE-3.1 norm options existed trained without them (both since made defaults); runs from before
+``--train-embeddings`` trained the embedding."""
 
 
 def config_mismatch(saved: dict[str, Any], current: TrainConfig) -> str | None:

@@ -179,6 +179,24 @@ def test_per_document_sdpa_equals_one_dense_mask_with_gradients():
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-4, rtol=1e-4, msg=name)
 
 
+def test_frozen_embeddings_get_no_gradient_and_no_optimizer_state():
+    from peagle.schemas.train_config import TrainConfig
+    from peagle.stages.train.optim import build_optimizer
+
+    draft = random_draft(small_config(), train_embeddings=False)
+    anchor_N, depth_N, position_N = cod_row([9], num_depths=3)
+    token_ids_N = torch.randint(0, 199, (anchor_N.numel(),))
+    token_ids_N[9:] = 199
+    mask = dense_peagle_mask(anchor_N, depth_N, torch.tensor([9]), 9)
+    draft(token_ids_N, torch.randn(9, 3, 64), position_N, mask).sum().backward()
+    assert draft.embed_tokens.weight.grad is None and draft.fc.weight.grad is not None
+    for optimizer in ("muon", "adamw"):
+        config = TrainConfig(store=("s",), target="t", out="o", optimizer=optimizer, train_embeddings=False)
+        optimized = {id(p) for group in build_optimizer(draft, config, torch.device("cpu")).param_groups
+                     for p in group["params"]}
+        assert id(draft.embed_tokens.weight) not in optimized and id(draft.fc.weight) in optimized
+
+
 def test_gradients_checkpointing_and_frozen_lm_head():
     config = small_config(draft_vocab_size=50)
     anchor_N, depth_N, position_N = cod_row([9], num_depths=3)

@@ -112,7 +112,7 @@ class Trainer:
             norm_before_fc=c.norm_before_fc, fc_norm=c.fc_norm)
         torch.manual_seed(c.seed)  # the same initial draft on every rank and in every run
         draft = build_draft_from_target(c.target, self.draft_config, None if vocab is None else vocab.selected_ids_N,
-                                        train_lm_head=c.train_lm_head,
+                                        train_lm_head=c.train_lm_head, train_embeddings=c.train_embeddings,
                                         activation_checkpointing=c.activation_checkpointing)
         if c.init_from:
             self._say(load_weights_into(draft, c.init_from))
