@@ -334,7 +334,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--list", action="store_true", help="print each configuration's flags (seed 0) and exit")
     ap.add_argument("--verbose", action="store_true", help="stage output on this terminal instead of log files")
     args = ap.parse_args(argv)
-    budget = Budget()
+    # No anchor cap: speculators caps anchors per packed row, peagle per sample, so any cap would
+    # train the two on different chains; uncapped, both train every chain COD draws.
+    budget = replace(Budget(), max_anchors=None)
     overrides = {"train_steps": args.train_steps, "token_budget": args.token_budget,
                  "draft_vocab_size": args.draft_vocab_size, "num_prompts": args.num_prompts,
                  "max_new_tokens": args.max_new_tokens}

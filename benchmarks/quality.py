@@ -95,16 +95,26 @@ VARIANTS: dict[str, Flags] = {
 VARIANTS["muon-all-norms"] = {**VARIANTS["muon"], **VARIANTS["all-norms"]}  # combinations, from their parts
 VARIANTS["muon-lr0.05-all-norms"] = {**VARIANTS["muon-lr0.05"], **VARIANTS["all-norms"]}
 VARIANTS["fp8-matmuls"] = {**VARIANTS["muon-all-norms"], "--fp8-matmuls": True}  # today's defaults, fp8 matmuls
+DEFAULTS = "muon-all-norms"
+"""The variant that is ``peagle train``'s defaults (Muon, the three norms)."""
+VARIANTS["defaults-tv"] = {**VARIANTS[DEFAULTS], "--loss": "tv"}
+VARIANTS["defaults-k3"] = {**VARIANTS[DEFAULTS], "--num-depths": "3"}
+VARIANTS["defaults-k8"] = {**VARIANTS[DEFAULTS], "--num-depths": "8"}
+VARIANTS["defaults-frozen-emb"] = {**VARIANTS[DEFAULTS], "--train-embeddings": False}
 
 REFERENCE: dict[str, str] = {name: "muon" for name in VARIANTS if name.startswith("muon-")}
-REFERENCE["fp8-matmuls"] = "muon-all-norms"  # what the defaults lose to fp8 matmuls
+REFERENCE.update({name: DEFAULTS for name in VARIANTS if name == "fp8-matmuls" or name.startswith("defaults-")})
 """Variants that change one thing over another variant: their summary also carries ``vs_reference``
-(Welch against it), because "does it help on top of Muon" decides a default now that Muon is one."""
+(Welch against it): "does it help on top of Muon", "does it help on top of today's defaults" decide
+a default."""
 
-DEFAULT_VARIANTS = ("muon", "muon-lr0.01", "muon-lr0.05", "muon-lr0.1", "lr1e-2",
-                    "norm-before-residual", "norm-before-fc", "fc-norm", "all-norms", "muon-all-norms",
-                    "muon-lr0.05-all-norms", "qwen3", "tv", "k3", "k8", "rmin0.5", "anchors8")
-"""The README's "Draft quality" table: what a bare ``python benchmarks/quality.py`` runs."""
+DEFAULT_VARIANTS = ("muon", "all-norms", DEFAULTS, "defaults-tv", "defaults-k3", "defaults-k8", "defaults-frozen-emb")
+"""The README's "Draft quality" table on the real model: what a bare ``python benchmarks/quality.py`` runs."""
+
+TOY_VARIANTS = ("muon", "muon-lr0.01", "muon-lr0.05", "muon-lr0.1", "lr1e-2",
+                "norm-before-residual", "norm-before-fc", "fc-norm", "all-norms", "muon-all-norms",
+                "muon-lr0.05-all-norms", "qwen3", "tv", "k3", "k8", "rmin0.5", "anchors8")
+"""The toy target's table (``--target toy``; results/cpu/quality_toy.json)."""
 
 
 @dataclass(frozen=True)
@@ -123,6 +133,9 @@ class Budget:
     train_steps: int = 400
     token_budget: int = 2048
     draft_vocab_size: int = 2048
+    max_anchors: int | None = 16
+    """``--max-anchors`` of every run: on 2 CPU cores a real-sized step is the cost that decides how
+    many runs fit, and capping the chains per sample halves it (depth 0 keeps every position)."""
     extract_backend: str = "auto"
     eval_modes: tuple[str, ...] = ("offline", "vllm")
     toy: QualityTargetSpec = field(default_factory=QualityTargetSpec)
@@ -131,7 +144,7 @@ class Budget:
 
 TOY = Budget(target="toy", num_draft_chats=2000, num_heldout_chats=200, num_prompts=48, regen_tokens=160,
              regen_temperature=0.7, max_seq_len=320, max_new_tokens=96, train_steps=200, draft_vocab_size=1024,
-             eval_modes=("offline", "online", "vllm"))
+             max_anchors=None, eval_modes=("offline", "online", "vllm"))
 """The earlier benchmark's budget (results/cpu/quality_toy.json)."""
 
 SMOKE = replace(TOY, num_draft_chats=48, num_heldout_chats=8, num_prompts=3, regen_tokens=24, max_new_tokens=16,
@@ -142,7 +155,8 @@ SMOKE = replace(TOY, num_draft_chats=48, num_heldout_chats=8, num_prompts=3, reg
 def train_flags(variant: str, budget: Budget, seed: int) -> list[str]:
     """The full `peagle train` flag list of one run (without store/target/out)."""
     flags = {**BASE_TRAIN, "--max-steps": str(budget.train_steps), "--token-budget": str(budget.token_budget),
-             "--draft-vocab-size": str(budget.draft_vocab_size), "--seed": str(seed), **VARIANTS[variant]}
+             "--draft-vocab-size": str(budget.draft_vocab_size), "--seed": str(seed),
+             **({"--max-anchors": str(budget.max_anchors)} if budget.max_anchors else {}), **VARIANTS[variant]}
     return [part for flag, value in flags.items() for part in _render(flag, value)]
 
 
@@ -347,8 +361,9 @@ def prepare_target(budget: Budget, cache_dir: Path) -> tuple[Path, dict]:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma list of names in VARIANTS "
-                    "(baseline is always added: every other variant is compared with it)")
+    ap.add_argument("--variants", default=None, help="comma list of names in VARIANTS (default: the README "
+                    "table's, DEFAULT_VARIANTS, or TOY_VARIANTS with --target toy; baseline is always added: every "
+                    "other variant is compared with it)")
     ap.add_argument("--seeds", default="0,1,2", help="comma list of training seeds")
     ap.add_argument("--target", choices=("smollm2", "toy"), default="smollm2", help="smollm2: the real model "
                     "(default); toy: the tiny target trained here on stdlib text (the earlier benchmark)")
@@ -372,7 +387,8 @@ def main(argv: list[str] | None = None) -> dict:
         for name, flags in VARIANTS.items():
             print(f"{name:<10} {' '.join(part for k, v in flags.items() for part in _render(k, v)) or '(base flags)'}")
         return {}
-    variants = ["baseline"] + [v for v in args.variants.split(",") if v and v != "baseline"]
+    names = args.variants or ",".join(TOY_VARIANTS if args.target == "toy" or args.smoke else DEFAULT_VARIANTS)
+    variants = ["baseline"] + [v for v in names.split(",") if v and v != "baseline"]
     variants = list(dict.fromkeys(variants + [REFERENCE[v] for v in variants if v in REFERENCE]))  # once each
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:

@@ -50,7 +50,7 @@ def value(flags: list[str], name: str) -> str:
 
 
 def test_peagle_settings_are_the_train_config_of_the_flags(bench) -> None:
-    p = bench.peagle_settings(bench.train_flags("muon-all-norms", bench.Budget(), seed=3))
+    p = bench.peagle_settings(bench.train_flags("muon-all-norms", replace(bench.Budget(), max_anchors=None), seed=3))
     assert (p.optimizer, p.muon_lr, p.lr, p.num_depths, p.num_layers, p.seed) == ("muon", 0.02, 3e-3, 5, 1, 3)
     assert p.norm_before_residual and p.norm_before_fc and p.fc_norm and p.max_anchors is None
     base = bench.peagle_settings(bench.train_flags("baseline", bench.Budget(), seed=0))
@@ -60,7 +60,7 @@ def test_peagle_settings_are_the_train_config_of_the_flags(bench) -> None:
 
 
 def test_speculators_peagle_flags_carry_peagle_settings(bench) -> None:
-    budget = bench.Budget()
+    budget = replace(bench.Budget(), max_anchors=None)  # as peer_ab.py runs it
     flags = bench.speculators_peagle_flags(bench.train_flags("muon-all-norms", budget, seed=2), mask_token_id=7)
     assert value(flags, "--num-depths") == "5" and value(flags, "--num-layers") == "1"
     assert value(flags, "--draft-arch") == "llama" and value(flags, "--full-attention-indices") == "0"

@@ -31,7 +31,7 @@ def test_every_variant_flag_is_a_train_flag(bench) -> None:
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     flags = set(bench.BASE_TRAIN) | {flag for variant in bench.VARIANTS.values() for flag in variant}
     assert {flag[2:].replace("-", "_") for flag in flags} <= fields
-    assert set(bench.DEFAULT_VARIANTS) <= set(bench.VARIANTS) and bench.VARIANTS["baseline"] == {}
+    assert set(bench.DEFAULT_VARIANTS) | set(bench.TOY_VARIANTS) <= set(bench.VARIANTS) and bench.VARIANTS["baseline"] == {}
     assert set(bench.REFERENCE) | set(bench.REFERENCE.values()) <= set(bench.VARIANTS)
 
 
