@@ -130,7 +130,7 @@ class Budget:
     regen_temperature: float = 0.0
     max_seq_len: int = 1024
     max_new_tokens: int = 128
-    train_steps: int = 400
+    train_steps: int = 300
     token_budget: int = 2048
     draft_vocab_size: int = 2048
     max_anchors: int | None = 16
