@@ -95,4 +95,4 @@ def test_targets_are_saved_whole_and_reused(family_target, tmp_path):
     assert build_family_target(path, "mistral") == path  # an existing target is returned as is
     assert json.loads((path / "config.json").read_text())["vocab_size"] == 32768
     with pytest.raises(ValueError, match="unknown family"):
-        build_family_target(tmp_path / "x", "gpt2")
+        build_family_target(tmp_path / "x", "gemma")
