@@ -267,3 +267,19 @@ def test_disk_full_is_one_line_and_leaves_no_partial_shard(baseline, data, tiny_
         assert p.stem in committed and ".tmp-" not in p.name, p.name
     _ok(run_peagle(*_args(data, tiny_llama, out)))
     assert _snapshot(out) == _snapshot(baseline)
+
+
+def test_the_plan_of_a_regeneration_bounds_the_answers_it_has_not_written(tiny_llama, tmp_path):
+    """Prompt-only records (`--regenerate`) have no answer to count yet: the plan must not print
+    ~0 tokens and ~0 B, but an upper bound (prompts + --max-new-tokens per answer, capped)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question {i} about rivers?"}]})
+                               + "\n" for i in range(4)))
+    proc = _ok(run_peagle("extract", "--data", prompts, "--target", tiny_llama, "--out", tmp_path / "s", *COMMON,
+                          "--regenerate", "--max-new-tokens", "40", "--max-seq-len", "256", "--dry-run"))
+    line = next(ln for ln in proc.stdout.splitlines() if ln.strip().startswith("tokens"))
+    assert "at most: answers not written yet, up to 40 tokens each" in line, line
+    tokens, supervised = (int(x.replace(",", "")) for x in re.findall(r"~([\d,]+)", line))
+    assert supervised == 4 * 40 and 4 * 40 < tokens < 4 * 256, line
+    assert "checked    4 records decoded: all usable" in proc.stdout  # prompts only are what --regenerate reads
+    assert not (tmp_path / "s").exists()

@@ -87,19 +87,21 @@ class InputScan:
     examples: list[BadRecord]
 
 
-def structure_problem(record: SourceRecord) -> BadRecord | None:
-    """Whether a record decodes and has the shape of a chat (what a dry run checks of every record)."""
+def structure_problem(record: SourceRecord, *, to_regenerate: bool = False) -> BadRecord | None:
+    """Whether a record decodes and has the shape of a chat (what a dry run checks of every record);
+    ``to_regenerate``: prompts only will do, the target writes the answers."""
     if record.error is not None:
         return BadRecord(record.where, record.error)
     try:
-        C.normalise_record(record.raw)
+        C.normalise_record(record.raw, to_regenerate=to_regenerate)
     except C.SkipRecord as skip:
         return BadRecord(record.where, skip.reason, skip.detail or None)
     return None
 
 
-def scan_records(ranges: Iterable[tuple[str, int, int]], *, strict: bool) -> InputScan:
-    """Decode and check every record of ``(path, first, end)`` ranges.
+def scan_records(ranges: Iterable[tuple[str, int, int]], *, strict: bool, to_regenerate: bool = False) -> InputScan:
+    """Decode and check every record of ``(path, first, end)`` ranges (``to_regenerate``: as
+    ``--regenerate`` reads them, prompts only allowed).
 
     Raises:
         UserError: ``strict`` and a record is unusable (naming it).
@@ -108,7 +110,7 @@ def scan_records(ranges: Iterable[tuple[str, int, int]], *, strict: bool) -> Inp
     for path, first, end in ranges:
         for record in iter_file_records(path, first, end):
             scan.num_records += 1
-            bad = structure_problem(record)
+            bad = structure_problem(record, to_regenerate=to_regenerate)
             if bad is None:
                 continue
             if strict:

@@ -16,7 +16,7 @@ from peagle.pipeline.store_reader import raw_bytes_per_token
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 from peagle.schemas.extract_config import ExtractConfig
-from peagle.stages.extract.conversation import CONTAINS_MASK_TOKEN
+from peagle.stages.extract.conversation import CONTAINS_MASK_TOKEN, SkipRecord, normalise_record
 from peagle.stages.extract.input_check import InputScan, scan_records, words
 from peagle.stages.extract.mask_token import describe_mask_token
 from peagle.stages.extract.readers import count_records, iter_file_records
@@ -87,13 +87,16 @@ def make_plan(config: ExtractConfig, target: Target, settings: S.StoreSettings) 
     mine = P.shards_of_worker(shards, config.shard_index, config.num_shards)
     done = {r.index for r in list_commits(root)} if exists else set()
     pending = [s for s in mine if s.index not in done]
-    tokens, sampled, mask_skips, supervised = estimate_tokens(pending, target.tokenizer, settings, config.loss_on)
+    answer_tokens = config.max_new_tokens if config.regenerate else None
+    tokens, sampled, mask_skips, supervised = estimate_tokens(pending, target.tokenizer, settings, config.loss_on,
+                                                              answer_tokens=answer_tokens)
     if mask_skips:
         notes.append(f"note: {mask_skips} of the {sampled} records read for the estimate contain the mask token "
                      f"{settings.mask_token_id}: such records are skipped (contains_mask_token); pass another "
                      "--mask-token-id if that is too many")
     probe = root if root.exists() else next((p for p in root.parents if p.exists()), Path("."))
-    scan = (scan_records([(s.input_path, s.first_record, s.end_record) for s in pending], strict=False)
+    scan = (scan_records([(s.input_path, s.first_record, s.end_record) for s in pending], strict=False,
+                         to_regenerate=config.regenerate)
             if config.dry_run else None)
     return ExtractPlan(settings=settings, files=files, shards=shards, mine=mine, pending=pending,
                        estimated_tokens=tokens, estimated_from_records=sampled, estimated_mask_skips=mask_skips,
@@ -102,10 +105,15 @@ def make_plan(config: ExtractConfig, target: Target, settings: S.StoreSettings) 
 
 
 def estimate_tokens(pending: list[P.PlannedShard], tokenizer: Any, settings: S.StoreSettings, loss_on: str,
-                    max_records: int = ESTIMATE_RECORDS) -> tuple[int, int, int, int]:
+                    max_records: int = ESTIMATE_RECORDS, *, answer_tokens: int | None = None
+                    ) -> tuple[int, int, int, int]:
     """(estimated tokens of the pending shards, records tokenized for it, how many of those contain
     the mask token, estimated supervised tokens): every record when there are at most ``max_records``,
-    else the first records of up to 16 evenly spread shards, scaled."""
+    else the first records of up to 16 evenly spread shards, scaled.
+
+    ``answer_tokens`` (``--regenerate``'s ``--max-new-tokens``): the answers are not written yet, so
+    each record counts its prompts plus that many tokens per assistant turn, capped at the longest
+    sample: an upper bound, which is what a disk check needs."""
     total_records = sum(s.num_records for s in pending)
     if not total_records:
         return 0, 0, 0, 0
@@ -115,6 +123,12 @@ def estimate_tokens(pending: list[P.PlannedShard], tokenizer: Any, settings: S.S
     for shard in picks:
         stop = shard.end_record if total_records <= max_records else min(shard.end_record, shard.first_record + per_shard)
         for record in iter_file_records(shard.input_path, shard.first_record, stop):
+            if answer_tokens is not None:
+                prompt, answers = _prompt_tokens(record, tokenizer)
+                tokens += min(settings.max_seq_len, prompt + answers * answer_tokens)
+                supervised += min(settings.max_seq_len - min(prompt, settings.max_seq_len), answers * answer_tokens)
+                sampled += 1
+                continue
             prepared = prepare_record(record, tokenizer, loss_on=loss_on, max_seq_len=settings.max_seq_len,
                                       mask_token_id=settings.mask_token_id)
             tokens += sum(len(s.input_ids) for s in prepared.samples)
@@ -125,11 +139,28 @@ def estimate_tokens(pending: list[P.PlannedShard], tokenizer: Any, settings: S.S
     return round(tokens * scale), sampled, mask_skips, round(supervised * scale)
 
 
+def _prompt_tokens(record: Any, tokenizer: Any) -> tuple[int, int]:
+    """(tokens of a record's non-assistant turns as the chat template renders them, assistant turns the
+    target will write); (0, 0) for a record extraction will skip anyway."""
+    if record.error is not None:
+        return 0, 0
+    try:
+        conversation = normalise_record(record.raw, to_regenerate=True)
+    except SkipRecord:
+        return 0, 0
+    prompts = [m for m in conversation.messages if m["role"] != "assistant"]
+    answers = sum(m["role"] == "assistant" for m in conversation.messages)
+    text = tokenizer.apply_chat_template(prompts, tokenize=False, add_generation_prompt=True)
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"]), answers
+
+
 def format_plan(plan: ExtractPlan, config: ExtractConfig, store: Path) -> str:
     s, t = plan.settings, plan.settings.target
     num_records = sum(f.num_records for f in plan.files)
     pending_records = sum(p.num_records for p in plan.pending)
     how = "exact" if plan.estimated_from_records >= pending_records else f"from {plan.estimated_from_records} records"
+    if config.regenerate:
+        how = f"at most: answers not written yet, up to {config.max_new_tokens} tokens each; " + how.replace("exact", "all records read")
     lines = [
         f"peagle extract plan -> {store}",
         f"  target     {t.path} ({t.architecture}, {t.num_hidden_layers} layers, hidden {t.hidden_size}, "
