@@ -65,16 +65,20 @@ class DemoRecipe:
     warmup_steps: int
     eval_tokens: int
     eval_modes: tuple[str, ...]
+    heldout_fraction: float
+    """Of the training store, for the loss curve: 0 where the store is too small to spare a batch
+    (the eval stage measures acceptance on held-out prompts either way)."""
     extra_train_flags: tuple[str, ...] = ()
 
 
 RECIPES = {
     DemoTarget.smollm2: DemoRecipe(
-        num_train_chats=128, regen_temperature=0.0, regen_tokens=192, max_seq_len=768, draft_vocab_size=4096,
-        train_steps=400, lr=3e-3, warmup_steps=30, eval_tokens=128, eval_modes=("online", "vllm")),
+        num_train_chats=80, regen_temperature=0.0, regen_tokens=160, max_seq_len=768, draft_vocab_size=2048,
+        train_steps=100, lr=3e-3, warmup_steps=20, eval_tokens=64, eval_modes=("online", "vllm"),
+        heldout_fraction=0.0, extra_train_flags=("--max-anchors", "16")),
     DemoTarget.tiny: DemoRecipe(
         num_train_chats=0, regen_temperature=0.7, regen_tokens=160, max_seq_len=512, draft_vocab_size=512,
-        train_steps=300, lr=3e-3, warmup_steps=30, eval_tokens=96, eval_modes=EVAL_MODES),
+        train_steps=300, lr=3e-3, warmup_steps=30, eval_tokens=96, eval_modes=EVAL_MODES, heldout_fraction=0.02),
 }
 """Per target: ``num_train_chats`` 0 means every chat the tiny target's corpus has."""
 
@@ -109,7 +113,9 @@ def write_demo_data(out_dir: Path, target: DemoTarget, *, num_train: int, num_he
     else:
         from peagle.testing.chat_prompts import chat_prompts
 
-        train = [{"messages": p.messages()} for p in chat_prompts(split="train", seed=seed)[:num_train]]
+        # one question each: a follow-up turn costs the target a second regeneration round at a small
+        # batch (~30 tokens/s on 2 cores against ~80), too slow for the demo's time budget
+        train = [{"messages": p.messages()[:2]} for p in chat_prompts(split="train", seed=seed)[:num_train]]
         prompts = [{"messages": p.messages()[:1]} for p in chat_prompts(split="heldout", seed=seed)[:num_heldout]]
     _write_jsonl(train_path, train)
     _write_jsonl(prompts_path, prompts)
@@ -191,9 +197,9 @@ def demo(
     num_depths: int = typer.Option(5, "--num-depths", help="K: tokens the draft proposes per step.", metavar="N"),
     num_layers: int = typer.Option(1, "--num-layers", help="Draft decoder layers.", metavar="N"),
     num_train_chats: Optional[int] = typer.Option(None, "--num-train-chats", help="Chats the target answers for "
-                                                  "the draft's store (default: 128 for smollm2, all for tiny).", metavar="N"),
+                                                  "the draft's store (default: 80 for smollm2, all for tiny).", metavar="N"),
     train_steps: Optional[int] = typer.Option(None, "--train-steps", help="Draft training steps of 2,048 tokens "
-                                              "(default: 400 for smollm2, 300 for tiny).", metavar="N"),
+                                              "(default: 100 for smollm2, 300 for tiny).", metavar="N"),
     target_steps: int = typer.Option(200, "--target-steps",
                                      help="--target tiny: training steps of the tiny target (first run only; cached "
                                      "by its settings).", metavar="N"),
@@ -260,7 +266,7 @@ def demo(
         ["train", "--store", str(store), "--target", str(target_dir), "--out", str(run),
          "--num-layers", str(num_layers), "--num-depths", str(num_depths), "--draft-vocab-size", vocab,
          "--max-steps", str(recipe.train_steps), "--lr", str(recipe.lr), "--warmup-steps", str(recipe.warmup_steps),
-         "--token-budget", "2048", "--seed", str(seed), "--heldout-fraction", "0.02", *recipe.extra_train_flags],
+         "--token-budget", "2048", "--seed", str(seed), "--heldout-fraction", str(recipe.heldout_fraction), *recipe.extra_train_flags],
         "train")
     timings["export"] = stage(["export", str(run), "--out", str(export)], "export")
     modes = [m for m in recipe.eval_modes if m != "vllm" or _vllm_importable()]
