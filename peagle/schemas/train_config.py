@@ -118,7 +118,7 @@ class TrainConfig:
 
     norm_before_residual: bool = True
     """EAGLE-3.1 option (on by default, like the two below: together they raised acceptance beyond
-    seed noise, README "Draft quality"): layer 0's residual is hidden_norm(fc(aux)) instead of fc(aux)."""
+    seed noise on the toy target, README "Draft quality"): layer 0's residual is hidden_norm(fc(aux)) instead of fc(aux)."""
 
     norm_before_fc: bool = True
     """EAGLE-3.1 option: one RMSNorm over the concatenated aux hidden states before fc (also on
@@ -179,7 +179,7 @@ class TrainConfig:
     """`muon` (default): Muon (momentum orthogonalised by Newton-Schulz) at --muon-lr on the decoder
     layers' 2-D weights (attention and MLP projections), AdamW at --lr on the rest (embeddings, fc,
     lm_head, norms, mask_hidden); it raised acceptance length 12% over AdamW at the same steps
-    (benchmarks/quality.py, README "Draft quality"). `adamw`: AdamW on every parameter at --lr;
+    on the toy target (benchmarks/quality.py, README "Draft quality"). `adamw`: AdamW on every parameter at --lr;
     the one --fsdp supports."""
 
     muon_lr: float = 0.02
