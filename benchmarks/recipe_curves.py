@@ -10,8 +10,9 @@ its data? Each recipe trains one draft (seed 0) with ``peagle train --eval-store
 25``: every 25 steps the trainer measures, teacher-forced on the held-out store (the target's greedy
 answers to prompts about subjects no training prompt is about), per-depth agreement and its
 acceptance-length estimate. With greedy data, a chain accepted on the stored text is the chain
-greedy verification accepts, so the estimate tracks the AL vLLM measures (0.09 above it in the one
-recipe measured both ways: README "Draft quality").
+greedy verification accepts, so the estimate follows the AL vLLM measures; it is not the same figure
+(it reads deep depths on COD-sampled chains): ``--serve`` exports a recipe's final draft and measures
+it in vLLM on held-out prompts, and the JSON keeps both.
 
 A recipe is a store name plus extra ``peagle train`` flags (:data:`RECIPES`); the budget is
 :data:`BASE` (1-layer draft, K = 5, vocab 2,048, 2,048 tokens per step, 300 steps, at most 16
@@ -64,6 +65,22 @@ def run_recipe(name: str, store: Path, extra: list[str], *, target: Path, heldou
             "best": max(curve, key=lambda c: c["al_estimate"]) if curve else None}
 
 
+def serve_in_vllm(run: Path, *, target: Path, prompts: Path) -> dict:
+    """Export the finished draft and measure it in vLLM at K = 5 on the held-out prompts (32 prompts,
+    128 new tokens; reused when its report exists): the check of what the curve estimates."""
+    report = run / "report" / "report.json"
+    if not report.exists():
+        peagle = [sys.executable, "-m", "peagle"]
+        subprocess.run([*peagle, "export", str(run), "--out", str(run / "export"), "--speculative-tokens", "5"],
+                       check=True)
+        subprocess.run([*peagle, "eval", str(run / "export"), "--target", str(target), "--prompts", str(prompts),
+                        "--out", str(run / "report"), "--num-depths", "5", "--mode", "vllm", "--max-prompts", "32",
+                        "--max-new-tokens", "128", "--quiet"], check=True)
+    vllm = json.loads(report.read_text())["vllm"]
+    return {key: vllm.get(key) for key in ("acceptance_length", "per_depth_acceptance", "tokens_per_target_forward",
+                                           "speedup", "greedy_output_matches_target_only", "num_steps")}
+
+
 def read_curve(run: Path) -> list[dict]:
     """The trainer's held-out evaluations (``metrics.jsonl`` lines of kind ``eval``)."""
     path = run / "metrics.jsonl"
@@ -82,6 +99,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--store", action="append", required=True, metavar="NAME=DIR")
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--recipes", default=",".join(RECIPES))
+    parser.add_argument("--serve", default="4x-data", help="comma list of recipes whose final draft vLLM serves "
+                        "on --prompts ('' for none)")
+    parser.add_argument("--prompts", type=Path, help="held-out prompts (JSONL, user turns) for --serve")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu/recipe_curves.json"))
     args = parser.parse_args(argv)
     stores = dict(s.split("=", 1) for s in args.store)
@@ -90,6 +110,8 @@ def main(argv: list[str] | None = None) -> None:
         store_name, extra = RECIPES[name]
         records.append(run_recipe(name, Path(stores[store_name]), extra, target=args.target,
                                   heldout=args.heldout_store, work=args.work))
+        if name in args.serve.split(","):
+            records[-1]["vllm"] = serve_in_vllm(args.work / name, target=args.target, prompts=args.prompts)
         best = records[-1]["best"]
         print(f"{name}: best held-out AL estimate {best['al_estimate']:.3f} at step {best['step']}", flush=True)
     atomic_write_json(args.out, {"steps": STEPS, "eval_every": EVAL_EVERY, "base_flags": BASE,
