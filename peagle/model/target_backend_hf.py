@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from peagle.schemas.errors import UserError
-from peagle.stages.extract.backend import TargetOutput
+from peagle.model.target_backend import TargetOutput
 
 # Budget for one chunk of fp32 logits (tokens * V * 4 bytes): bounds the top-k step's memory.
 LOGITS_CHUNK_BYTES = 256 << 20

@@ -24,7 +24,7 @@ from peagle.pipeline.store import init_store, list_commits, rebuild_manifest
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 from peagle.schemas.extract_config import ExtractConfig
-from peagle.stages.extract.backend import TargetBackend, TargetOutput
+from peagle.model.target_backend import TargetBackend, TargetOutput
 from peagle.stages.extract.readers import check_data_path, iter_file_records
 from peagle.stages.extract.regenerate import SamplingSettings, regenerate_records
 from peagle.stages.extract.conversation import BLANK_LINE, CONTAINS_MASK_TOKEN
@@ -34,7 +34,6 @@ from peagle.stages.extract.template import TokenizedSample, prepare_record
 from peagle.stages.extract.target import Target, load_target, resolve_backend_name, store_settings
 from peagle.stages.extract.writer import ShardContent, ShardWriter
 
-PER_TURN_DROPPED = "per_turn_truncated_no_loss"  # per_turn samples cut to no loss (not record skips)
 WRITER_THREADS = 2  # shards written at once: sha256 and file writes release the GIL
 
 
@@ -92,7 +91,7 @@ def open_backend(name: str, config: ExtractConfig, settings: S.StoreSettings, ta
                            tensor_parallel_size=config.tensor_parallel_size,
                            gpu_memory_utilization=config.gpu_memory_utilization or None,
                            engine_kwargs=config.vllm_engine_kwargs())
-    from peagle.stages.extract.backend_hf import HFBackend
+    from peagle.model.target_backend_hf import HFBackend
 
     return HFBackend(target.path, aux_layer_ids=settings.aux_layer_ids, topk=settings.topk,
                      dtype=settings.target.dtype, device=config.device, pad_token_id=pad)
@@ -153,7 +152,7 @@ def prepare_shard(shard: P.PlannedShard, records: list, target: Target, settings
                 out.examples.append(bad)
             continue
         if prepared.num_dropped:
-            out.skipped[PER_TURN_DROPPED] += prepared.num_dropped
+            out.skipped[S.PER_TURN_TRUNCATED_NO_LOSS] += prepared.num_dropped
         out.num_truncated += prepared.num_truncated
         out.num_rendered_per_turn += prepared.rendered_per_turn
         out.samples.extend(prepared.samples)
