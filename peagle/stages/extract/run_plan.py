@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from peagle.model.target import TargetDirectory
 from peagle.pipeline import plan as P
 from peagle.pipeline.store import check_same_settings, list_commits, read_settings, sha256_file
 from peagle.pipeline.shard_tensors import raw_bytes_per_token
@@ -19,7 +20,6 @@ from peagle.schemas.extract_config import ExtractConfig
 from peagle.stages.extract.conversation import CONTAINS_MASK_TOKEN
 from peagle.stages.extract.input_check import InputScan, scan_records, words
 from peagle.stages.extract.readers import count_records, iter_file_records
-from peagle.stages.extract.target import Target
 from peagle.stages.extract.template import prepare_record
 
 ESTIMATE_RECORDS = 256  # records tokenized to estimate the token count of a large plan
@@ -65,7 +65,7 @@ def input_files(paths: tuple[str, ...]) -> list[P.InputFile]:
     return files
 
 
-def make_plan(config: ExtractConfig, target: Target, settings: S.StoreSettings) -> ExtractPlan:
+def make_plan(config: ExtractConfig, target: TargetDirectory, settings: S.StoreSettings) -> ExtractPlan:
     """The plan, read-only: nothing is created, so ``--dry-run`` and a refused start leave no trace."""
     root = Path(config.out)
     files = input_files(config.data)

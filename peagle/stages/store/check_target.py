@@ -1,5 +1,5 @@
 """`peagle store check --store STORE --target MODEL_DIR`: recompute random samples with the Hugging Face target
-(extract's own HF backend) and compare them with what the store holds.
+(the HF backend extract uses, ``peagle.model.target_backend_hf``) and compare them with what the store holds.
 
 Per recomputed sample: the relative error ``||stored − recomputed|| / ||recomputed||`` of each aux
 layer's rows, and the share of rows whose stored top-1 id is the recomputed one. A sample fails when
@@ -19,13 +19,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from peagle.model.target import content_hash as target_content_hash
+from peagle.model.target import open_target
 from peagle.pipeline.raw_reader import RawShard, open_raw_shard
 from peagle.pipeline.store import Store
 from peagle.schemas import store as S
 from peagle.schemas.check_config import CheckConfig
 from peagle.stages.store.check_report import Finding, Worst
-from peagle.stages.extract.target import load_target
 
 TITLE = "samples unlike the target's own recomputation"
 
@@ -60,9 +59,9 @@ def check_target(store: Store, config: CheckConfig, *,
     from peagle.model.target_backend_hf import HFBackend
 
     settings = store.settings
-    target = load_target(config.target)
+    target = open_target(config.target)
     finding = Finding(key="target", title=TITLE, unit="samples", count=0, allowed=0)
-    same_weights = target_content_hash(config.target) == settings.target.content_hash
+    same_weights = target.content_hash == settings.target.content_hash
     summary: dict[str, Any] = {"target": str(config.target), "same_content_hash": same_weights, "samples": []}
     mismatch = _shape_mismatch(settings, target.config)
     if mismatch:
@@ -132,7 +131,7 @@ def check_target(store: Store, config: CheckConfig, *,
             f"samples (e.g. {S.shard_stem(r['shard'])}:{r['sample_id']})")
     else:
         recorded = (f"its recorded target {settings.target.path} has content hash {settings.target.content_hash[:12]}, "
-                    f"--target has {target_content_hash(config.target)[:12]}" if not same_weights else
+                    f"--target has {target.content_hash[:12]}" if not same_weights else
                     "although it records this target's content hash")
         finding.explanation = (
             f"none of {len(results)} recomputed samples matches --target {config.target} (aux relative error up to "
