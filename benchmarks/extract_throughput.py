@@ -35,8 +35,9 @@ import torch
 
 from peagle.pipeline.store import open_store
 from peagle.schemas.extract_config import ExtractConfig
-from peagle.stages.extract.backend_hf import load_causal_lm, resolve_device, resolve_dtype
-from peagle.stages.extract.info import store_info
+from peagle.model.target import load_causal_lm
+from peagle.model.target_backend_hf import resolve_device, resolve_dtype
+from peagle.stages.store.info import store_info
 from peagle.stages.extract.run import make_batches, run_extract
 from peagle.testing.chat_data import write_chat_jsonl
 from peagle.testing.tiny_target import TinyTargetSpec, build_tiny_target

@@ -61,7 +61,8 @@ import torch.multiprocessing  # noqa: F401  (registers the shared-memory reducti
 
 from peagle.pipeline import fp8
 from peagle.pipeline.store import commit_shard, init_store, open_store, write_shard_file
-from peagle.pipeline.store_reader import ShardReader, raw_bytes_per_token
+from peagle.pipeline.shard_tensors import raw_bytes_per_token
+from peagle.pipeline.store_reader import ShardReader
 from peagle.schemas import store as S
 from peagle.schemas.loader_config import CodSettings, LoaderConfig
 from peagle.schemas.train_config import StoreSpec

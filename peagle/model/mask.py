@@ -16,15 +16,16 @@ anchors at or after ``sum(lengths)`` (up to ``total_seq_len``) are padding (docu
 
 Three consumers, one rule:
 
-* :func:`peagle_mask_mod` -- the ``mask_mod`` closure that flex_attention evaluates
-  (:func:`create_peagle_mask_mod` builds it from document lengths);
+* :func:`peagle_mask_mod` -- the ``mask_mod`` closure that flex_attention evaluates;
 * :func:`dense_mask` -- ``[N, N]`` bool for SDPA (:func:`dense_peagle_mask` from lengths);
 * :func:`document_masks` -- the same rule per document (:class:`DocumentMasks`): no element sees
   another document, so SDPA over each document's elements alone computes the same attention at
   ``sum(n_d^2)`` instead of ``N^2`` (the CPU training path, where attention is dense);
-* :func:`cod_block_mask` -- a BlockMask built from metadata in O(N·K + blocks²) instead of evaluating
-  the mask_mod on every block pair (docs/performance.md); :func:`cod_block_indices` is its CPU half, for
-  DataLoader workers, and :func:`block_mask_from_indices` the device half, for the trainer.
+* a BlockMask built from metadata in O(N·K + blocks²) instead of evaluating the mask_mod on every
+  block pair (docs/performance.md): :func:`cod_block_indices` computes it on the CPU, in DataLoader
+  workers, and :func:`block_mask_from_indices` wraps it on the device, in the trainer
+  (``peagle.testing.cod_masks`` has both halves in one call, and the mask_mod from document lengths,
+  for tests).
 
 Shape letters: N = flat COD elements in the row, D = documents, L = ``total_seq_len`` (original-token
 row length), Qb/KVb = query/key blocks.
@@ -120,20 +121,6 @@ def document_masks(anchor_N: Tensor, depth_N: Tensor, doc_N: Tensor) -> Document
     return DocumentMasks(index_per_doc, mask_per_doc, int(anchor_N.numel()))
 
 
-def create_peagle_mask_mod(anchor_pos: Tensor, depth: Tensor, lengths: Tensor, total_seq_len: int) -> MaskMod:
-    """Build the flex_attention ``mask_mod`` of the P-EAGLE rule (module docstring) from document lengths.
-
-    ``anchor_pos``/``depth`` are ``[N]`` per flat element (anchors are row offsets), ``lengths`` is
-    ``[D]`` document lengths in the same coordinates, ``total_seq_len`` the padded row length. The
-    closure reads tensors on ``anchor_pos``'s device, so build it where attention runs. The rule does
-    not depend on the element order; only :func:`cod_block_mask` needs the flat COD layout. (This
-    resolves documents on the host; the trainer uses :func:`peagle_mask_mod` with shipped doc ids.)
-    """
-    anchor_N = torch.as_tensor(anchor_pos, dtype=torch.long)
-    depth_N = torch.as_tensor(depth, dtype=torch.long).to(anchor_N.device)
-    return peagle_mask_mod(anchor_N, depth_N, document_ids(anchor_N, lengths, total_seq_len))
-
-
 def dense_peagle_mask(anchor_pos: Tensor, depth: Tensor, lengths: Tensor, total_seq_len: int) -> Tensor:
     """The same rule as ``[N, N]`` bool (True = may attend), for SDPA: the mask_mod itself, evaluated on
     every (query, key) pair at once by broadcasting."""
@@ -171,7 +158,7 @@ def _merged_visible_runs(anchor_N: Tensor, depth_N: Tensor, doc_N: Tensor, doc_s
     key_stride = total_seq_len + 1
     key_R = (depth_N[real_N] * key_stride + anchor_N[real_N]).contiguous()
     if key_R.numel() > 1 and bool((key_R[1:] < key_R[:-1]).any()):
-        raise ValueError("cod_block_mask needs the flat COD layout: depth groups in order, anchors sorted inside")
+        raise ValueError("cod_block_indices needs the flat COD layout: depth groups in order, anchors sorted inside")
     anchor_Q, depth_Q, doc_Q = anchor_N[real_N], depth_N[real_N], doc_N[real_N]
     max_depth = int(depth_Q.max()) if key_R.numel() else 0
 
@@ -283,18 +270,3 @@ def block_mask_from_indices(indices: CodBlockIndices, mask_mod: MaskMod, *,
         mask_mod=mask_mod,
         seq_lengths=(indices.seq_len, indices.seq_len),
     )
-
-
-def cod_block_mask(anchor_pos: Tensor, depth: Tensor, lengths: Tensor, total_seq_len: int, *,
-                   block_size: int = DEFAULT_BLOCK_SIZE, device: torch.device | str | None = None) -> BlockMask:
-    """BlockMask of a flat COD row, equal to ``create_block_mask(mask_mod, None, None, N, N)`` (docs/performance.md).
-
-    Indices come from :func:`cod_block_indices` on the CPU; the mask_mod is built on ``device``
-    (default: ``anchor_pos``'s device).
-    """
-    device = torch.as_tensor(anchor_pos).device if device is None else torch.device(device)
-    indices = cod_block_indices(anchor_pos, depth, lengths, total_seq_len, block_size=block_size)
-    mask_mod = create_peagle_mask_mod(
-        torch.as_tensor(anchor_pos).to(device), torch.as_tensor(depth).to(device),
-        torch.as_tensor(lengths), total_seq_len)
-    return block_mask_from_indices(indices, mask_mod, device=device)

@@ -60,10 +60,6 @@ def uncompile_layers(layers: nn.ModuleList) -> None:
         layer.__dict__.pop("forward", None)
 
 
-def layers_compiled(layers: nn.ModuleList) -> bool:
-    return all("forward" in layer.__dict__ for layer in layers)
-
-
 class DraftCompiler:
     """The compile decision of one run (module docstring) and what the step passes the draft and the loss.
 

@@ -11,13 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
 
-from peagle.model.mask import (
-    block_mask_from_indices,
-    cod_block_indices,
-    cod_block_mask,
-    create_peagle_mask_mod,
-    dense_peagle_mask,
-)
+from peagle.model.mask import block_mask_from_indices, cod_block_indices, dense_peagle_mask
+from peagle.testing.cod_masks import cod_block_mask, create_peagle_mask_mod
 
 # Eager flex on CPU (forward only) is what we test; the "use torch.compile" advice is noise here.
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from peagle.model.draft import PEagleDraft
+from peagle.model.target import load_causal_lm
 from peagle.model.proposer import propose as proposer_propose
 from peagle.pipeline.progress import track
 from peagle.stages.eval.acceptance import AcceptanceHistogram
@@ -70,15 +71,7 @@ class HFTarget:
     @classmethod
     def load(cls, model_dir: str, aux_layer_ids: list[int], *, dtype: torch.dtype = torch.float32,
              device: str | torch.device = "cpu") -> "HFTarget":
-        from transformers import AutoModelForCausalLM
-
-        from peagle.schemas.errors import UserError
-
-        try:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-        except (OSError, ValueError) as err:
-            raise UserError(f"cannot load target model from {model_dir}: {str(err).splitlines()[0]}") from err
-        return cls(model.to(device), aux_layer_ids)
+        return cls(load_causal_lm(model_dir, dtype, device), aux_layer_ids)
 
     @torch.no_grad()
     def forward(self, input_ids_L: Tensor, cache):

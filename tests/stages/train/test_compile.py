@@ -28,7 +28,7 @@ from transformers import AutoConfig
 from peagle.model.draft import build_draft_from_target
 from peagle.model.flex import FlexRunner
 from peagle.model.regional_compile import DraftCompiler, uncompile_layers
-from peagle.model.mask import block_mask_from_indices, cod_block_mask, peagle_mask_mod
+from peagle.model.mask import block_mask_from_indices, peagle_mask_mod
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.errors import UserError
 from peagle.schemas.train_config import StoreSpec, TrainConfig
@@ -36,6 +36,7 @@ from peagle.stages.train.batch import CodSettings
 from peagle.stages.train.loader import LoaderConfig, TrainLoader
 from peagle.stages.train.loop import Trainer
 from peagle.stages.train.step import compiled_graph_count
+from peagle.testing.cod_masks import cod_block_mask
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 

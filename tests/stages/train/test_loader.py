@@ -247,7 +247,7 @@ def test_workers_leave_aux_rows_on_disk_until_the_trainer_reads_them(tiny_store)
 @pytest.fixture(scope="module")
 def fp8_store(tiny_store, tmp_path_factory):
     """``tiny_store`` converted to fp8 (peagle store convert)."""
-    from peagle.stages.extract.convert import convert_store
+    from peagle.stages.store.convert import convert_store
 
     out = tmp_path_factory.mktemp("fp8") / "store"
     convert_store(tiny_store.root, out, "fp8", echo=lambda _: None, progress=False)
