@@ -274,31 +274,33 @@ class PEagleDraft(nn.Module):
         angles_ND = torch.cat([freqs_N, freqs_N], dim=-1)
         return angles_ND.cos(), angles_ND.sin()
 
-    def forward(self, token_ids_N: Tensor, aux_RAH: Tensor, position_ids_N: Tensor, attn_mask: AttnMask,
+    def forward(self, token_ids: Tensor, aux_RAH: Tensor, position_ids_N: Tensor, attn_mask: AttnMask,
                 flex: FlexFn | None = None) -> Tensor:
-        """Final-normed hidden ``[N, H]`` of a flat sequence: R = len(aux_RAH) real rows, then mask slots.
+        """Final-normed hidden ``[N, H]`` of a flat sequence: R = len(aux_RAH) real rows, then N - R mask slots.
 
-        ``token_ids_N`` holds the real tokens in its first R entries; entries R.. must be
-        ``config.mask_token_id`` (they are not read: every mask slot's layer-0 input is computed once
-        from it). ``aux_RAH`` is ``[R, A, T]`` (or ``[R, A*T]``, aux layers in ``aux_layer_ids`` order).
-        ``position_ids_N`` are RoPE positions (reference positions, docs/indexing.md). A leading batch dim of
-        1 is accepted on every argument. ``flex`` runs flex attention when ``attn_mask`` is a
-        BlockMask (see :func:`attend`); the compile decision is the caller's.
+        ``token_ids`` are the real rows' tokens: its first R entries are read, any further ones are
+        not (every mask slot reads ``config.mask_token_id``, whose layer-0 input is computed once).
+        ``aux_RAH`` is ``[R, A, T]`` (or ``[R, A*T]``, aux layers in ``aux_layer_ids`` order).
+        ``position_ids_N`` are the N RoPE positions (reference positions, docs/indexing.md): they say
+        how many mask slots follow the real rows. A leading batch dim of 1 is accepted on every
+        argument. ``flex`` runs flex attention when ``attn_mask`` is a BlockMask (see :func:`attend`);
+        the compile decision is the caller's.
         """
-        token_ids_N, position_ids_N = token_ids_N.reshape(-1), position_ids_N.reshape(-1)
+        assert self.mask_hidden is not None, "an EAGLE-3 draft has no mask slots: it drafts with decode_step"
+        token_ids, position_ids_N = token_ids.reshape(-1), position_ids_N.reshape(-1)
         aux_R = aux_RAH.reshape(-1, self.fc.in_features)
         num_real = aux_R.shape[0]
         if not torch.is_autocast_enabled(aux_R.device.type):  # autocast casts inside fc itself
             aux_R = aux_R.to(self.fc.weight.dtype)
-        num_mask = token_ids_N.shape[0] - num_real
-        assert num_mask >= 0 and position_ids_N.shape[0] == token_ids_N.shape[0], "token/position/aux sizes disagree"
+        num_mask = position_ids_N.shape[0] - num_real
+        assert num_mask >= 0 and token_ids.shape[0] >= num_real, "token/position/aux sizes disagree"
 
         hidden_RH = self.combine_hidden_states(aux_R)
         mask_hidden_1H = self.combine_hidden_states(self.mask_hidden.reshape(1, -1).to(aux_R.dtype))
         # The mask row goes through the embedding op with the real rows: indexing the weight instead
         # would give backward a second dense [V, H] fp32 gradient of the whole table to add up.
-        mask_id = token_ids_N.new_full((1,), self.config.mask_token_id)
-        embeds_R1H = self.embed_tokens(torch.cat([token_ids_N[:num_real], mask_id]))
+        mask_id = token_ids.new_full((1,), self.config.mask_token_id)
+        embeds_R1H = self.embed_tokens(torch.cat([token_ids[:num_real], mask_id]))
         cos_ND, sin_ND = self.rope(position_ids_N)
 
         h = self._run(self.layers[0], embeds_R1H, hidden_RH, mask_hidden_1H, cos_ND, sin_ND, attn_mask, flex)

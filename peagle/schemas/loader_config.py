@@ -52,7 +52,6 @@ class LoaderConfig:
     dequantize_in_workers: bool = True  # fp8 stores: workers dequantise (CPU); False ships fp8 to the device
     allow_bad_aux_rows: bool = False  # train on stores whose commit statistics show zero/non-finite rows
     allow_incomplete: bool = False  # train on stores with planned shards not committed (peagle.pipeline.plan)
-    mask_token_id: int | None = None  # default: the stores' StoreSettings.mask_token_id
     aux_layer_ids: tuple[int, ...] | None = None  # what the draft reads; None = whatever the stores hold
 
     def __post_init__(self) -> None:
@@ -85,4 +84,4 @@ def stream_config(c: TrainConfig, *, aux_layer_ids: tuple[int, ...], attention: 
         sequence_partitions=c.sequence_partitions, attention="flex" if attention == "flex" else "sdpa",
         num_workers=0 if eval_split else c.num_workers, pin_memory=on_cuda,
         verify=c.verify, dequantize_in_workers=not on_cuda, allow_bad_aux_rows=c.allow_bad_aux_rows,
-        allow_incomplete=c.allow_incomplete, aux_layer_ids=tuple(aux_layer_ids), mask_token_id=c.mask_token_id)
+        allow_incomplete=c.allow_incomplete, aux_layer_ids=tuple(aux_layer_ids))

@@ -122,7 +122,6 @@ class TrainBatch:
         anchor_N        int64 [N]      row offset where the element's chain starts
         depth_N         int64 [N]
         position_ids_N  int64 [N]      RoPE position: anchor + depth, counted from the sample's start
-        input_ids_N     int64 [N]      tokens_T for depth 0, ``mask_token_id`` for depth >= 1
         doc_N           int64 [N]      the sample (document) each element belongs to
 
     Supervision, for the E supervised elements that have a target:
@@ -155,7 +154,6 @@ class TrainBatch:
     anchor_N: Tensor
     depth_N: Tensor
     position_ids_N: Tensor
-    input_ids_N: Tensor
     supervised_idx_E: Tensor
     target_ids_Ek: Tensor
     target_probs_Ek: Tensor
@@ -236,14 +234,13 @@ def _map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     return obj
 
 
-def collate(items: list[TrainItem], *, target_to_draft_V: Tensor, mask_token_id: int, num_segments: int = 1,
+def collate(items: list[TrainItem], *, target_to_draft_V: Tensor, num_segments: int = 1,
             block_size: int | None = None, epoch: int = 0, batch_index: int = 0,
             aux_reads: list[tuple[ByteRange, ByteRange | None]] | None = None) -> TrainBatch:
     """Pack items into one flat row and gather the supervised targets (module docstring).
 
     Args:
         target_to_draft_V: int64 ``[V]``, the draft id of each target id (−1 outside the draft vocab).
-        mask_token_id: input token of every depth >= 1 element.
         num_segments: S; > 1 plans one unit per segment.
         block_size: flex attention block size; None (sdpa) computes no block indices.
         aux_reads: per item, where its aux rows (and fp8 scales, else None) are on disk
@@ -275,7 +272,6 @@ def collate(items: list[TrainItem], *, target_to_draft_V: Tensor, mask_token_id:
     num_elements = anchor_N.numel()
     assert bool((depth_N[:num_tokens] == 0).all()) and bool(
         (anchor_N[:num_tokens] == torch.arange(num_tokens)).all()), "depth-0 group is not positions 0..T-1"
-    input_ids_N = torch.cat([tokens_T, torch.full((num_elements - num_tokens,), mask_token_id, dtype=torch.long)])
 
     # Targets: only at supervised elements (reference position anchor + depth with m = 1).
     ref_N = anchor_N + depth_N
@@ -293,7 +289,7 @@ def collate(items: list[TrainItem], *, target_to_draft_V: Tensor, mask_token_id:
     return TrainBatch(
         tokens_T=tokens_T, aux_TAH=aux_TAH, supervised_T=supervised_T,
         doc_starts_D=doc_starts_D, doc_lengths_D=doc_lengths_D,
-        anchor_N=anchor_N, depth_N=depth_N, position_ids_N=position_ids_N, input_ids_N=input_ids_N,
+        anchor_N=anchor_N, depth_N=depth_N, position_ids_N=position_ids_N,
         supervised_idx_E=supervised_idx_E, target_ids_Ek=draft_ids_Ck[keep],
         target_probs_Ek=probs_Ck[keep] / mass_C[keep, None], depth_E=depth_N[supervised_idx_E],
         chain_target_idx_CK=chain_targets(anchor_N, depth_N, supervised_T, supervised_idx_E, num_depths),

@@ -113,11 +113,11 @@ class DraftStep(nn.Module):
         self.draft, self.num_depths, self.compiler, self.loss = draft, num_depths, compiler, loss
         self._head_copy: tuple[tuple[Any, ...], Tensor] | None = None
 
-    def forward(self, token_ids_M: Tensor, aux_RAH: Tensor, position_ids_M: Tensor, attn_mask: Any,
+    def forward(self, token_ids_R: Tensor, aux_RAH: Tensor, position_ids_M: Tensor, attn_mask: Any,
                 supervised_idx_e: Tensor, target_ids_ek: Tensor, target_probs_ek: Tensor,
                 depth_e: Tensor) -> tuple[Tensor, ...]:
         compiler = self.compiler
-        hidden_MH = self.draft(token_ids_M, aux_RAH, position_ids_M, attn_mask, compiler and compiler.flex)
+        hidden_MH = self.draft(token_ids_R, aux_RAH, position_ids_M, attn_mask, compiler and compiler.flex)
         stats, correct_e = chunked_loss_sum(hidden_MH[supervised_idx_e], self.draft.lm_head.weight, target_ids_ek,
                                             target_probs_ek, depth_e, self.num_depths, loss=self.loss,
                                             head_compute_VH=self.head_compute_weight(),
@@ -153,7 +153,9 @@ def unit_forward(model: nn.Module, batch: TrainBatch, plan: UnitPlan, *, attenti
 
     b = batch
     anchor_M, depth_M, doc_M = pick(b.anchor_N), pick(b.depth_N), pick(b.doc_N)
-    aux_RAH = b.aux_states(None if idx is None else idx[: plan.num_real])  # fp8: dequantised here, on the device
+    real_R = None if idx is None else idx[: plan.num_real]  # depth-0 elements: their flat index is their row
+    aux_RAH = b.aux_states(real_R)  # fp8: dequantised here, on the device
+    tokens_R = b.tokens_T if real_R is None else b.tokens_T[real_R]
     if attention == "flex":
         attn_mask = block_mask_from_indices(plan.block_indices, peagle_mask_mod(anchor_M, depth_M, doc_M),
                                             device=anchor_M.device)
@@ -163,7 +165,7 @@ def unit_forward(model: nn.Module, batch: TrainBatch, plan: UnitPlan, *, attenti
         attn_mask = dense_mask(anchor_M, depth_M, doc_M)
     device_type = anchor_M.device.type
     with torch.autocast(device_type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
-        out = model(pick(b.input_ids_N), aux_RAH, pick(b.position_ids_N), attn_mask, plan.supervised_idx_e,
+        out = model(tokens_R, aux_RAH, pick(b.position_ids_N), attn_mask, plan.supervised_idx_e,
                     charged(b.target_ids_Ek), charged(b.target_probs_Ek), charged(b.depth_E))
     loss_sum, depth_loss_sum, depth_correct, depth_count, correct_e = out
     zero = torch.zeros_like(loss_sum.detach())

@@ -231,7 +231,7 @@ def test_workers_leave_aux_rows_on_disk_until_the_trainer_reads_them(tiny_store)
     loc = np.stack([loader.index.store_of[refs], loader.index.shard_of[refs], loader.index.row_of[refs]])
     stream = ShardStream(loader.stores, loader.config, loc_3B=loc, bounds=plan.bounds_of_rank[0],
                          num_batches=plan.num_batches, start=0, epoch=0,
-                         target_to_draft_V=loader.target_to_draft_V, mask_token_id=loader.mask_token_id)
+                         target_to_draft_V=loader.target_to_draft_V)
     lazy = stream.build(ShardReader(loader.stores, capacity=2), 0)
     assert lazy.aux_TAH is None and len(lazy.aux_source.reads) == lazy.num_samples
     expected = torch.cat([tiny_store.samples[sid].aux_nAH[:-1] for sid in lazy.sample_ids])
