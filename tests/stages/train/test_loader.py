@@ -26,6 +26,12 @@ def config(*stores, **kw) -> LoaderConfig:
     return LoaderConfig(stores=specs, **{"token_budget": BUDGET, "cod": COD, **kw})
 
 
+def batch_refs(plan, rank: int, batch: int) -> np.ndarray:
+    """The sample refs of one planned batch of one rank."""
+    bounds = plan.bounds_of_rank[rank]
+    return plan.refs_of_rank[rank][bounds[batch]:bounds[batch + 1]]
+
+
 def fingerprint(batch) -> tuple:
     """Everything that makes a batch what it is, cheap to compare."""
     return (batch.epoch, batch.batch_index, batch.sample_ids, batch.anchor_N.tolist(), batch.depth_N.tolist(),
@@ -52,7 +58,7 @@ def test_plan_partitions_are_disjoint_covering_and_balanced(tiny_store, world_si
                              for w in range(max(1, num_workers))]
                 flat = sorted(b for bs in by_worker for b in bs)
                 assert flat == list(range(plan.num_batches))  # workers: disjoint and covering
-            kept += [int(r) for b in range(plan.num_batches) for r in plan.batch_refs(rank, b)]
+            kept += [int(r) for b in range(plan.num_batches) for r in batch_refs(plan, rank, b)]
         everything = [int(r) for refs in plan.refs_of_rank for r in refs]
         assert len(everything) == len(set(everything)) == int(index.eligible.sum())  # ranks: disjoint, covering
         assert len(kept) == len(set(kept)) == len(everything) - plan.num_dropped_samples
