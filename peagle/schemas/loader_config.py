@@ -38,6 +38,7 @@ class LoaderConfig:
     seed: int = 0  # (plan)
     token_budget: int = 16384  # (plan) training positions (n − 1 per sample) per batch
     cod: CodSettings = field(default_factory=CodSettings)  # (plan)
+    method: str = "peagle"  # (plan) the training method: which elements an item holds (stages/train/methods)
     split: str = "train"  # (plan) train | heldout | all
     heldout_fraction: float = 0.0  # (plan)
     shuffle: bool = True  # (plan)
@@ -77,7 +78,7 @@ def stream_config(c: TrainConfig, *, aux_layer_ids: tuple[int, ...], attention: 
             return None
         split = "heldout"
     return LoaderConfig(
-        stores=tuple(stores), seed=c.seed, token_budget=c.token_budget,
+        stores=tuple(stores), seed=c.seed, token_budget=c.token_budget, method=c.method,
         cod=CodSettings(num_depths=c.num_depths, down_sample_ratio=c.down_sample_ratio,
                         down_sample_ratio_min=c.down_sample_ratio_min, max_anchors=c.max_anchors),
         split=split, heldout_fraction=fraction, shuffle=not eval_split,

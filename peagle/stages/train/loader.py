@@ -51,6 +51,7 @@ from peagle.schemas.loader_config import LoaderConfig
 from peagle.stages.train.batch import TrainBatch, collate, make_item
 from peagle.stages.train.epoch_plan import EpochPlan, PlanSettings, SampleIndex, plan_epoch, worker_batches
 from peagle.stages.train.follow import EpochShards, check_still_committed
+from peagle.stages.train.methods import training_method
 from peagle.stages.train.vocab import DraftVocab
 
 log = logging.getLogger(__name__)
@@ -188,6 +189,7 @@ class ShardStream(IterableDataset):
         self.loc_3B, self.bounds = loc_3B, bounds  # (store, shard, row) of the rank's refs, batch bounds
         self.num_batches, self.start, self.epoch = num_batches, start, epoch
         self.target_to_draft_V = target_to_draft_V
+        self.method = training_method(config.method)
 
     def __iter__(self) -> Iterator[TrainBatch]:
         info = get_worker_info()
@@ -203,10 +205,10 @@ class ShardStream(IterableDataset):
             store, shard, row = (int(v) for v in self.loc_3B[:, i])
             aux_reads.append(reader.aux_read(store, shard, row))
             items.append(make_item(reader.sample(store, shard, row), cod=self.config.cod, seed=self.config.seed,
-                                   epoch=self.epoch))
+                                   epoch=self.epoch, method=self.method))
         out = collate(items, target_to_draft_V=self.target_to_draft_V, num_segments=self.config.sequence_partitions,
                       block_size=self.config.block_size if self.config.attention == "flex" else None,
-                      epoch=self.epoch, batch_index=batch, aux_reads=aux_reads)
+                      epoch=self.epoch, batch_index=batch, aux_reads=aux_reads, method=self.method)
         fp8_rows = out.aux_source is not None and out.aux_source.scale_reads is not None
         return out.dequantized() if fp8_rows and self.config.dequantize_in_workers else out
 
@@ -359,6 +361,7 @@ class TrainLoader:
             "seed": c.seed, "world_size": self.world_size, "token_budget": c.token_budget, "split": c.split,
             "heldout_fraction": c.heldout_fraction, "shuffle": c.shuffle, "shuffle_window": c.shuffle_window,
             **{f"cod.{k}": v for k, v in asdict(c.cod).items()},
+            **({"method": c.method} if c.method != "peagle" else {}),  # absent: P-EAGLE, as before methods
             **self._store_identities(),
         }
 

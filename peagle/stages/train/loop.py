@@ -45,12 +45,14 @@ from peagle.stages.train.device import DevicePrefetcher
 from peagle.stages.train.loader import TrainLoader
 from peagle.stages.train.loss import LossStats
 from peagle.stages.train.mask_token import resolve_mask_token_id
+from peagle.stages.train.attention import resolve_attention
 from peagle.stages.train.step import (StepResult, TrainStep, all_reduce_stats, compiled_graph_count, init_distributed,
-                                      resolve_attention, summarise)
+                                      summarise)
 from peagle.stages.train.metrics_file import append_metrics, truncate_metrics
 from peagle.stages.train.vocab import check_same_vocab, checkpoint_draft_vocab, choose_draft_vocab_size, load_draft_vocab
 
 RUN_FILE = "run.json"
+METHOD_NAMES = {"peagle": "P-EAGLE", "eagle3": "EAGLE-3 with training-time test"}
 DEFAULT_DRAFT_VOCAB = 32000
 
 
@@ -106,11 +108,12 @@ class Trainer:
         epochs = c.epochs if c.epochs is not None else 1.0
         total_steps = c.max_steps or max(1, int(epochs * self.loader.num_batches) // c.grad_accum)
 
-        # The mask token is a fact of the store (extract chose it) that the draft config carries on.
+        # The mask token is a fact of the store (extract chose it) that a P-EAGLE draft config carries on;
+        # an EAGLE-3 draft has no mask slots.
+        mask_token_id = resolve_mask_token_id(self.loader.stores, c.mask_token_id) if c.method == "peagle" else None
         self.draft_config = DraftConfig.from_target_config(
-            target_cfg, num_layers=c.num_layers, draft_vocab_size=draft_vocab_size,
-            mask_token_id=resolve_mask_token_id(self.loader.stores, c.mask_token_id),
-            aux_layer_ids=list(settings.aux_layer_ids),
+            target_cfg, num_layers=c.num_layers, draft_vocab_size=draft_vocab_size, mask_token_id=mask_token_id,
+            aux_layer_ids=list(settings.aux_layer_ids), method=c.method,
             architecture=c.draft_architecture, norm_before_residual=c.norm_before_residual,
             norm_before_fc=c.norm_before_fc, fc_norm=c.fc_norm)
         torch.manual_seed(c.seed)  # the same initial draft on every rank and in every run
@@ -137,8 +140,8 @@ class Trainer:
             atomic_write_json(self.run_dir / RUN_FILE, self._config_part())
         num_params = sum(p.numel() for p in self.draft.parameters())
         num_trainable = sum(p.numel() for p in self.draft.parameters() if p.requires_grad)
-        self._say(f"draft: {c.num_layers} layers, {num_params / 1e6:.1f}M params ({num_trainable / 1e6:.1f}M "
-                  f"trainable), vocab {draft_vocab_size}; world {self.world_size} on {self.device.type}, "
+        self._say(f"draft ({METHOD_NAMES[c.method]}, K = {c.num_depths}): {c.num_layers} layers, "
+                  f"{num_params / 1e6:.1f}M params ({num_trainable / 1e6:.1f}M trainable), vocab {draft_vocab_size}; world {self.world_size} on {self.device.type}, "
                   f"{self.step_fn.describe()}; {self.loader.num_batches} batches/epoch/rank, {total_steps} steps")
 
     def _eval_loader(self, target_cfg: Any, settings: Any, vocab: Any) -> TrainLoader | None:
