@@ -1,6 +1,11 @@
-"""The P-EAGLE draft model (docs/draft-and-export.md): an EAGLE-3 draft that predicts K tokens in one forward.
+"""The draft model of both training methods (docs/draft-and-export.md, docs/methods.md): EAGLE-3's decoder.
 
-Input is one flat sequence of N elements (no batch, no padding to K·L). The first R are *real*
+A P-EAGLE draft (``config.method == "peagle"``) predicts K tokens in one forward (``forward``); an
+EAGLE-3 draft one token per forward, each reading the previous one's pre-norm hidden state, through
+the layers' ``step`` methods and a key/value cache (:mod:`peagle.model.sequential`). The layers,
+norms, ``fc``, embeddings and head are the same modules either way.
+
+P-EAGLE's input is one flat sequence of N elements (no batch, no padding to K·L). The first R are *real*
 (depth 0): element i reads ``(embed(token_i), fc(aux_i))``. The other M = N - R are *mask slots*
 (depth >= 1): they all read ``(embed(mask_token_id), fc(mask_hidden))``. Which element sees which is
 the caller's attention mask (peagle.model.mask for training, causal for the inference proposer).
@@ -15,8 +20,8 @@ near-identity key map.
 Mask slots share one layer-0 input, so its q/k/v (before RoPE) and residual are computed once and
 broadcast: layer 0's projections cost R rows instead of N (R is ~40% of N in COD training).
 
-Shape letters: N elements, R real, M mask slots, A aux layers, H hidden, T target hidden,
-V draft vocab, h/g query/kv heads, D head dim.
+Shape letters: N elements, R real, M mask slots, X rows of one sequential step, P rows cached before
+it, A aux layers, H hidden, T target hidden, V draft vocab, h/g query/kv heads, D head dim.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ from peagle.schemas.errors import UserError
 
 AttnMask = Tensor | BlockMask | DocumentMasks
 """bool [N, N] (True = may attend) selects SDPA, a BlockMask flex, DocumentMasks SDPA per document."""
+
+KV = tuple[Tensor, Tensor]
+"""One layer's keys and values so far, ``[g, P, D]`` each (after RoPE): sequential drafting's cache."""
 
 
 def rope_inv_freq(config: DraftConfig) -> Tensor:
@@ -104,8 +112,9 @@ def _attend_per_document(q_hND: Tensor, k_gND: Tensor, v_gND: Tensor, masks: Doc
     into place: the same result as one dense mask at a fraction of the N^2 work."""
     num_heads, n, head_dim = q_hND.shape
     out_NF = q_hND.new_zeros(n, num_heads * head_dim)
-    for idx, mask in zip(masks.index_per_doc, masks.mask_per_doc):
-        q, k, v = q_hND[:, idx][None], k_gND[:, idx][None], v_gND[:, idx][None]
+    keys = masks.key_index_per_doc or masks.index_per_doc
+    for idx, key_idx, mask in zip(masks.index_per_doc, keys, masks.mask_per_doc):
+        q, k, v = q_hND[:, idx][None], k_gND[:, key_idx][None], v_gND[:, key_idx][None]
         doc_out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         out_NF = out_NF.index_copy(0, idx, doc_out[0].transpose(0, 1).reshape(idx.numel(), -1))
     return out_NF
@@ -126,9 +135,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qwen3 else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if qwen3 else None
 
-    def attend_projected(self, q_N: Tensor, k_N: Tensor, v_N: Tensor, cos_ND: Tensor, sin_ND: Tensor,
-                         attn_mask: AttnMask, flex: FlexFn | None = None) -> Tensor:
-        """RoPE, attention and o_proj on already projected q/k/v rows."""
+    def _heads(self, q_N: Tensor, k_N: Tensor, v_N: Tensor, cos_ND: Tensor,
+               sin_ND: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Projected rows as heads ``[h, N, D]`` / ``[g, N, D]``, RoPE applied to q and k."""
         n = q_N.shape[0]
         q = q_N.view(n, self.num_heads, self.head_dim)
         k = k_N.view(n, self.num_kv_heads, self.head_dim)
@@ -137,14 +146,28 @@ class Attention(nn.Module):
         q, k = q.transpose(0, 1), k.transpose(0, 1)
         v = v_N.view(n, self.num_kv_heads, self.head_dim).transpose(0, 1)
         cos, sin = cos_ND.to(q.dtype), sin_ND.to(q.dtype)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def attend_projected(self, q_N: Tensor, k_N: Tensor, v_N: Tensor, cos_ND: Tensor, sin_ND: Tensor,
+                         attn_mask: AttnMask, flex: FlexFn | None = None) -> Tensor:
+        """RoPE, attention and o_proj on already projected q/k/v rows."""
+        q, k, v = self._heads(q_N, k_N, v_N, cos_ND, sin_ND)
         return self.o_proj(attend(q, k, v, attn_mask, flex))
 
     def forward(self, x_NH: Tensor, cos_ND: Tensor, sin_ND: Tensor, attn_mask: AttnMask,
                 flex: FlexFn | None = None) -> Tensor:
         q, k, v = self.q_proj(x_NH), self.k_proj(x_NH), self.v_proj(x_NH)
         return self.attend_projected(q, k, v, cos_ND, sin_ND, attn_mask, flex)
+
+    def step(self, x_XF: Tensor, cos_XD: Tensor, sin_XD: Tensor, attn_mask: AttnMask, past: KV | None,
+             flex: FlexFn | None = None) -> tuple[Tensor, KV]:
+        """X new rows attending over the keys and values of earlier steps (``past``) and their own
+        (sequential drafting, :mod:`peagle.model.sequential`); returns the output and every key and
+        value so far, ``[g, P + X, D]`` each, for the next step."""
+        q, k, v = self._heads(self.q_proj(x_XF), self.k_proj(x_XF), self.v_proj(x_XF), cos_XD, sin_XD)
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=1), torch.cat([past[1], v], dim=1)
+        return self.o_proj(attend(q, k, v, attn_mask, flex)), (k, v)
 
 
 class MLP(nn.Module):
@@ -173,6 +196,13 @@ class DecoderLayer(nn.Module):
         h = x_NH + self.self_attn(self.input_layernorm(x_NH), cos_ND, sin_ND, attn_mask, flex)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def step(self, x_XH: Tensor, cos_XD: Tensor, sin_XD: Tensor, attn_mask: AttnMask, past: KV | None,
+             flex: FlexFn | None = None) -> tuple[Tensor, KV]:
+        """:meth:`forward` of X new rows over a key/value cache (:meth:`Attention.step`)."""
+        attn, kv = self.self_attn.step(self.input_layernorm(x_XH), cos_XD, sin_XD, attn_mask, past, flex)
+        h = x_XH + attn
+        return h + self.mlp(self.post_attention_layernorm(h)), kv
+
 
 class FirstLayer(DecoderLayer):
     """Layer 0: attention over ``cat[input_layernorm(embeds), hidden_norm(fc_hidden)]``, residual from
@@ -200,6 +230,18 @@ class FirstLayer(DecoderLayer):
         h = _expand_last_row(residual, num_mask) + attn.attend_projected(q, k, v, cos_ND, sin_ND, attn_mask, flex)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def step(self, embeds_XH: Tensor, hidden_XH: Tensor, cos_XD: Tensor, sin_XD: Tensor, attn_mask: AttnMask,
+             past: KV | None, flex: FlexFn | None = None) -> tuple[Tensor, KV]:
+        """Layer 0 of X new rows, each with its own embedding and hidden state, over a key/value cache:
+        vLLM's EAGLE-3 layer 0 (the hidden is ``fc(aux)`` at depth 0, the previous step's pre-norm
+        output after)."""
+        normed_hidden = self.hidden_norm(hidden_XH)
+        x = torch.cat([self.input_layernorm(embeds_XH), normed_hidden], dim=-1)
+        residual = normed_hidden if self.norm_before_residual else hidden_XH
+        attn, kv = self.self_attn.step(x, cos_XD, sin_XD, attn_mask, past, flex)
+        h = residual + attn
+        return h + self.mlp(self.post_attention_layernorm(h)), kv
+
 
 def _expand_last_row(x_R1: Tensor, num_repeats: int) -> Tensor:
     """``[R+1, F] -> [R+M, F]``: keep the R real rows, repeat the shared mask row M times."""
@@ -207,7 +249,10 @@ def _expand_last_row(x_R1: Tensor, num_repeats: int) -> Tensor:
 
 
 class PEagleDraft(nn.Module):
-    """P-EAGLE draft. ``forward`` returns final-normed hidden states; ``compute_logits`` applies lm_head.
+    """The draft of both methods (``config.method``). A P-EAGLE draft's ``forward`` returns the final-normed
+    hidden states of real rows and mask slots; an EAGLE-3 draft (no ``mask_hidden``) drafts one token
+    per forward through the layers' ``step`` (:mod:`peagle.model.sequential`). ``compute_logits``
+    applies lm_head.
 
     ``lm_head`` is frozen unless ``train_lm_head``; ``embed_tokens`` trains unless not
     ``train_embeddings`` (P-EAGLE trains it; EAGLE-3 drafts keep the target's).
@@ -230,7 +275,9 @@ class PEagleDraft(nn.Module):
                                     + [DecoderLayer(config) for _ in range(config.num_layers - 1)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
-        self.mask_hidden = nn.Parameter(torch.empty(1, 1, config.num_aux * config.target_hidden_size))
+        # P-EAGLE's learned stand-in for the target state of a mask slot; an EAGLE-3 draft has none.
+        self.mask_hidden = (nn.Parameter(torch.empty(1, 1, config.num_aux * config.target_hidden_size))
+                            if config.method == "peagle" else None)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.target_vocab_size, dtype=torch.bool))
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
@@ -248,7 +295,8 @@ class PEagleDraft(nn.Module):
                 module.weight.normal_(0.0, 0.02)
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
-        self.mask_hidden.normal_(0.0, 1.0)
+        if self.mask_hidden is not None:
+            self.mask_hidden.normal_(0.0, 1.0)
 
     @torch.no_grad()
     def set_vocab_map(self, draft_token_ids: Tensor | None) -> None:
@@ -277,31 +325,33 @@ class PEagleDraft(nn.Module):
         angles_ND = torch.cat([freqs_N, freqs_N], dim=-1)
         return angles_ND.cos(), angles_ND.sin()
 
-    def forward(self, token_ids_N: Tensor, aux_RAH: Tensor, position_ids_N: Tensor, attn_mask: AttnMask,
+    def forward(self, token_ids: Tensor, aux_RAH: Tensor, position_ids_N: Tensor, attn_mask: AttnMask,
                 flex: FlexFn | None = None) -> Tensor:
-        """Final-normed hidden ``[N, H]`` of a flat sequence: R = len(aux_RAH) real rows, then mask slots.
+        """Final-normed hidden ``[N, H]`` of a flat sequence: R = len(aux_RAH) real rows, then N - R mask slots.
 
-        ``token_ids_N`` holds the real tokens in its first R entries; entries R.. must be
-        ``config.mask_token_id`` (they are not read: every mask slot's layer-0 input is computed once
-        from it). ``aux_RAH`` is ``[R, A, T]`` (or ``[R, A*T]``, aux layers in ``aux_layer_ids`` order).
-        ``position_ids_N`` are RoPE positions (reference positions, docs/indexing.md). A leading batch dim of
-        1 is accepted on every argument. ``flex`` runs flex attention when ``attn_mask`` is a
-        BlockMask (see :func:`attend`); the compile decision is the caller's.
+        ``token_ids`` are the real rows' tokens: its first R entries are read, any further ones are
+        not (every mask slot reads ``config.mask_token_id``, whose layer-0 input is computed once).
+        ``aux_RAH`` is ``[R, A, T]`` (or ``[R, A*T]``, aux layers in ``aux_layer_ids`` order).
+        ``position_ids_N`` are the N RoPE positions (reference positions, docs/indexing.md): they say
+        how many mask slots follow the real rows. A leading batch dim of 1 is accepted on every
+        argument. ``flex`` runs flex attention when ``attn_mask`` is a BlockMask (see :func:`attend`);
+        the compile decision is the caller's.
         """
-        token_ids_N, position_ids_N = token_ids_N.reshape(-1), position_ids_N.reshape(-1)
+        assert self.mask_hidden is not None, "an EAGLE-3 draft has no mask slots: it drafts with decode_step"
+        token_ids, position_ids_N = token_ids.reshape(-1), position_ids_N.reshape(-1)
         aux_R = aux_RAH.reshape(-1, self.fc.in_features)
         num_real = aux_R.shape[0]
         if not torch.is_autocast_enabled(aux_R.device.type):  # autocast casts inside fc itself
             aux_R = aux_R.to(self.fc.weight.dtype)
-        num_mask = token_ids_N.shape[0] - num_real
-        assert num_mask >= 0 and position_ids_N.shape[0] == token_ids_N.shape[0], "token/position/aux sizes disagree"
+        num_mask = position_ids_N.shape[0] - num_real
+        assert num_mask >= 0 and token_ids.shape[0] >= num_real, "token/position/aux sizes disagree"
 
         hidden_RH = self.combine_hidden_states(aux_R)
         mask_hidden_1H = self.combine_hidden_states(self.mask_hidden.reshape(1, -1).to(aux_R.dtype))
         # The mask row goes through the embedding op with the real rows: indexing the weight instead
         # would give backward a second dense [V, H] fp32 gradient of the whole table to add up.
-        mask_id = token_ids_N.new_full((1,), self.config.mask_token_id)
-        embeds_R1H = self.embed_tokens(torch.cat([token_ids_N[:num_real], mask_id]))
+        mask_id = token_ids.new_full((1,), self.config.mask_token_id)
+        embeds_R1H = self.embed_tokens(torch.cat([token_ids[:num_real], mask_id]))
         cos_ND, sin_ND = self.rope(position_ids_N)
 
         h = self._run(self.layers[0], embeds_R1H, hidden_RH, mask_hidden_1H, cos_ND, sin_ND, attn_mask, flex)
