@@ -178,7 +178,7 @@ def pack_cod(per_sample: list[tuple[Tensor, Tensor]], doc_starts: list[int]) -> 
 
     Sample j's anchors are offset by ``doc_starts[j]`` (its first training position in the row);
     elements are then ordered by (depth, row anchor): all depth-0 elements of all samples, then all
-    depth-1, ... -- the layout :func:`peagle.model.mask.cod_block_mask` expects.
+    depth-1, ... -- the layout :func:`peagle.model.mask.cod_block_indices` expects.
 
     Returns:
         ``(anchor_pos, depth, position_ids)``, int64 ``[N]``: row anchors, depths, and RoPE positions

@@ -40,7 +40,7 @@ class SegmentPlan:
     Attributes:
         segment: the segment index s in [0, S).
         indices: ``[M]`` int64 indices into the row's flat element list, ascending (so the carried
-            elements keep the flat COD layout and :func:`peagle.model.mask.cod_block_mask` applies).
+            elements keep the flat COD layout and :func:`peagle.model.mask.cod_block_indices` applies).
         owned: ``[M]`` bool, True for elements this segment owns (loss is charged on these only);
             the rest is causal-completion context.
     """
