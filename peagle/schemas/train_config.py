@@ -22,6 +22,9 @@ COMPILE_MODES = ("auto", "layers", "flex", "off")
 FLEX_KERNELS = ("auto", "rows-safe", "tma", "flash")
 OPTIMIZERS = ("adamw", "muon")
 LOSSES = ("forward_kl", "tv")
+PEAGLE_ONLY = ("down_sample_ratio", "down_sample_ratio_min", "max_anchors", "mask_token_id")
+"""Fields of P-EAGLE's COD sampling and mask slots: `--method eagle3` refuses them set (it trains every
+chain and has no mask slots)."""
 
 SAFE_TO_CHANGE = frozenset({
     "out", "max_steps", "epochs", "eval_every", "save_every", "keep_checkpoints", "log_every", "num_workers",
@@ -340,8 +343,7 @@ class TrainConfig:
         chain, from the draft's own hidden states), and FSDP2 (its unrolled steps call the decoder
         layers' ``step``, which FSDP2's per-layer hooks do not wrap)."""
         defaults = {f.name: f.default for f in fields(self)}
-        peagle_only = [name for name in ("down_sample_ratio", "down_sample_ratio_min", "max_anchors", "mask_token_id")
-                       if getattr(self, name) != defaults[name]]
+        peagle_only = [name for name in PEAGLE_ONLY if getattr(self, name) != defaults[name]]
         if peagle_only:
             flags = ", ".join(f"--{name.replace('_', '-')}" for name in peagle_only)
             raise UserError(f"{flags} {'is' if len(peagle_only) == 1 else 'are'} P-EAGLE's (--method peagle): "
