@@ -54,10 +54,10 @@ def build_8b_target(out: Path, device: torch.device) -> Path:
         return out
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    tiny = build_tiny_target(out.parent / "tiny-tokenizer", TinyTargetSpec(arch="llama"))
-    from transformers import AutoTokenizer
+    from peagle.model.target import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    tiny = build_tiny_target(out.parent / "tiny-tokenizer", TinyTargetSpec(arch="llama"))
+    tokenizer = load_tokenizer(tiny)
     config = LlamaConfig(**LLAMA_8B, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id)
     with torch.device(device):
