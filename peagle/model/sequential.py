@@ -17,7 +17,7 @@ computes the depth-j elements of a flat COD row (docs/cod.md), whose inputs are 
 reference position and their parent's (depth j-1, same anchor) pre-norm output, and which see the
 depth-0 elements up to their anchor and their own chain: the P-EAGLE attention rule
 (:mod:`peagle.model.mask`), restricted to the queries of one depth (``rows``). Earlier steps'
-keys and values are kept per layer (:data:`~peagle.model.draft.KV`), so a step costs its own rows.
+keys and values are kept per layer (:data:`~peagle.model.decoder_layers.KV`), so a step costs its own rows.
 Gradients flow through the cache and the fed-back hidden states, as in speculators' ``Eagle3DraftModel``.
 
 Shape letters: M elements of a unit (depth groups in order), R its depth-0 rows, X rows of one
@@ -29,7 +29,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from peagle.model.draft import KV, AttnMask, PEagleDraft
+from peagle.model.decoder_layers import KV, AttnMask
+from peagle.model.draft import PEagleDraft
 from peagle.model.flex import FlexFn
 
 
