@@ -22,6 +22,8 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DRAFT_METHODS = ("peagle", "eagle3")
 """How a draft proposes its K tokens (docs/methods.md): ``peagle`` all K in one forward (mask slots),
 ``eagle3`` one per forward, each forward reading the previous one's hidden state."""
+METHOD_NAMES = {"peagle": "P-EAGLE", "eagle3": "EAGLE-3 with training-time test"}
+"""What the trainer and the demo call each method in their output."""
 
 DRAFT_ARCHITECTURES = ("llama", "qwen3")
 """Decoder types: the ``transformer_layer_config.model_type`` values vLLM 0.32 maps to a P-EAGLE

@@ -34,7 +34,7 @@ from peagle.pipeline.progress import Progress
 from peagle.pipeline.provenance import provenance
 from peagle.pipeline.store import read_settings
 from peagle.schemas.checkpoint import DRAFT_CONFIG_KEY, PROVENANCE_KEY, TRAIN_CONFIG_KEY
-from peagle.schemas.draft_config import DraftConfig
+from peagle.schemas.draft_config import METHOD_NAMES, DraftConfig
 from peagle.schemas.errors import UserError
 from peagle.schemas.loader_config import stream_config
 from peagle.schemas.train_config import TrainConfig, config_mismatch, parse_store_spec
@@ -52,7 +52,6 @@ from peagle.stages.train.metrics_file import append_metrics, truncate_metrics
 from peagle.stages.train.vocab import check_same_vocab, checkpoint_draft_vocab, choose_draft_vocab_size, load_draft_vocab
 
 RUN_FILE = "run.json"
-METHOD_NAMES = {"peagle": "P-EAGLE", "eagle3": "EAGLE-3 with training-time test"}
 DEFAULT_DRAFT_VOCAB = 32000
 
 
