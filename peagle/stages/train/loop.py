@@ -37,7 +37,8 @@ from peagle.schemas.checkpoint import DRAFT_CONFIG_KEY, PROVENANCE_KEY, TRAIN_CO
 from peagle.schemas.draft_config import METHOD_NAMES, DraftConfig
 from peagle.schemas.errors import UserError
 from peagle.schemas.loader_config import stream_config
-from peagle.schemas.train_config import TrainConfig, config_mismatch, parse_store_spec
+from peagle.schemas.train_config import TrainConfig, parse_store_spec
+from peagle.schemas.train_resume import config_mismatch
 from peagle.stages.train import checkpoint as ckpt
 from peagle.stages.train import follow
 from peagle.stages.train.batch import TrainBatch
