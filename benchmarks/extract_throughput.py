@@ -35,8 +35,9 @@ import torch
 
 from peagle.pipeline.store import open_store
 from peagle.schemas.extract_config import ExtractConfig
-from peagle.stages.extract.backend_hf import load_causal_lm, resolve_device, resolve_dtype
-from peagle.stages.extract.info import store_info
+from peagle.model.target import load_causal_lm
+from peagle.model.target_backend_hf import resolve_device, resolve_dtype
+from peagle.stages.store.info import store_info
 from peagle.stages.extract.run import make_batches, run_extract
 from peagle.testing.chat_data import write_chat_jsonl
 from peagle.testing.tiny_target import TinyTargetSpec, build_tiny_target
@@ -53,10 +54,10 @@ def build_8b_target(out: Path, device: torch.device) -> Path:
         return out
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    tiny = build_tiny_target(out.parent / "tiny-tokenizer", TinyTargetSpec(arch="llama"))
-    from transformers import AutoTokenizer
+    from peagle.model.target import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    tiny = build_tiny_target(out.parent / "tiny-tokenizer", TinyTargetSpec(arch="llama"))
+    tokenizer = load_tokenizer(tiny)
     config = LlamaConfig(**LLAMA_8B, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id)
     with torch.device(device):

@@ -4,7 +4,7 @@
 
 1. ``peagle demo --target tiny --out OUT/bf16`` (the whole demo, bf16 store; reused when its summary exists);
 2. ``peagle store convert OUT/bf16/store --hidden-dtype fp8 --out OUT/fp8/store``: the same rows, in fp8
-   (byte-identical to extracting with ``--hidden-dtype fp8``: tests/stages/extract/test_convert.py);
+   (byte-identical to extracting with ``--hidden-dtype fp8``: tests/stages/store/test_convert.py);
 3. ``peagle demo --target tiny --out OUT/fp8 --hidden-dtype fp8``: the demo finds the converted store complete (its
    extract step has nothing to do) and runs vocab, train, export and eval with the same seed.
 

@@ -18,7 +18,7 @@ Two stores are measured:
   Its bytes per token are those of any 8B-shaped store; its error is that of the drawn rows only.
 
 Bytes per token are the committed files (Parquet + safetensors) over the tokens; ``raw`` is the
-tensors' bytes alone (``store_reader.raw_bytes_per_token``).
+tensors' bytes alone (``shard_tensors.raw_bytes_per_token``).
 """
 
 from __future__ import annotations
@@ -33,10 +33,11 @@ import numpy as np
 import torch
 
 from peagle.pipeline.store import init_store, open_store
-from peagle.pipeline.store_reader import open_shard_tensors, raw_bytes_per_token, stored_aux, tensor_layout
+from peagle.pipeline.raw_reader import iter_raw_shards
+from peagle.pipeline.shard_tensors import raw_bytes_per_token, tensor_layout
 from peagle.schemas import store as S
-from peagle.stages.extract.backend import TargetOutput
-from peagle.stages.extract.convert import convert_store
+from peagle.model.target_backend import TargetOutput
+from peagle.stages.store.convert import convert_store
 from peagle.stages.extract.template import TokenizedSample
 from peagle.stages.extract.writer import ShardContent, write_and_commit
 
@@ -63,15 +64,14 @@ def reconstruction_error(bf16: Path, fp8: Path) -> dict:
     """Per aux layer: relative row error of the fp8 rows against the bf16 rows of the same store."""
     a_store, b_store = open_store(bf16), open_store(fp8)
     rows, first_rows, value = [], [], []
-    for ra, rb in zip(a_store.shards, b_store.shards):
-        xa = stored_aux(open_shard_tensors(a_store, ra.index)).states().float()
-        xb = stored_aux(open_shard_tensors(b_store, rb.index)).states().float()
-        norm = torch.linalg.vector_norm(xa, dim=-1)
-        err = torch.linalg.vector_norm(xa - xb, dim=-1) / norm.clamp_min(1e-30)
-        rows.append(err.numpy())
-        firsts = a_store.read_rows(ra.index, ["token_offset"]).column("token_offset").to_numpy()
-        first_rows.append(err[torch.from_numpy(firsts.astype(np.int64))].numpy())
-        value.append(((xa - xb).abs().amax(-1) / xa.abs().amax(-1).clamp_min(1e-30)).numpy())
+    for shard_a, shard_b in zip(iter_raw_shards(a_store), iter_raw_shards(b_store)):
+        for sample_a, sample_b in zip(shard_a.samples(), shard_b.samples(), strict=True):
+            xa, xb = sample_a.aux_nAH.float(), sample_b.aux_nAH.float()
+            norm = torch.linalg.vector_norm(xa, dim=-1)
+            err = torch.linalg.vector_norm(xa - xb, dim=-1) / norm.clamp_min(1e-30)
+            rows.append(err.numpy())
+            first_rows.append(err[:1].numpy())  # the attention sink's row
+            value.append(((xa - xb).abs().amax(-1) / xa.abs().amax(-1).clamp_min(1e-30)).numpy())
     err_rA, first_rA, value_rA = (np.concatenate(x) for x in (rows, first_rows, value))
     out = {}
     for a, layer in enumerate(a_store.settings.aux_layer_ids):

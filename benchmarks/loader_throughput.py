@@ -61,7 +61,8 @@ import torch.multiprocessing  # noqa: F401  (registers the shared-memory reducti
 
 from peagle.pipeline import fp8
 from peagle.pipeline.store import commit_shard, init_store, open_store, write_shard_file
-from peagle.pipeline.store_reader import ShardReader, raw_bytes_per_token
+from peagle.pipeline.shard_tensors import raw_bytes_per_token
+from peagle.pipeline.store_reader import ShardReader
 from peagle.schemas import store as S
 from peagle.schemas.loader_config import CodSettings, LoaderConfig
 from peagle.schemas.train_config import StoreSpec
@@ -195,7 +196,7 @@ def measure_batch(loader: TrainLoader, root: Path, b: int, buffers: dict) -> dic
     loc = np.stack([loader.index.store_of[refs], loader.index.shard_of[refs], loader.index.row_of[refs]])
     stream = ShardStream(loader.stores, cfg, loc_3B=loc, bounds=plan.bounds_of_rank[0],
                          num_batches=plan.num_batches, start=0, epoch=epoch,
-                         target_to_draft_V=loader.target_to_draft_V, mask_token_id=loader.mask_token_id)
+                         target_to_draft_V=loader.target_to_draft_V)
     got: dict = {}
     for name, cold_cache in (("build_cold", True), ("build", False)):
         if cold_cache:
@@ -234,7 +235,7 @@ def measure_batch(loader: TrainLoader, root: Path, b: int, buffers: dict) -> dic
         s, j, row = (int(v) for v in loc[:, i])
         items.append(make_item(reader.sample(s, j, row), cod=cfg.cod, seed=cfg.seed, epoch=epoch))
     t1 = time.perf_counter()
-    collate(items, target_to_draft_V=loader.target_to_draft_V, mask_token_id=loader.mask_token_id,
+    collate(items, target_to_draft_V=loader.target_to_draft_V,
             num_segments=cfg.sequence_partitions, block_size=cfg.block_size if cfg.attention == "flex" else None,
             aux_reads=[(("", 0, 0), None)] * len(items))
     got["items"], got["collate"] = t1 - t0, time.perf_counter() - t1
@@ -266,7 +267,7 @@ def time_cpu_builds(loader: TrainLoader, num_batches: int) -> float:
     loc = np.stack([loader.index.store_of[refs], loader.index.shard_of[refs], loader.index.row_of[refs]])
     stream = ShardStream(loader.stores, loader.config, loc_3B=loc, bounds=plan.bounds_of_rank[0],
                          num_batches=plan.num_batches, start=0, epoch=0,
-                         target_to_draft_V=loader.target_to_draft_V, mask_token_id=loader.mask_token_id)
+                         target_to_draft_V=loader.target_to_draft_V)
     times = []
     for b in range(num_batches):
         t0 = time.perf_counter()
@@ -301,7 +302,7 @@ def time_dataloader(loader: TrainLoader, workers: int, num_batches: int) -> floa
     while got < num_batches + 1:  # cycle through the (small) store; the first batch warms up
         stream = ShardStream(loader.stores, loader.config, loc_3B=loc, bounds=plan.bounds_of_rank[0],
                              num_batches=plan.num_batches, start=0, epoch=0,
-                             target_to_draft_V=loader.target_to_draft_V, mask_token_id=loader.mask_token_id)
+                             target_to_draft_V=loader.target_to_draft_V)
         for _ in DataLoader(stream, batch_size=None, num_workers=workers, prefetch_factor=2):
             got += 1
             if got == 1:

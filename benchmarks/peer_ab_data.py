@@ -33,7 +33,6 @@ its ``loss_mask`` is cleared (a finite fill keeps the masked row's loss finite, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,28 +41,18 @@ from speculators.train.data import BaseDataset
 from speculators.train.vocab_mapping import save_token_frequency_distribution
 from torch import nn
 
+from peagle.pipeline.raw_reader import RawShard, read_raw_columns
+from peagle.pipeline.shard_tensors import open_shard_tensors
 from peagle.pipeline.store import open_store
-from peagle.pipeline.store_reader import open_shard_tensors, stored_aux
-from peagle.schemas import store as S
 from peagle.stages.train.vocab import load_draft_vocab
 
 TARGET_FILL = torch.finfo(torch.float32).min
 """Draft logit of a draft id outside the row's top-k: probability exactly 0 after softmax."""
 
 
-@dataclass(frozen=True)
-class SampleRef:
-    """Where one store sample is: its shard, its row in the shard's Parquet file, its first tensor row
-    and its token count n."""
-
-    shard: int
-    row: int
-    token_offset: int
-    num_tokens: int
-
-
 class StoreSamples(BaseDataset):
-    """A peagle store's samples as speculators' dataset items (see the module docstring).
+    """A peagle store's samples as speculators' dataset items (see the module docstring), read through
+    peagle's raw reader (token index i, as stored: speculators shifts them itself).
 
     ``target_to_draft`` maps target ids to draft ids (−1 outside the draft vocabulary). ``max_len`` is
     speculators' packed row length (``--total-seq-len``), as its own datasets take it.
@@ -74,44 +63,36 @@ class StoreSamples(BaseDataset):
         self.store = open_store(store_path)
         self.target_to_draft = target_to_draft.long()
         self.draft_vocab_size = draft_vocab_size
-        self.refs: list[SampleRef] = []
-        self.columns: dict[int, tuple[list, list]] = {}
-        for record in self.store.shards:
-            table = self.store.read_rows(record.index, ["input_ids", "loss_mask", "token_offset", "num_tokens"])
-            self.columns[record.index] = (table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist())
-            offsets, lengths = table.column("token_offset").to_pylist(), table.column("num_tokens").to_pylist()
-            self.refs += [SampleRef(record.index, row, int(offset), int(n))
-                          for row, (offset, n) in enumerate(zip(offsets, lengths))]
-        self._tensors: dict[int, dict[str, torch.Tensor]] = {}
+        self.columns = {record.index: read_raw_columns(self.store, record.index) for record in self.store.shards}
+        self.refs = [(shard, row) for shard, columns in self.columns.items() for row in range(columns.num_samples)]
+        self._shards: dict[int, RawShard] = {}  # tensors mapped when a sample of the shard is first asked for
         super().__init__(max_len, hidden_states_dtype)
 
     def __len__(self) -> int:
         return len(self.refs)
 
     def _compute_approx_lengths(self) -> list[int]:
-        return [ref.num_tokens for ref in self.refs]
+        return [self.columns[shard].num_tokens(row) for shard, row in self.refs]
 
     def token_rows(self, index: int) -> dict[str, torch.Tensor]:
         """``input_ids`` and the stored ``loss_mask`` of sample ``index`` (what a frequency count reads)."""
-        ref = self.refs[index]
-        ids, mask = self.columns[ref.shard]
-        return {"input_ids": torch.tensor(ids[ref.row], dtype=torch.long),
-                "loss_mask": torch.tensor(mask[ref.row], dtype=torch.bool)}
+        shard, row = self.refs[index]
+        columns = self.columns[shard]
+        tokens = slice(int(columns.offsets[row]), int(columns.offsets[row + 1]))
+        return {"input_ids": torch.from_numpy(columns.input_ids[tokens].copy()),
+                "loss_mask": torch.from_numpy(columns.loss_mask[tokens].copy())}
 
     def _get_raw_data(self, index: int) -> dict[str, torch.Tensor]:
         if not 0 <= index < len(self.refs):
             raise IndexError(index)
-        ref = self.refs[index]
-        tensors = self._tensors.get(ref.shard)
-        if tensors is None:
-            tensors = self._tensors[ref.shard] = open_shard_tensors(self.store, ref.shard)
-        rows = slice(ref.token_offset, ref.token_offset + ref.num_tokens)
-        aux_nAH = stored_aux(tensors)[rows].states()
-        logits_nV, has_target_n = draft_logits(tensors[S.TOPK_IDS][rows], tensors[S.TOPK_LOGPROBS][rows],
-                                               self.target_to_draft, self.draft_vocab_size)
-        item = self.token_rows(index)
-        return {"hidden_states": aux_nAH.reshape(ref.num_tokens, -1), "input_ids": item["input_ids"],
-                "verifier_last_hidden_states": logits_nV, "loss_mask": item["loss_mask"] & has_target_n}
+        shard, row = self.refs[index]
+        if shard not in self._shards:
+            self._shards[shard] = RawShard(shard, self.columns[shard], open_shard_tensors(self.store, shard))
+        sample = self._shards[shard].sample(row)
+        logits_nV, has_target_n = draft_logits(sample.topk_ids_nk, sample.topk_logprobs_nk, self.target_to_draft,
+                                               self.draft_vocab_size)
+        return {"hidden_states": sample.aux_nAH.reshape(sample.num_tokens, -1), "input_ids": sample.input_ids_n,
+                "verifier_last_hidden_states": logits_nV, "loss_mask": sample.loss_mask_n & has_target_n}
 
 
 def draft_logits(topk_ids_nk: torch.Tensor, topk_logprobs_nk: torch.Tensor, target_to_draft: torch.Tensor,

@@ -21,11 +21,16 @@ earlier benchmark: a tiny Llama trained here on the stdlib's source and the lang
 Every stage runs as the real ``peagle`` CLI in a subprocess, so the benchmark measures what users
 get: extract and vocab once, then per (variant, seed) train (a fixed budget: steps x token budget,
 1-layer draft), export (K = 5) and eval at K = 5 -- offline chains on the held-out store and vLLM
-serving the export with parallel drafting on (``--eval-modes`` adds ``online``, our own speculative
+serving the export (a P-EAGLE draft with parallel drafting on, an EAGLE-3 one drafting token by
+token; the record is refused otherwise) (``--eval-modes`` adds ``online``, our own speculative
 loop with the HF target, which agrees with vLLM: the demo and tests/stages/eval check it). A variant
-is one line of :data:`VARIANTS`: extra ``peagle train`` flags over :data:`BASE_TRAIN`.
+is one line of ``VARIANTS`` (benchmarks/quality_variants.py): extra ``peagle train`` flags over
+``BASE_TRAIN``. Most are P-EAGLE settings; ``eagle3-k3`` and ``eagle3-k5`` train the other method
+(``--method eagle3``, EAGLE-3 with training-time test) on the same store and budget, served at K = 5
+with sequential drafting, and are compared with P-EAGLE's ``defaults-k3`` and ``defaults``
+(``muon-all-norms``) respectively.
 
-JSON (``--out``): ``records`` (one per variant and seed: ``variant``, ``seed``, ``al_vllm``,
+JSON (``--out``): ``records`` (one per variant and seed: ``variant``, ``method``, ``seed``, ``al_vllm``,
 ``al_own`` (None unless ``online`` ran), ``per_depth`` (vLLM's per-depth acceptance P(accepted >=
 d)), plus offline AL, conditional acceptance, final loss, stage seconds), ``summary`` (per variant:
 mean, sample std and standard error over seeds, and the difference from baseline with Welch's
@@ -50,72 +55,15 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from quality_variants import (BASE_TRAIN, DEFAULT_VARIANTS, REFERENCE, TOY_VARIANTS, VARIANTS, method_of, render,
+                              variant_flags)
+
 from peagle.pipeline.atomic import atomic_write_json
 from peagle.testing.quality_target import QualityTargetSpec, build_quality_target, quality_chats, text_variety
 from peagle.testing.seed_statistics import describe, welch
 
 EVAL_K = 5
 """Acceptance is always measured at K = 5 draft tokens, whatever K a variant trains."""
-
-Flags = dict[str, "str | bool"]
-"""``peagle train`` flags: a value, or a switch (True: ``--name``, False: ``--no-name``)."""
-
-BASE_TRAIN: Flags = {
-    "--num-layers": "1", "--num-depths": "5", "--lr": "3e-3", "--warmup-steps": "30", "--optimizer": "adamw",
-    "--norm-before-residual": False, "--norm-before-fc": False, "--fc-norm": False,
-    "--down-sample-ratio": "0.7", "--down-sample-ratio-min": "0.2", "--eval-every": "0", "--save-every": "0",
-}
-"""`peagle train` flags every variant starts from (the budget flags come from :class:`Budget`). The
-baseline is the draft before this benchmark changed the defaults: AdamW, no EAGLE-3.1 norms. The
-winners (Muon, the norms) are named explicitly, so every committed record keeps its meaning."""
-
-VARIANTS: dict[str, Flags] = {
-    "baseline": {},
-    "k3": {"--num-depths": "3"},  # train fewer depths than are served: cheaper steps
-    "k8": {"--num-depths": "8"},  # train more depths than are served
-    "rmin0": {"--down-sample-ratio-min": "0"},  # deep depths decay geometrically (fewer deep elements)
-    "rmin0.5": {"--down-sample-ratio-min": "0.5"},  # at least half of the positions at every depth
-    "r0.5": {"--down-sample-ratio": "0.5"},
-    "anchors8": {"--max-anchors": "8"},  # at most 8 chains per sample
-    "layers2": {"--num-layers": "2"},
-    "lr1e-3": {"--lr": "1e-3"},
-    "lr1e-2": {"--lr": "1e-2"},  # AdamW at a higher rate: does it close Muon's gap?
-    "muon": {"--optimizer": "muon", "--muon-lr": "0.02"},  # Muon on the layers' matrices, AdamW on the rest
-    "muon-lr0.01": {"--optimizer": "muon", "--muon-lr": "0.01"},
-    "muon-lr0.05": {"--optimizer": "muon", "--muon-lr": "0.05"},
-    "muon-lr0.1": {"--optimizer": "muon", "--muon-lr": "0.1"},
-    "tv": {"--loss": "tv"},  # total variation instead of forward KL (docs/loss.md)
-    "qwen3": {"--draft-architecture": "qwen3"},  # q/k RMSNorm on every head before RoPE
-    "norm-before-residual": {"--norm-before-residual": True},
-    "norm-before-fc": {"--norm-before-fc": True},
-    "fc-norm": {"--fc-norm": True},
-    "all-norms": {"--norm-before-residual": True, "--norm-before-fc": True, "--fc-norm": True},
-}
-"""Named variants: flags that replace or extend :data:`BASE_TRAIN`."""
-VARIANTS["muon-all-norms"] = {**VARIANTS["muon"], **VARIANTS["all-norms"]}  # combinations, from their parts
-VARIANTS["muon-lr0.05-all-norms"] = {**VARIANTS["muon-lr0.05"], **VARIANTS["all-norms"]}
-VARIANTS["fp8-matmuls"] = {**VARIANTS["muon-all-norms"], "--fp8-matmuls": True}  # today's defaults, fp8 matmuls
-DEFAULTS = "muon-all-norms"
-"""The variant that is ``peagle train``'s defaults (Muon, the three norms)."""
-VARIANTS["defaults-tv"] = {**VARIANTS[DEFAULTS], "--loss": "tv"}
-VARIANTS["defaults-k3"] = {**VARIANTS[DEFAULTS], "--num-depths": "3"}
-VARIANTS["defaults-k8"] = {**VARIANTS[DEFAULTS], "--num-depths": "8"}
-VARIANTS["defaults-frozen-emb"] = {**VARIANTS[DEFAULTS], "--train-embeddings": False}
-
-REFERENCE: dict[str, str] = {name: "muon" for name in VARIANTS if name.startswith("muon-")}
-REFERENCE.update({name: DEFAULTS for name in VARIANTS if name == "fp8-matmuls" or name.startswith("defaults-")})
-"""Variants that change one thing over another variant: their summary also carries ``vs_reference``
-(Welch against it): "does it help on top of Muon", "does it help on top of today's defaults" decide
-a default."""
-
-DEFAULT_VARIANTS = ("muon", "all-norms", DEFAULTS, "defaults-tv", "defaults-k3", "defaults-k8", "defaults-frozen-emb")
-"""The README's "Draft quality" table on the real model: what a bare ``python benchmarks/quality.py`` runs."""
-
-TOY_VARIANTS = ("muon", "muon-lr0.01", "muon-lr0.05", "muon-lr0.1", "lr1e-2",
-                "norm-before-residual", "norm-before-fc", "fc-norm", "all-norms", "muon-all-norms",
-                "muon-lr0.05-all-norms", "qwen3", "tv", "k3", "k8", "rmin0.5", "anchors8")
-"""The toy target's table (``--target toy``; results/cpu/quality_toy.json)."""
-
 
 @dataclass(frozen=True)
 class Budget:
@@ -154,16 +102,10 @@ SMOKE = replace(TOY, num_draft_chats=48, num_heldout_chats=8, num_prompts=3, reg
 
 def train_flags(variant: str, budget: Budget, seed: int) -> list[str]:
     """The full `peagle train` flag list of one run (without store/target/out)."""
-    flags = {**BASE_TRAIN, "--max-steps": str(budget.train_steps), "--token-budget": str(budget.token_budget),
-             "--draft-vocab-size": str(budget.draft_vocab_size), "--seed": str(seed),
-             **({"--max-anchors": str(budget.max_anchors)} if budget.max_anchors else {}), **VARIANTS[variant]}
-    return [part for flag, value in flags.items() for part in _render(flag, value)]
-
-
-def _render(flag: str, value: str | bool) -> tuple[str, ...]:
-    if isinstance(value, bool):
-        return (flag,) if value else (f"--no-{flag[2:]}",)
-    return (flag, value)
+    return variant_flags(variant, {
+        "--max-steps": str(budget.train_steps), "--token-budget": str(budget.token_budget),
+        "--draft-vocab-size": str(budget.draft_vocab_size), "--seed": str(seed),
+        **({"--max-anchors": str(budget.max_anchors)} if budget.max_anchors else {})})
 
 
 def versus(records: list[dict], other: list[dict]) -> dict:
@@ -180,6 +122,7 @@ def summarise(records: list[dict]) -> dict:
     for name, recs in by_variant.items():
         entry = {key: describe([r[key] for r in recs]) if all(r.get(key) is not None for r in recs) else None
                  for key in ("al_vllm", "al_own", "al_offline")}
+        entry["method"] = recs[0].get("method", "peagle")  # records from before EAGLE-3 are P-EAGLE's
         entry["per_depth"] = [statistics.fmean(depths) for depths in zip(*(r["per_depth"] for r in recs))]
         entry["train_seconds"] = statistics.fmean(r["train_seconds"] for r in recs)
         cpu = [r["cpu_seconds"]["train"] for r in recs if "cpu_seconds" in r]
@@ -327,10 +270,12 @@ def run_one(stages: Stages, work: Path, target: Path, paths: dict[str, Path], bu
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train_rows = [m for m in metrics if "loss" in m]
     vllm, own, offline = report["vllm"], report.get("online") or {}, report["offline"]
-    if vllm.get("parallel_drafting") is not True:
-        raise SystemExit(f"{tag}: vLLM ran without parallel drafting; its acceptance would mean nothing")
+    method = method_of(variant)
+    if vllm.get("parallel_drafting") is not (method == "peagle"):  # P-EAGLE drafts in parallel, EAGLE-3 one by one
+        raise SystemExit(f"{tag}: vLLM ran a {method} draft with parallel drafting {vllm.get('parallel_drafting')}; "
+                         "its acceptance would mean nothing")
     record = {
-        "variant": variant, "seed": seed, "train_flags": flags,
+        "variant": variant, "method": method, "seed": seed, "train_flags": flags,
         "al_vllm": vllm["acceptance_length"], "al_own": own.get("acceptance_length"),
         "al_offline": offline["acceptance_length"], "per_depth": vllm["per_depth_acceptance"],
         "per_depth_own": own.get("per_depth_acceptance"), "per_depth_offline": offline["per_depth_acceptance"],
@@ -385,7 +330,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.list:
         for name, flags in VARIANTS.items():
-            print(f"{name:<10} {' '.join(part for k, v in flags.items() for part in _render(k, v)) or '(base flags)'}")
+            print(f"{name:<10} {' '.join(part for k, v in flags.items() for part in render(k, v)) or '(base flags)'}")
         return {}
     names = args.variants or ",".join(TOY_VARIANTS if args.target == "toy" or args.smoke else DEFAULT_VARIANTS)
     variants = ["baseline"] + [v for v in names.split(",") if v and v != "baseline"]

@@ -26,7 +26,7 @@ from pathlib import Path
 from peagle.pipeline.store import open_store
 from peagle.schemas import store as S
 from peagle.schemas.check_config import CheckConfig
-from peagle.stages.extract.check import check_store
+from peagle.stages.store.check import check_store
 from peagle.testing import store_faults as F
 from peagle.testing.demo_target import DemoTargetSpec
 from peagle.testing.tiny_target import build_tiny_target

@@ -61,6 +61,7 @@ from peagle.schemas.loader_config import CodSettings
 from peagle.stages.train.batch import collate, make_item
 from peagle.stages.train.device import resolve_device
 from peagle.stages.train.loop import Trainer
+from peagle.testing.trainer import trainer_for_draft
 
 LLAMA31_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -103,7 +104,7 @@ def make_batch(d: dict, seq_len: int, num_segments: int, attention: str, draft: 
     t2d = draft.t2d.cpu()
     target_to_draft = torch.where(t2d, torch.cumsum(t2d.long(), 0) - 1, -1)
     start = time.perf_counter()
-    batch = collate([item], target_to_draft_V=target_to_draft, mask_token_id=d["vocab"] - 1,
+    batch = collate([item], target_to_draft_V=target_to_draft,
                     num_segments=num_segments, block_size=128 if attention == "flex" else None)
     return batch, (time.perf_counter() - start) * 1e3
 
@@ -310,7 +311,7 @@ def run_config(args, d, device: torch.device, rec: dict, num_layers: int, seq_le
                              flex_kernel=args.flex_kernel, fp8_matmuls=rec["fp8_matmuls"],
                              optimizer="adamw")  # the reference trainer's: a like-for-like step
         draft = build_draft(d, num_layers, args.activation_checkpointing, device)
-        trainer = Trainer.for_model(config, draft.to(device))
+        trainer = trainer_for_draft(config, draft.to(device))
         run_one(args, d, trainer, rec, num_layers, seq_len, num_segments, attention)
     except Terminated:
         rec.update(status="timeout", error="SIGTERM: the part's time ran out in this configuration")

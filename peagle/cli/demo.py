@@ -28,6 +28,7 @@ import typer
 from peagle.cli import VERBOSE_KEY, app
 from peagle.cli.config_command import PeagleCommand, check_out_is_not_a_file, split_list
 from peagle.model.packaged_target import default_cache_dir
+from peagle.schemas.draft_config import DRAFT_METHODS, METHOD_NAMES
 from peagle.schemas.dtypes import dtype_choice
 from peagle.schemas.errors import UserError
 from peagle.schemas.eval_config import EVAL_MODES
@@ -158,7 +159,7 @@ def _read_json(path: Path) -> dict:
 
 
 def check_demo_options(*, out: Path, hidden_dtype: str, eval_modes: str | None, counts: dict[str, int | None],
-                       seed: int) -> tuple[str, tuple[str, ...] | None]:
+                       seed: int, method: str = "peagle") -> tuple[str, tuple[str, ...] | None]:
     """Every option, before the demo starts (a typo must not wait for the pipeline to run): (the hidden
     dtype, the eval modes or None for the target's default) as the stages take them.
 
@@ -178,6 +179,8 @@ def check_demo_options(*, out: Path, hidden_dtype: str, eval_modes: str | None, 
             raise UserError(f"--{flag} must be >= 1, got {value}")
     if seed < 0:
         raise UserError(f"--seed must be >= 0, got {seed}")
+    if method not in DRAFT_METHODS:
+        raise UserError(f"--method must be one of {'|'.join(DRAFT_METHODS)}, got {method!r}")
     return hidden_dtype, modes
 
 
@@ -194,6 +197,10 @@ def demo(
                                    "PEAGLE_CACHE_DIR).", metavar="DIR"),
     backend: Backend = typer.Option(Backend.auto, "--backend", help="Extract backend: auto (vllm if it imports), "
                                     "vllm, hf.", metavar="auto|vllm|hf"),
+    method: str = typer.Option("peagle", "--method", help="Training method (docs/methods.md): peagle (P-EAGLE, "
+                               "all K tokens in one forward) or eagle3 (EAGLE-3 with training-time test). Both train "
+                               "from the same store: a second run with the other method into the same --out reuses "
+                               "it and writes run-eagle3/, export-eagle3/, report-eagle3/.", metavar="|".join(DRAFT_METHODS)),
     num_depths: int = typer.Option(5, "--num-depths", help="K: tokens the draft proposes per step.", metavar="N"),
     num_layers: int = typer.Option(1, "--num-layers", help="Draft decoder layers.", metavar="N"),
     num_train_chats: Optional[int] = typer.Option(None, "--num-train-chats", help="Chats the target answers for "
@@ -223,7 +230,8 @@ def demo(
     hidden_dtype, modes = check_demo_options(
         out=out, hidden_dtype=hidden_dtype, eval_modes=eval_modes, seed=seed,
         counts={"num-depths": num_depths, "num-layers": num_layers, "train-steps": train_steps,
-                "num-train-chats": num_train_chats, "target-steps": target_steps, "num-heldout": num_heldout})
+                "num-train-chats": num_train_chats, "target-steps": target_steps, "num-heldout": num_heldout},
+        method=method)
     recipe = RECIPES[target]
     recipe = replace(recipe, eval_modes=modes or recipe.eval_modes,
                      num_train_chats=recipe.num_train_chats if num_train_chats is None else num_train_chats,
@@ -254,7 +262,8 @@ def demo(
     def stage(args: list[str], name: str) -> float:
         return _run_stage(args, name, verbose=verbose)
 
-    store, run, export, report = out / "store", out / "run", out / "export", out / "report"
+    suffix = "" if method == "peagle" else f"-{method}"  # one store, a run of each method beside the other
+    store, run, export, report = out / "store", out / f"run{suffix}", out / f"export{suffix}", out / f"report{suffix}"
     vocab = str(recipe.draft_vocab_size)
     timings["extract"] = stage(
         ["extract", "--data", str(train_data), "--target", str(target_dir), "--out", str(store),
@@ -263,7 +272,7 @@ def demo(
          "--samples-per-shard", "256", "--seed", str(seed), "--hidden-dtype", hidden_dtype], "extract")
     timings["vocab"] = stage(["vocab", "--store", str(store), "--draft-vocab-size", vocab, "--quiet"], "vocab")
     timings["train"] = stage(
-        ["train", "--store", str(store), "--target", str(target_dir), "--out", str(run),
+        ["train", "--store", str(store), "--target", str(target_dir), "--out", str(run), "--method", method,
          "--num-layers", str(num_layers), "--num-depths", str(num_depths), "--draft-vocab-size", vocab,
          "--max-steps", str(recipe.train_steps), "--lr", str(recipe.lr), "--warmup-steps", str(recipe.warmup_steps),
          "--token-budget", "2048", "--seed", str(seed), "--heldout-fraction", str(recipe.heldout_fraction), *recipe.extra_train_flags],
@@ -280,7 +289,8 @@ def demo(
     summary = summarize(store, run, report, timings, time.monotonic() - started, backend=backend_name,
                         num_train=num_train)
     summary["target"] = {"name": target.value, "path": str(target_dir)}
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    summary["method"] = method
+    (out / f"summary{suffix}.json").write_text(json.dumps(summary, indent=1))
     print_summary(summary)
 
 
@@ -323,8 +333,8 @@ def print_summary(summary: dict) -> None:
         "=" * 72,
         f"store        {store['samples']} samples, {store['tokens']} tokens, "
         f"{store['bytes'] / 2**20:.1f} MiB ({summary['backend']} backend)",
-        f"train        {train['steps']} steps, final loss {_fmt(train['final_loss'], '.3f')}, "
-        f"{_fmt(train['tokens_per_s'], '.0f')} tokens/s",
+        f"train        {METHOD_NAMES[summary.get('method', 'peagle')]}: {train['steps']} steps, "
+        f"final loss {_fmt(train['final_loss'], '.3f')}, {_fmt(train['tokens_per_s'], '.0f')} tokens/s",
     ]
     for mode in ("offline", "online", "vllm"):
         section = rep.get(mode) or {}

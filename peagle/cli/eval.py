@@ -11,7 +11,8 @@ from peagle.schemas.eval_config import DEVICES, EVAL_MODES, TARGET_DTYPES, EvalC
 
 _HELP = """Measure acceptance length: teacher-forced chains on held-out shards (offline), speculative decoding
 with our own loop and the HF target (online: real acceptance, tokens per target forward, speedup over
-plain decoding), and the exported draft in vLLM with parallel drafting (its own metrics)."""
+plain decoding), and the exported draft in vLLM (its own metrics). A P-EAGLE draft proposes its K tokens
+in one forward (vLLM: parallel drafting), an EAGLE-3 draft in K forwards (vLLM: sequential drafting)."""
 
 
 def _run(config: EvalConfig) -> None:

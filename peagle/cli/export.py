@@ -8,11 +8,13 @@ from peagle.cli import app
 from peagle.cli.config_command import ConfigCommand
 from peagle.schemas.export_config import EXPORT_DTYPES, ExportConfig
 
-_HELP = """Write OUT/config.json + OUT/model.safetensors (the speculators 'peagle' format) atomically.
+_HELP = """Write OUT/config.json + OUT/model.safetensors atomically: the speculators 'peagle' format for a
+P-EAGLE draft, 'eagle3' for an EAGLE-3 one (`train --method eagle3`).
 
 Serve it with `vllm serve OUT` or `LLM(model=OUT)`: vLLM then loads the verifier named inside and
-runs parallel drafting. (A plain `speculative_config` without `"parallel_drafting": true` would
-silently draft one token at a time.)
+runs parallel drafting (peagle) or drafts one token per forward (eagle3). (For a P-EAGLE export, a
+plain `speculative_config` without `"parallel_drafting": true` would silently draft one token at a
+time.)
 """
 
 

@@ -19,13 +19,13 @@ app.add_typer(store_app, name="store")
 
 
 def _info(config: StoreConfig) -> None:
-    from peagle.stages.extract.info import format_info, store_info
+    from peagle.stages.store.info import format_info, store_info
 
     typer.echo(format_info(store_info(config.store)))
 
 
 def _verify(config: StoreConfig) -> None:
-    from peagle.stages.extract.info import verify_store
+    from peagle.stages.store.info import verify_store
 
     num_shards, problems = verify_store(config.store)
     for problem in problems:
@@ -41,8 +41,8 @@ def _verify(config: StoreConfig) -> None:
 def _check(config: CheckConfig) -> None:
     import json
 
-    from peagle.stages.extract.check import check_store
-    from peagle.stages.extract.check_report import format_report
+    from peagle.stages.store.check import check_store
+    from peagle.stages.store.check_report import format_report
 
     report = check_store(config, echo=(lambda line: typer.echo(line, err=True)) if config.json else typer.echo)
     typer.echo(json.dumps(report.to_dict(), indent=1) if config.json else format_report(report))
@@ -51,7 +51,7 @@ def _check(config: CheckConfig) -> None:
 
 
 def _convert(config: ConvertConfig) -> None:
-    from peagle.stages.extract.convert import convert_store
+    from peagle.stages.store.convert import convert_store
 
     convert_store(config.store, config.out, config.hidden_dtype, echo=typer.echo)
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from peagle.cli import app
 from peagle.cli.config_command import ConfigCommand
+from peagle.schemas.draft_config import DRAFT_METHODS
 from peagle.schemas.train_config import ATTENTION_BACKENDS, DRAFT_ARCHITECTURES, LOSSES, OPTIMIZERS, TrainConfig
 
-_HELP = """Train a P-EAGLE draft on shard stores written by `peagle extract`.
+_HELP = """Train a draft on shard stores written by `peagle extract`: P-EAGLE (the default, all K tokens in
+one forward) or EAGLE-3 with training-time test (`--method eagle3`), from the same store.
 
 Writes RUN_DIR/metrics.jsonl and RUN_DIR/checkpoints/; re-running the same command resumes from the
 newest valid checkpoint. Under torchrun (`-m peagle train`, as below) it trains with DDP (--fsdp:
@@ -33,7 +35,8 @@ def _run(config: TrainConfig) -> None:
 
 COMMAND = ConfigCommand(
     name="train", config_class=TrainConfig, run=_run, help=_HELP,
-    metavars={"store": "STORE[:WEIGHT]", "target": "MODEL_DIR", "out": "RUN_DIR", "attention": "|".join(ATTENTION_BACKENDS),
+    metavars={"store": "STORE[:WEIGHT]", "target": "MODEL_DIR", "out": "RUN_DIR", "method": "|".join(DRAFT_METHODS),
+              "attention": "|".join(ATTENTION_BACKENDS),
               "draft_architecture": "|".join(DRAFT_ARCHITECTURES),
               "eval_store": "STORE", "init_from": "EXPORT_DIR", "optimizer": "|".join(OPTIMIZERS),
               "loss": "|".join(LOSSES), "epoch_shards": "FILE", "follow_timeout": "SECONDS"})

@@ -16,15 +16,16 @@ anchors at or after ``sum(lengths)`` (up to ``total_seq_len``) are padding (docu
 
 Three consumers, one rule:
 
-* :func:`peagle_mask_mod` -- the ``mask_mod`` closure that flex_attention evaluates
-  (:func:`create_peagle_mask_mod` builds it from document lengths);
+* :func:`peagle_mask_mod` -- the ``mask_mod`` closure that flex_attention evaluates;
 * :func:`dense_mask` -- ``[N, N]`` bool for SDPA (:func:`dense_peagle_mask` from lengths);
 * :func:`document_masks` -- the same rule per document (:class:`DocumentMasks`): no element sees
   another document, so SDPA over each document's elements alone computes the same attention at
   ``sum(n_d^2)`` instead of ``N^2`` (the CPU training path, where attention is dense);
-* :func:`cod_block_mask` -- a BlockMask built from metadata in O(N·K + blocks²) instead of evaluating
-  the mask_mod on every block pair (docs/performance.md); :func:`cod_block_indices` is its CPU half, for
-  DataLoader workers, and :func:`block_mask_from_indices` the device half, for the trainer.
+* a BlockMask built from metadata in O(N·K + blocks²) instead of evaluating the mask_mod on every
+  block pair (docs/performance.md): :func:`cod_block_indices` computes it on the CPU, in DataLoader
+  workers, and :func:`block_mask_from_indices` wraps it on the device, in the trainer
+  (``peagle.testing.cod_masks`` has both halves in one call, and the mask_mod from document lengths,
+  for tests).
 
 Shape letters: N = flat COD elements in the row, D = documents, L = ``total_seq_len`` (original-token
 row length), Qb/KVb = query/key blocks.
@@ -64,18 +65,25 @@ def document_ids(anchor_pos_N: Tensor, lengths_D: Tensor, total_seq_len: int) ->
     return doc_of_pos_L.to(anchor_pos_N.device)[anchor_pos_N]
 
 
-def peagle_mask_mod(anchor_N: Tensor, depth_N: Tensor, doc_N: Tensor) -> MaskMod:
+def peagle_mask_mod(anchor_N: Tensor, depth_N: Tensor, doc_N: Tensor, rows: slice | None = None) -> MaskMod:
     """The flex_attention ``mask_mod(b, h, q_idx, kv_idx)`` of the P-EAGLE rule from per-element metadata.
 
     ``doc_N`` is each element's document id (-1: padding), as :func:`document_ids` computes it; the
     trainer receives it with the batch from the loader workers, so building this closure on the GPU
     reads nothing back to the host. All three tensors must live where attention runs.
+
+    ``rows`` (a slice with host bounds) makes the queries elements ``rows`` only, the keys elements
+    ``0 .. rows.stop - 1``: one step of sequential drafting, whose queries are one depth group and
+    whose keys are every element up to it (:func:`cod_block_indices` with the same ``rows``). The
+    query side reads views of the metadata, so the offset is never a traced constant.
     """
+    anchor_Q, depth_Q, doc_Q = (anchor_N, depth_N, doc_N) if rows is None else (anchor_N[rows], depth_N[rows],
+                                                                                doc_N[rows])
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        doc_q, doc_k = doc_N[q_idx], doc_N[kv_idx]
-        anchor_q, anchor_k = anchor_N[q_idx], anchor_N[kv_idx]
-        depth_q, depth_k = depth_N[q_idx], depth_N[kv_idx]
+        doc_q, doc_k = doc_Q[q_idx], doc_N[kv_idx]
+        anchor_q, anchor_k = anchor_Q[q_idx], anchor_N[kv_idx]
+        depth_q, depth_k = depth_Q[q_idx], depth_N[kv_idx]
         real_context = (depth_k == 0) & (anchor_k <= anchor_q)
         own_chain = (anchor_k == anchor_q) & (depth_k <= depth_q)
         return (doc_q == doc_k) & (doc_q >= 0) & (real_context | own_chain)
@@ -83,21 +91,25 @@ def peagle_mask_mod(anchor_N: Tensor, depth_N: Tensor, doc_N: Tensor) -> MaskMod
     return mask_mod
 
 
-def dense_mask(anchor_N: Tensor, depth_N: Tensor, doc_N: Tensor) -> Tensor:
+def dense_mask(anchor_N: Tensor, depth_N: Tensor, doc_N: Tensor, rows: slice | None = None) -> Tensor:
     """The rule as ``[N, N]`` bool (True = may attend) for SDPA; equals evaluating :func:`peagle_mask_mod`.
+    With ``rows`` (see there) it is ``[len(rows), rows.stop]``: those queries over the keys up to them.
 
     Device ops only (no host read), so the trainer can build it from shipped metadata without a sync.
     """
-    idx_N = torch.arange(anchor_N.numel(), device=anchor_N.device)
-    return peagle_mask_mod(anchor_N, depth_N, doc_N)(None, None, idx_N[:, None], idx_N[None, :])
+    num_keys = anchor_N.numel() if rows is None else rows.stop
+    idx_K = torch.arange(num_keys, device=anchor_N.device)
+    idx_Q = idx_K if rows is None else idx_K[rows]
+    return peagle_mask_mod(anchor_N, depth_N, doc_N)(None, None, idx_Q[:, None], idx_K[None, :])
 
 
 @dataclass(frozen=True)
 class DocumentMasks:
     """The P-EAGLE mask of a flat row as one dense mask per document.
 
-    ``index_per_doc[d]`` lists the elements of document d (ascending); ``mask_per_doc[d]`` is the rule
-    over them, ``[n_d, n_d]``. Elements outside every document (doc -1, padding) see nothing and are
+    ``index_per_doc[d]`` lists the query rows of document d (ascending); ``mask_per_doc[d]`` is the
+    rule over them and the document's keys, ``key_index_per_doc[d]`` (None: the same rows as the
+    queries), ``[n_d, m_d]``. Elements outside every document (doc -1, padding) see nothing and are
     in no list: attention leaves zeros there. Built on the host from the element metadata, so it is
     for the CPU path (the GPU trains with flex and a BlockMask).
     """
@@ -105,33 +117,33 @@ class DocumentMasks:
     index_per_doc: list[Tensor]
     mask_per_doc: list[Tensor]
     num_elements: int
+    key_index_per_doc: list[Tensor] | None = None
 
 
-def document_masks(anchor_N: Tensor, depth_N: Tensor, doc_N: Tensor) -> DocumentMasks:
-    """:func:`dense_mask` split by document (:class:`DocumentMasks`)."""
-    order = torch.argsort(doc_N, stable=True)
-    docs, counts = torch.unique_consecutive(doc_N[order], return_counts=True)
-    index_per_doc, mask_per_doc = [], []
-    for doc, idx in zip(docs.tolist(), torch.split(order, counts.tolist())):
+def document_masks(anchor_N: Tensor, depth_N: Tensor, doc_N: Tensor, rows: slice | None = None) -> DocumentMasks:
+    """:func:`dense_mask` split by document (:class:`DocumentMasks`); with ``rows`` the queries are those
+    rows (indexed from ``rows.start``) and the keys the elements before ``rows.stop``."""
+    if rows is None:
+        order = torch.argsort(doc_N, stable=True)
+        docs, counts = torch.unique_consecutive(doc_N[order], return_counts=True)
+        index_per_doc, mask_per_doc = [], []
+        for doc, idx in zip(docs.tolist(), torch.split(order, counts.tolist())):
+            if doc < 0:
+                continue
+            index_per_doc.append(idx)
+            mask_per_doc.append(dense_mask(anchor_N[idx], depth_N[idx], doc_N[idx]))
+        return DocumentMasks(index_per_doc, mask_per_doc, int(anchor_N.numel()))
+    doc_Q, doc_K = doc_N[rows], doc_N[: rows.stop]
+    rule = peagle_mask_mod(anchor_N, depth_N, doc_N)
+    index_per_doc, key_index_per_doc, mask_per_doc = [], [], []
+    for doc in torch.unique(doc_Q).tolist():
         if doc < 0:
             continue
-        index_per_doc.append(idx)
-        mask_per_doc.append(dense_mask(anchor_N[idx], depth_N[idx], doc_N[idx]))
-    return DocumentMasks(index_per_doc, mask_per_doc, int(anchor_N.numel()))
-
-
-def create_peagle_mask_mod(anchor_pos: Tensor, depth: Tensor, lengths: Tensor, total_seq_len: int) -> MaskMod:
-    """Build the flex_attention ``mask_mod`` of the P-EAGLE rule (module docstring) from document lengths.
-
-    ``anchor_pos``/``depth`` are ``[N]`` per flat element (anchors are row offsets), ``lengths`` is
-    ``[D]`` document lengths in the same coordinates, ``total_seq_len`` the padded row length. The
-    closure reads tensors on ``anchor_pos``'s device, so build it where attention runs. The rule does
-    not depend on the element order; only :func:`cod_block_mask` needs the flat COD layout. (This
-    resolves documents on the host; the trainer uses :func:`peagle_mask_mod` with shipped doc ids.)
-    """
-    anchor_N = torch.as_tensor(anchor_pos, dtype=torch.long)
-    depth_N = torch.as_tensor(depth, dtype=torch.long).to(anchor_N.device)
-    return peagle_mask_mod(anchor_N, depth_N, document_ids(anchor_N, lengths, total_seq_len))
+        idx_q, idx_k = torch.nonzero(doc_Q == doc).flatten(), torch.nonzero(doc_K == doc).flatten()
+        index_per_doc.append(idx_q)
+        key_index_per_doc.append(idx_k)
+        mask_per_doc.append(rule(None, None, (idx_q + rows.start)[:, None], idx_k[None, :]))
+    return DocumentMasks(index_per_doc, mask_per_doc, int(doc_Q.numel()), key_index_per_doc)
 
 
 def dense_peagle_mask(anchor_pos: Tensor, depth: Tensor, lengths: Tensor, total_seq_len: int) -> Tensor:
@@ -147,6 +159,7 @@ class CodBlockIndices(NamedTuple):
 
     Tensors are int32: ``kv_num_blocks`` ``[1, 1, Qb]`` and ``kv_indices`` ``[1, 1, Qb, KVb]`` for
     partial blocks (mask_mod evaluated), ``full_*`` for blocks every (q, k) pair of which is visible.
+    ``seq_len`` queries over ``kv_seq_len`` keys (None: as many keys as queries).
     """
 
     kv_num_blocks: Tensor
@@ -155,6 +168,7 @@ class CodBlockIndices(NamedTuple):
     full_kv_indices: Tensor
     seq_len: int
     block_size: int
+    kv_seq_len: int | None = None
 
 
 def _merged_visible_runs(anchor_N: Tensor, depth_N: Tensor, doc_N: Tensor, doc_start_D: Tensor,
@@ -171,7 +185,7 @@ def _merged_visible_runs(anchor_N: Tensor, depth_N: Tensor, doc_N: Tensor, doc_s
     key_stride = total_seq_len + 1
     key_R = (depth_N[real_N] * key_stride + anchor_N[real_N]).contiguous()
     if key_R.numel() > 1 and bool((key_R[1:] < key_R[:-1]).any()):
-        raise ValueError("cod_block_mask needs the flat COD layout: depth groups in order, anchors sorted inside")
+        raise ValueError("cod_block_indices needs the flat COD layout: depth groups in order, anchors sorted inside")
     anchor_Q, depth_Q, doc_Q = anchor_N[real_N], depth_N[real_N], doc_N[real_N]
     max_depth = int(depth_Q.max()) if key_R.numel() else 0
 
@@ -210,7 +224,7 @@ def _ordered(blocks_QK: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def cod_block_indices(anchor_pos: Tensor, depth: Tensor, lengths: Tensor, total_seq_len: int, *,
-                      block_size: int = DEFAULT_BLOCK_SIZE) -> CodBlockIndices:
+                      block_size: int = DEFAULT_BLOCK_SIZE, rows: slice | None = None) -> CodBlockIndices:
     """Compute the BlockMask index arrays of a flat COD row on the CPU, without the mask_mod.
 
     Layout contract: the real elements (anchor inside a document), taken in flat order, are sorted by
@@ -221,6 +235,10 @@ def cod_block_indices(anchor_pos: Tensor, depth: Tensor, lengths: Tensor, total_
     stick out past N are never full, as in ``create_block_mask``, which pads with False). Both are
     counted with difference arrays over runs: O(N·K + Qb·KVb), against create_block_mask's O(N²).
 
+    ``rows`` (host bounds) restricts the queries to those elements, counted from ``rows.start``, and
+    the keys to the elements before ``rows.stop`` (one step of sequential drafting: a depth group over
+    every element up to it, :func:`peagle_mask_mod` with the same ``rows``).
+
     Raises:
         ValueError: when the real elements are not in the flat COD layout, or metadata do not fit.
     """
@@ -228,42 +246,49 @@ def cod_block_indices(anchor_pos: Tensor, depth: Tensor, lengths: Tensor, total_
     depth_N = torch.as_tensor(depth, dtype=torch.long).flatten().cpu()
     lengths_D = torch.as_tensor(lengths, dtype=torch.long).flatten().cpu()
     num_elements = anchor_N.numel()
+    rows = slice(0, num_elements) if rows is None else rows
     doc_N = document_ids(anchor_N, lengths_D, total_seq_len)
     doc_start_D = torch.cumsum(lengths_D, 0) - lengths_D
-    num_blocks = -(-num_elements // block_size)
+    num_queries, num_keys = rows.stop - rows.start, rows.stop
+    num_q_blocks, num_kv_blocks = -(-num_queries // block_size), -(-num_keys // block_size)
 
     real_N = doc_N >= 0
     flat_of_real = torch.nonzero(real_N).flatten()
     query_R, lo_R, hi_R = _merged_visible_runs(anchor_N, depth_N, doc_N, doc_start_D, total_seq_len)
-    query_block_R = flat_of_real[query_R] // block_size
-    first_flat_R = flat_of_real[lo_R]
-    last_flat_R = flat_of_real[hi_R - 1]
+    query_flat_R = flat_of_real[query_R]
+    asked = (query_flat_R >= rows.start) & (query_flat_R < rows.stop)
+    query_block_R = (query_flat_R[asked] - rows.start) // block_size
+    first_flat_R = flat_of_real[lo_R[asked]]
+    last_flat_R = flat_of_real[hi_R[asked] - 1]
+    if last_flat_R.numel() and int(last_flat_R.max()) >= num_keys:
+        raise ValueError(f"cod_block_indices: queries {rows.start}..{rows.stop - 1} see keys past {rows.stop - 1}")
 
     # Key blocks holding at least one real element of the run: those between the run's first and last
     # flat index that hold any real element (padding in between hides nothing it should not).
-    reach_QK = torch.zeros((num_blocks, num_blocks + 1), dtype=torch.int32)
+    reach_QK = torch.zeros((num_q_blocks, num_kv_blocks + 1), dtype=torch.int32)
     ones = torch.ones_like(query_block_R, dtype=torch.int32)
     reach_QK.index_put_((query_block_R, first_flat_R // block_size), ones, accumulate=True)
     reach_QK.index_put_((query_block_R, last_flat_R // block_size + 1), -ones, accumulate=True)
-    real_per_block = torch.zeros(num_blocks, dtype=torch.long).index_add_(
-        0, torch.arange(num_elements) // block_size, real_N.long())
-    any_QK = (reach_QK.cumsum(dim=-1)[:, :num_blocks] > 0) & (real_per_block > 0)[None, :]
+    real_per_block = torch.zeros(num_kv_blocks, dtype=torch.long).index_add_(
+        0, torch.arange(num_keys) // block_size, real_N[:num_keys].long())
+    any_QK = (reach_QK.cumsum(dim=-1)[:, :num_kv_blocks] > 0) & (real_per_block > 0)[None, :]
 
     # Key blocks lying wholly inside the run, counted per query block; full when all block_size
     # queries of the block cover it and the block holds no padding element.
     first_full_R = -(-first_flat_R // block_size)
     end_full_R = (last_flat_R + 1) // block_size
     has_full = end_full_R > first_full_R
-    cover_QK = torch.zeros((num_blocks, num_blocks + 1), dtype=torch.int32)
+    cover_QK = torch.zeros((num_q_blocks, num_kv_blocks + 1), dtype=torch.int32)
     ones = torch.ones(int(has_full.sum()), dtype=torch.int32)
     cover_QK.index_put_((query_block_R[has_full], first_full_R[has_full]), ones, accumulate=True)
     cover_QK.index_put_((query_block_R[has_full], end_full_R[has_full]), -ones, accumulate=True)
     block_all_real = real_per_block == block_size
-    full_QK = (cover_QK.cumsum(dim=-1)[:, :num_blocks] == block_size) & block_all_real[None, :]
+    full_QK = (cover_QK.cumsum(dim=-1)[:, :num_kv_blocks] == block_size) & block_all_real[None, :]
 
     kv_num_blocks, kv_indices = _ordered(any_QK & ~full_QK)
     full_kv_num_blocks, full_kv_indices = _ordered(full_QK)
-    return CodBlockIndices(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, num_elements, block_size)
+    return CodBlockIndices(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, num_queries, block_size,
+                           None if num_keys == num_queries else num_keys)
 
 
 def block_mask_from_indices(indices: CodBlockIndices, mask_mod: MaskMod, *,
@@ -281,20 +306,5 @@ def block_mask_from_indices(indices: CodBlockIndices, mask_mod: MaskMod, *,
         indices.full_kv_indices.to(device),
         BLOCK_SIZE=(indices.block_size, indices.block_size),
         mask_mod=mask_mod,
-        seq_lengths=(indices.seq_len, indices.seq_len),
+        seq_lengths=(indices.seq_len, indices.kv_seq_len or indices.seq_len),
     )
-
-
-def cod_block_mask(anchor_pos: Tensor, depth: Tensor, lengths: Tensor, total_seq_len: int, *,
-                   block_size: int = DEFAULT_BLOCK_SIZE, device: torch.device | str | None = None) -> BlockMask:
-    """BlockMask of a flat COD row, equal to ``create_block_mask(mask_mod, None, None, N, N)`` (docs/performance.md).
-
-    Indices come from :func:`cod_block_indices` on the CPU; the mask_mod is built on ``device``
-    (default: ``anchor_pos``'s device).
-    """
-    device = torch.as_tensor(anchor_pos).device if device is None else torch.device(device)
-    indices = cod_block_indices(anchor_pos, depth, lengths, total_seq_len, block_size=block_size)
-    mask_mod = create_peagle_mask_mod(
-        torch.as_tensor(anchor_pos).to(device), torch.as_tensor(depth).to(device),
-        torch.as_tensor(lengths), total_seq_len)
-    return block_mask_from_indices(indices, mask_mod, device=device)

@@ -158,12 +158,11 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     """
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from peagle.model.target import WEIGHTS_FILE
+    from peagle.model.target import WEIGHTS_FILE, load_causal_lm, load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = load_tokenizer(gguf.parent, gguf_file=gguf.name)
+    model = load_causal_lm(gguf.parent, torch.float32, "cpu", gguf_file=gguf.name)
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config

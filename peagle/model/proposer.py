@@ -1,4 +1,5 @@
-"""The inference-time P-EAGLE proposer in plain torch: one draft forward yields K draft tokens.
+"""The inference-time proposers in plain torch: P-EAGLE's one draft forward yields K draft tokens
+(:func:`propose`); EAGLE-3's K forwards yield one each (:func:`propose_sequential`).
 
 It builds the draft's input the way vLLM's parallel-drafting runtime does, so that the parity test
 (tests/model/test_proposer.py) proves the training layout (docs/indexing.md) equals serving. What vLLM
@@ -37,17 +38,20 @@ the prefix ending at p, and depth d matches mask slot p+d: same token, hidden, p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
 
 from peagle.model.draft import PEagleDraft
+from peagle.model.sequential import combined_aux, decode_step
 
 
 @dataclass(frozen=True)
 class Proposal:
-    """K drafts for one context: ``logits_KV`` over the draft vocab, ``draft_ids_K`` (argmax) and
-    ``token_ids_K`` (the same as target-vocab ids)."""
+    """K drafts for one context: ``logits_KV`` over the draft vocab, ``draft_ids_K`` (the drafts: the
+    argmax, or what a sequential proposer's ``choose`` drew) and ``token_ids_K`` (the same as
+    target-vocab ids)."""
 
     logits_KV: Tensor
     draft_ids_K: Tensor
@@ -87,3 +91,39 @@ def propose(draft: PEagleDraft, token_ids: Tensor, aux_PAH: Tensor, num_depths: 
     logits_KV = draft.compute_logits(hidden_NH[last_real:last_real + num_depths])
     draft_ids_K = logits_KV.argmax(dim=-1)
     return Proposal(logits_KV, draft_ids_K, draft.draft_to_target(draft_ids_K))
+
+
+@torch.no_grad()
+def propose_sequential(draft: PEagleDraft, token_ids: Tensor, aux_PAH: Tensor, num_depths: int,
+                       choose: Callable[[Tensor], Tensor] | None = None) -> Proposal:
+    """EAGLE-3 sequential drafting of K tokens, as vLLM's ``eagle3`` proposer (peagle.model.sequential).
+
+    The first forward runs over the context slots (the same inputs as :func:`build_proposer_inputs`'
+    real slots, causal) and gives draft 1 from the last slot; forward j runs one slot at position
+    ``p + j`` with draft j's target id as its token and the previous forward's pre-norm hidden,
+    seeing every slot before it. ``choose(logits_V)`` (draft-vocab logits of one draft) returns the
+    target id fed to the next forward: default the argmax (greedy drafting, vLLM's default); a
+    sampler passes its own draw. The context is recomputed each call (no draft KV cache kept
+    between calls): keys of context slots depend on context slots only, so vLLM's cached ones equal
+    these.
+    """
+    num_real = aux_PAH.shape[0]
+    if token_ids.shape[0] != num_real + 1:
+        raise ValueError(f"need {num_real + 1} token ids for {num_real} aux states, got {token_ids.shape[0]}")
+    if choose is None:
+        def choose(logits_V: Tensor) -> Tensor:
+            return draft.draft_to_target(logits_V.argmax(dim=-1, keepdim=True))
+    device = token_ids.device
+    causal_PP = torch.ones(num_real, num_real, dtype=torch.bool, device=device).tril()
+    normed_XH, prenorm_XH, past = decode_step(draft, draft.embed_tokens(token_ids[1:]), combined_aux(draft, aux_PAH),
+                                              torch.arange(num_real, device=device), causal_PP, None)
+    logits = [draft.compute_logits(normed_XH[-1:])]
+    chosen = [choose(logits[-1][0]).reshape(1).to(device=device, dtype=token_ids.dtype)]
+    for j in range(1, num_depths):
+        sees_all = torch.ones(1, num_real + j, dtype=torch.bool, device=device)
+        normed_XH, prenorm_XH, past = decode_step(draft, draft.embed_tokens(chosen[-1]), prenorm_XH[-1:],
+                                                  torch.tensor([num_real - 1 + j], device=device), sees_all, past)
+        logits.append(draft.compute_logits(normed_XH))
+        chosen.append(choose(logits[-1][0]).reshape(1).to(device=device, dtype=token_ids.dtype))
+    token_ids_K = torch.cat(chosen)
+    return Proposal(torch.cat(logits), draft.target_to_draft(token_ids_K), token_ids_K)

@@ -3,7 +3,7 @@
 Three modes (``--compile``):
 
 * ``layers`` (the default on CUDA): regional compilation, as torchtitan does it. Each decoder layer's
-  ``forward`` is compiled whole (``dynamic=True``: one graph serves every COD length), with flex
+  ``forward`` (and ``step``, EAGLE-3's sequential form) is compiled whole (``dynamic=True``: one graph serves every COD length), with flex
   attention traced inside it, so Inductor fuses what runs eagerly otherwise: RMSNorm with its fp32
   promotion, RoPE (written straight into the contiguous layout flex reads), SiLU·mul, the residual
   adds and the casts around them. The layers share their code, so Dynamo compiles one graph per
@@ -44,24 +44,29 @@ def resolve_compile_mode(mode: str, device: torch.device) -> str:
     return mode
 
 
+COMPILED_METHODS = ("forward", "step")
+"""The layer methods a run calls: ``forward`` (P-EAGLE's one forward) and ``step`` (EAGLE-3's
+sequential steps over a key/value cache). Each compiles on its first call only, so a run compiles
+the one its method uses."""
+
+
 def compile_layers(layers: nn.ModuleList, compile_fn: Callable[..., Any] = torch.compile) -> None:
-    """Compile each layer's ``forward`` whole, in place (an instance attribute over the class's method).
+    """Compile each layer's ``forward`` and ``step`` whole, in place (instance attributes over the
+    class's methods).
 
     Compiling ``forward`` rather than the module call keeps hooks (DDP, FSDP2, activation
     checkpointing's) outside the graph, where they run as they always do.
     """
     for layer in layers:
-        layer.forward = compile_fn(layer.forward, dynamic=True)
+        for name in COMPILED_METHODS:
+            setattr(layer, name, compile_fn(getattr(layer, name), dynamic=True))
 
 
 def uncompile_layers(layers: nn.ModuleList) -> None:
-    """Undo :func:`compile_layers`: the class's eager ``forward`` again."""
+    """Undo :func:`compile_layers`: the class's eager methods again."""
     for layer in layers:
-        layer.__dict__.pop("forward", None)
-
-
-def layers_compiled(layers: nn.ModuleList) -> bool:
-    return all("forward" in layer.__dict__ for layer in layers)
+        for name in COMPILED_METHODS:
+            layer.__dict__.pop(name, None)
 
 
 class DraftCompiler:

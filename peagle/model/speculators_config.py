@@ -1,7 +1,12 @@
 """The export's ``config.json`` both ways: :func:`build_config` writes it, :func:`draft_config_from_speculators`
 reads it back as a DraftConfig, :func:`variant_of` reads the decoder type and norm options only.
 
-Part of the speculators 'peagle' format, whose entry point (``write_export``, ``load_export``, warm
+Two speculators model types, one per drafting method (``DraftConfig.method``): ``peagle`` (vLLM
+serves it with parallel drafting) and ``eagle3`` (sequential drafting). They differ only in the
+type, ``architectures``, the algorithm and P-EAGLE's ``mask_token_id``; the layer config, the norm
+options and the tensors (but ``mask_hidden``) are the same.
+
+Part of the speculators format, whose entry point (``write_export``, ``load_export``, warm
 start) is peagle/model/speculators_format.py; this module holds the config half so that each
 direction of each field is written next to the other (docs/draft-and-export.md).
 
@@ -32,6 +37,13 @@ SPECULATORS_VERSION = "0.9.0"
 ARCHITECTURE = "PEagleDraftModel"
 """What speculators 0.9.0 writes in ``architectures`` when it saves a P-EAGLE draft."""
 
+ARCHITECTURES = {"peagle": ARCHITECTURE, "eagle3": "Eagle3DraftModel"}
+"""``architectures`` per speculators model type: the class ``save_pretrained`` records (vLLM reads
+neither: its ``update_peagle``/``update_eagle3`` set the model class from the decoder type)."""
+
+SPECULATORS_MODEL_TYPES = ("peagle", "eagle3")
+"""The speculators model types written and read here: ``DraftConfig.method`` values, one each."""
+
 PROVENANCE_KEY = "peagle"
 
 VARIANT_FLAGS = {"architecture": "--draft-architecture", "norm_before_residual": "--norm-before-residual",
@@ -59,15 +71,17 @@ def build_config(config: DraftConfig, *, verifier_name: str, verifier_architectu
     if config.fc_norm:
         layer_config["fc_norm"] = True  # update_peagle does not copy it from the top level
     out: dict[str, Any] = {
-        "architectures": [ARCHITECTURE], "speculators_model_type": "peagle",
+        "architectures": [ARCHITECTURES[config.method]], "speculators_model_type": config.method,
         "speculators_version": SPECULATORS_VERSION, "dtype": dtype,
         "draft_vocab_size": config.draft_vocab_size, "target_hidden_size": config.target_hidden_size,
-        "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids), "mask_token_id": config.mask_token_id,
+        "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
+        **({"mask_token_id": config.mask_token_id} if config.method == "peagle" else {}),
+        # Always written: vLLM assumes False for a P-EAGLE config and True for an EAGLE-3 one without it.
         "norm_before_residual": config.norm_before_residual, "norm_before_fc": config.norm_before_fc,
         "fc_norm": config.fc_norm, "norm_output": False, "embed_requires_grad": True, "tie_word_embeddings": False,
         "transformer_layer_config": layer_config,
         "speculators_config": {
-            "algorithm": "peagle", "default_proposal_method": "greedy",
+            "algorithm": config.method, "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "verifier": {"name_or_path": verifier_name, "architectures": list(verifier_architectures)},
@@ -102,17 +116,19 @@ def variant_of(config_json: dict[str, Any]) -> dict[str, Any]:
 
 
 def draft_config_from_speculators(config_json: dict[str, Any]) -> DraftConfig:
-    """The DraftConfig a speculators 'peagle' config.json describes.
+    """The DraftConfig a speculators 'peagle' or 'eagle3' config.json describes.
 
     Raises:
         UserError: for a config this draft model cannot represent.
     """
-    if config_json.get("speculators_model_type") != "peagle":
-        raise UserError(f"not a speculators 'peagle' checkpoint (speculators_model_type="
-                        f"{config_json.get('speculators_model_type')!r})")
-    variant = {"norm_before_residual": False, "norm_before_fc": False, **variant_of(config_json)}  # vLLM's defaults
+    method = config_json.get("speculators_model_type")
+    if method not in SPECULATORS_MODEL_TYPES:
+        raise UserError(f"not a speculators 'peagle' or 'eagle3' checkpoint (speculators_model_type={method!r})")
+    # vLLM's defaults where the config is silent: update_peagle reads norm_before_residual as False,
+    # update_eagle3 as True.
+    variant = {"norm_before_residual": method == "eagle3", "norm_before_fc": False, **variant_of(config_json)}
     layer = config_json.get("transformer_layer_config") or {}
-    if config_json.get("mask_token_id") is None:
+    if method == "peagle" and config_json.get("mask_token_id") is None:
         raise UserError("checkpoint config has no mask_token_id")
     hidden, heads = int(layer["hidden_size"]), int(layer["num_attention_heads"])
     aux_ids = list(config_json.get("eagle_aux_hidden_state_layer_ids") or [])
@@ -125,6 +141,6 @@ def draft_config_from_speculators(config_json: dict[str, Any]) -> DraftConfig:
         num_layers=int(layer["num_hidden_layers"]), target_hidden_size=int(config_json.get("target_hidden_size") or hidden),
         num_aux=num_aux, target_vocab_size=int(layer["vocab_size"]),
         draft_vocab_size=int(config_json.get("draft_vocab_size") or layer["vocab_size"]),
-        mask_token_id=int(config_json["mask_token_id"]),
+        mask_token_id=int(config_json["mask_token_id"]) if method == "peagle" else None, method=method,
         max_position_embeddings=int(layer.get("max_position_embeddings", 4096)), aux_layer_ids=aux_ids, **variant,
     )

@@ -1,8 +1,10 @@
-"""The speculators 'peagle' checkpoint format (docs/draft-and-export.md): the one module that writes and reads it.
+"""The speculators checkpoint format (docs/draft-and-export.md): the one module that writes and reads it.
 
-An export directory holds ``config.json`` and ``model.safetensors``. vLLM loads it unchanged with
-``LLM(model=EXPORT_DIR)`` (it reads the verifier named inside and turns parallel drafting on), and
-the ``speculators`` library loads it with ``PEagleDraftModel.from_pretrained``.
+An export directory holds ``config.json`` and ``model.safetensors``, as speculators model type
+'peagle' (a P-EAGLE draft) or 'eagle3' (an EAGLE-3 draft; no ``mask_hidden``, no mask token). vLLM
+loads it unchanged with ``LLM(model=EXPORT_DIR)``: it reads the verifier named inside and drafts in
+parallel (peagle) or one token per forward (eagle3); the ``speculators`` library loads it with
+``PEagleDraftModel`` / ``Eagle3DraftModel.from_pretrained``.
 
 Write side: :data:`KEY_MAP` (draft state-dict key -> checkpoint key), :func:`expected_shapes`,
 :func:`export_state_dict`, ``build_config`` and :func:`write_export` (atomic directory;
@@ -30,8 +32,9 @@ import torch
 from torch import Tensor
 
 from peagle.model.draft import PEagleDraft
-from peagle.model.speculators_config import (ARCHITECTURE, PROVENANCE_KEY, SPECULATORS_VERSION,  # noqa: F401
-                                             VARIANT_FLAGS, build_config, draft_config_from_speculators, variant_of)
+from peagle.model.speculators_config import (ARCHITECTURE, PROVENANCE_KEY, SPECULATORS_MODEL_TYPES,  # noqa: F401
+                                             SPECULATORS_VERSION, VARIANT_FLAGS, build_config,
+                                             draft_config_from_speculators, variant_of)
 from peagle.pipeline.atomic import atomic_dir, canonical_json
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.errors import UserError
@@ -97,8 +100,9 @@ def expected_shapes(config: DraftConfig) -> dict[str, tuple[int, ...]]:
         "layers.0.hidden_norm.weight": (H,),
         "norm.weight": (H,),
         "lm_head.weight": (config.draft_vocab_size, H),
-        "mask_hidden": (1, 1, A * T),
     }
+    if config.method == "peagle":
+        shapes["mask_hidden"] = (1, 1, A * T)
     for i in range(config.num_layers):
         attn_in = 2 * H if i == 0 else H
         shapes.update({
@@ -204,7 +208,7 @@ def write_export(state_dict: dict[str, Tensor], draft_config: DraftConfig, out: 
 
 def is_export_dir(path: str | os.PathLike) -> bool:
     with contextlib.suppress(OSError, json.JSONDecodeError, AttributeError):
-        return json.loads((Path(path) / CONFIG_FILE).read_text()).get("speculators_model_type") == "peagle"
+        return json.loads((Path(path) / CONFIG_FILE).read_text()).get("speculators_model_type") in SPECULATORS_MODEL_TYPES
     return False
 
 
@@ -257,11 +261,11 @@ def load_export(path: str | os.PathLike) -> ExportedDraft:
     """An export directory as a PEagleDraft (fp32, eval mode), every key and shape checked.
 
     The draft's shape comes from the speculators fields of config.json (so a speculators-trained
-    P-EAGLE checkpoint loads too) and, for peagle exports, must agree with the ``peagle.draft_config``
+    P-EAGLE or EAGLE-3 checkpoint loads too) and, for peagle exports, must agree with the ``peagle.draft_config``
     provenance section.
 
     Raises:
-        UserError: when the directory is not a 'peagle' export or its tensors do not fit its config.
+        UserError: when the directory is not a 'peagle' or 'eagle3' export or its tensors do not fit its config.
     """
     path = Path(path)
     config_json = read_export_config(path)

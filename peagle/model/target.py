@@ -1,9 +1,11 @@
-"""The target model directory (Hugging Face layout): the one module that reads it.
+"""The target model directory (Hugging Face layout): the one module that opens it.
 
-Extract, train, export and eval all read the target here: its config (the text part of a
-multimodal config), its weights (one safetensors file or an index of shards, by name or by a name's
-suffix), its content hash (which weights these are), the identity a store records, and the one
-check that a store was extracted from this target.
+Extract, store check, train, export, eval and the packaged-target fetcher all open the target here:
+its config (the text part of a multimodal config), its tokenizer, its weights (one safetensors file
+or an index of shards, by name or by a name's suffix), the transformers model itself, its content
+hash (which weights these are), the identity a store records, and the one check that a store was
+extracted from this target. :class:`TargetDirectory` (:func:`open_target`) is an opened directory:
+the config read, the tokenizer and the content hash when first asked for.
 
 **Content hash.** A store's hidden states and top-k are only right for the exact target that
 produced them. Names and shapes are not enough: a fine-tune, or the same architecture trained from
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from peagle.schemas import store as S
@@ -94,12 +97,50 @@ def load_config(path: str | os.PathLike) -> Any:
     try:
         config = AutoConfig.from_pretrained(root)
     except (OSError, ValueError, KeyError) as err:
-        detail = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
-        raise UserError(f"cannot load the config of target {root}: {detail}") from err
+        raise UserError(f"cannot load the config of target {root}: {_first_line(err)}") from err
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if not getattr(text, "architectures", None):
         text.architectures = getattr(config, "architectures", None)
     return text
+
+
+def load_tokenizer(path: str | os.PathLike, *, gguf_file: str | None = None) -> Any:
+    """The target's tokenizer (from a GGUF file in ``path`` when ``gguf_file`` names one).
+
+    Raises:
+        UserError: transformers cannot load it (one line).
+    """
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        return AutoTokenizer.from_pretrained(path, **({"gguf_file": gguf_file} if gguf_file else {}))
+    except (OSError, ValueError, KeyError) as err:
+        raise UserError(f"cannot load target {path}: {_first_line(err)}") from err
+
+
+def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype, device: torch.device | str, *,
+                   gguf_file: str | None = None) -> Any:
+    """The target as a transformers causal LM in ``dtype`` on ``device``, in eval mode (from a GGUF file
+    in ``path``, dequantised, when ``gguf_file`` names one).
+
+    Raises:
+        UserError: transformers cannot load it (one line).
+    """
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **({"gguf_file": gguf_file} if gguf_file else {}))
+    except (OSError, ValueError, KeyError, SafetensorError) as err:  # the last: a damaged weights file
+        raise UserError(f"cannot load target model from {path}: {_first_line(err)}") from err
+    return model.to(device).eval()
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else repr(err)
 
 
 def architecture(config: Any) -> str:
@@ -167,8 +208,9 @@ class TargetWeights:
 
 
 @dataclass
-class Target:
-    """An opened target directory: its (text) config; the content hash is computed once, on first use."""
+class TargetDirectory:
+    """An opened target directory: its (text) config; the tokenizer is loaded and the content hash
+    computed once each, on first use (training needs neither)."""
 
     path: Path
     config: Any
@@ -176,6 +218,11 @@ class Target:
     @functools.cached_property
     def content_hash(self) -> str:
         return content_hash(self.path)
+
+    @functools.cached_property
+    def tokenizer(self) -> Any:
+        """The target's tokenizer (:func:`load_tokenizer`)."""
+        return load_tokenizer(self.path)
 
     def identity(self, dtype: str) -> S.TargetIdentity:
         """What a store extracted from this target with compute ``dtype`` records about it."""
@@ -185,12 +232,17 @@ class Target:
                                 vocab_size=int(c.vocab_size), dtype=dtype, content_hash=self.content_hash)
 
 
-def open_target(path: str | os.PathLike) -> Target:
-    """The target directory with its config loaded (weights are read on demand: :class:`TargetWeights`)."""
-    return Target(path=Path(path), config=load_config(path))
+def open_target(path: str | os.PathLike) -> TargetDirectory:
+    """The target directory with its config loaded (weights are read on demand: :class:`TargetWeights`).
+
+    Raises:
+        UserError: the directory or its config.json is missing, or transformers cannot read it.
+    """
+    return TargetDirectory(path=Path(path), config=load_config(path))
 
 
-def check_store_matches_target(settings: S.StoreSettings, target: Target, *, store: str | os.PathLike) -> None:
+def check_store_matches_target(settings: S.StoreSettings, target: TargetDirectory, *,
+                               store: str | os.PathLike) -> None:
     """The one store-vs-target check (module docstring).
 
     Raises:

@@ -1,8 +1,9 @@
 """A batch's aux rows in their stored encoding: in memory (:class:`StoredAux`) and on disk
 (:class:`AuxSource`, byte ranges that the trainer process reads straight into pinned memory).
 
-Part of the store reader (:mod:`peagle.pipeline.store_reader` re-exports both and is where the
-shard layout is known); kept apart to keep that file readable. An fp8 store's rows stay fp8 codes
+Shared by the readers (:mod:`peagle.pipeline.raw_reader`, :mod:`peagle.pipeline.store_reader`, which
+re-exports both) and the tensor file (:mod:`peagle.pipeline.shard_tensors`, where the shard layout is
+known). An fp8 store's rows stay fp8 codes
 plus float32 scales from the file to the training device, and are dequantised only there
 (:mod:`peagle.pipeline.fp8`): half the bytes of a bf16 store on every hop.
 

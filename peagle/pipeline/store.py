@@ -3,7 +3,8 @@
 Writers: ``init_store`` (creates or checks ``store.json``), ``commit_shard`` (two files, then the
 commit record, then the manifest), all crash-safe. Readers: ``open_store`` sees exactly the shards
 that have a commit record and checks sizes (fast) or sha256 (``verify=True``); reading the samples
-of an opened store is :mod:`peagle.pipeline.store_reader`.
+of an opened store is :mod:`peagle.pipeline.raw_reader` (as stored) and
+:mod:`peagle.pipeline.store_reader` (in training coordinates).
 """
 
 from __future__ import annotations

@@ -1,12 +1,14 @@
-"""Reading a shard store's samples back, in training coordinates (docs/store.md, docs/indexing.md): the one reader.
+"""A shard store's samples in training coordinates (docs/store.md, docs/indexing.md): the training reader.
 
-Everything that reads samples out of a store goes through here: the training loader (its shard
-reader and the byte ranges of a batch's aux rows), draft-vocab counting, offline evaluation and the
-store summary. Opening a store (settings, commit records, size and sha256 checks) is
-:mod:`peagle.pipeline.store`; this module turns an opened store's files into samples.
+Everything that trains on or evaluates a store's samples reads them here: the training loader (its
+shard reader and the byte ranges of a batch's aux rows), draft-vocab counting and offline evaluation.
+The samples are those of the raw reader (:mod:`peagle.pipeline.raw_reader`, token index i, as stored),
+shifted once, here: :func:`shift_columns` shifts a shard's columns, :func:`training_rows` says which
+tensor rows a position reads, and :func:`shift_sample` builds one :class:`TrainingSample` from one
+``RawSample`` through both.
 
-**Training coordinates (docs/indexing.md), shifted once, in** :func:`shift_columns`. A sample of tokens
-``x_0 … x_{n−1}`` becomes T = n − 1 training positions p ∈ [0, n−2]. At position p:
+**Training coordinates (docs/indexing.md).** A sample of tokens ``x_0 … x_{n−1}`` becomes T = n − 1
+training positions p ∈ [0, n−2]. At position p:
 
 * ``tokens[p] = x_{p+1}`` -- the depth-0 input token;
 * ``aux[p]`` -- the depth-0 input state (the target's state after reading x_0 … x_p);
@@ -18,18 +20,9 @@ Readers never add 1 or 2 again: the loader, vocab counting and offline evaluatio
 these arrays. (Charged tokens are exactly ``targets[supervised]``: the x_i with ``loss_mask[i] = 1``
 and i ≥ 2.)
 
-**The shard tensors' layout is known here only.** :func:`tensor_layout` says which tensors a shard
-file holds, with shape and dtype (the writer in the extract stage writes exactly that, through
-:mod:`peagle.pipeline.safetensors_file`, the one parser and writer of the file header);
-:func:`raw_bytes_per_token` is its size per token (extract's plan, ``store info``);
-:func:`open_shard_tensors` maps a shard's tensors without reading them; :class:`AuxSource` reads a
-batch's aux rows from their byte ranges. A change of the aux representation (dtype, a scale
-tensor) lands in this file.
-
-**Two encodings of the aux states** (``StoreSettings.hidden_dtype``): bf16 rows, or fp8 rows
-(``float8_e4m3fn`` codes plus an ``aux_scale [T, A]`` float32 tensor, :mod:`peagle.pipeline.fp8`).
-Readers get them as :class:`StoredAux` (what the file holds); ``StoredAux.states()`` and
-``TrainingSample.aux_TAH`` are the states themselves (bf16), dequantised where needed.
+The aux rows stay in their stored encoding (:class:`StoredAux`, :mod:`peagle.pipeline.shard_tensors`);
+``TrainingSample.aux_TAH`` are the states themselves (bf16), dequantised where needed, and
+:class:`AuxSource` reads a batch's aux rows from their byte ranges.
 
 Shape letters: n a sample's tokens, T = n − 1 training positions, A aux layers, H hidden size,
 k stored top-k.
@@ -37,7 +30,6 @@ k stored top-k.
 
 from __future__ import annotations
 
-import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -46,52 +38,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from peagle.pipeline.safetensors_file import TensorEntry, map_tensors, read_header
-from peagle.pipeline import fp8
 from peagle.pipeline.aux_rows import AuxSource, ByteRange, StoredAux
+from peagle.pipeline.raw_reader import RawColumns, RawSample, raw_sample, read_raw_columns
+from peagle.pipeline.safetensors_file import TensorEntry, read_header
+from peagle.pipeline.shard_tensors import open_shard_tensors, stored_aux
 from peagle.pipeline.split import is_heldout
-from peagle.pipeline.store import Store, damaged
+from peagle.pipeline.store import Store
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
-
-AUX_DTYPES = {S.HIDDEN_BF16: torch.bfloat16, S.HIDDEN_FP8: fp8.FP8_DTYPE}
-"""dtype of ``aux_hidden`` rows on disk, by ``StoreSettings.hidden_dtype``."""
-TOPK_IDS_DTYPE = torch.int32
-LOGPROB_DTYPES = {"float16": torch.float16, "float32": torch.float32}
-
-PARQUET_READ_COLUMNS = ["sample_id", "input_ids", "loss_mask", "token_offset"]
-
-
-# --------------------------------------------------------------------------------------------------
-# The shard tensor file: layout, header, mapping
-
-
-def tensor_layout(settings: S.StoreSettings, num_tokens: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """The tensors of a shard holding ``num_tokens`` rows, in file order, with shape and dtype
-    (``aux_scale`` only in fp8 stores)."""
-    num_aux = len(settings.aux_layer_ids)
-    layout = {S.AUX_HIDDEN: ((num_tokens, num_aux, settings.target.hidden_size), AUX_DTYPES[settings.hidden_dtype])}
-    if settings.hidden_dtype == S.HIDDEN_FP8:
-        layout[S.AUX_SCALE] = ((num_tokens, num_aux), fp8.SCALE_DTYPE)
-    layout[S.TOPK_IDS] = ((num_tokens, settings.topk), TOPK_IDS_DTYPE)
-    layout[S.TOPK_LOGPROBS] = ((num_tokens, settings.topk), LOGPROB_DTYPES[settings.logprob_dtype])
-    return layout
-
-
-def raw_bytes_per_token(settings: S.StoreSettings) -> int:
-    """Tensor bytes per token, A·H·2 (bf16) or A·(H + 4) (fp8) + k·(4 + log-prob bytes): the store's
-    size per token before Parquet, and the unit of extract's size estimate."""
-    return sum(torch.Size(shape[1:]).numel() * dtype.itemsize for shape, dtype in tensor_layout(settings, 0).values())
-
-
-def open_shard_tensors(store: Store, index: int) -> dict[str, Tensor]:
-    """Shard ``index``'s tensors, memory-mapped; one line naming the file if it does not parse."""
-    path = store.root / store.shard(index).safetensors
-    try:
-        return map_tensors(path)
-    except (OSError, ValueError, KeyError, RuntimeError, struct.error) as err:
-        raise damaged(path, err) from err
-
 
 # --------------------------------------------------------------------------------------------------
 # Training coordinates
@@ -120,18 +74,16 @@ class ShardColumns:
         return int(self.starts[row + 1] - self.starts[row])
 
 
-def shift_columns(sample_ids: list[str], input_ids: np.ndarray, loss_mask: np.ndarray, offsets: np.ndarray,
-                  token_offset: np.ndarray) -> ShardColumns:
-    """Raw flat columns (sample i = ``input_ids[offsets[i]:offsets[i+1]]``) -> training coordinates.
+def shift_columns(raw: RawColumns) -> ShardColumns:
+    """A shard's raw columns (token index i) -> training coordinates.
 
-    This is the index shift of docs/indexing.md (module docstring), the only place it is written.
+    This is the index shift of docs/indexing.md (module docstring), the only place it is written for
+    the columns (:func:`training_rows` is its tensor rows).
     """
-    offsets = np.asarray(offsets, dtype=np.int64)
-    lengths = np.diff(offsets)
+    offsets, lengths = raw.offsets, np.diff(raw.offsets)
     if lengths.size and int(lengths.min()) < 1:
         raise UserError("a store sample has no token")
-    ids = np.asarray(input_ids, dtype=np.int64)
-    mask = np.asarray(loss_mask).astype(bool)
+    ids, mask = raw.input_ids, raw.loss_mask
     pos = np.arange(ids.size, dtype=np.int64) - np.repeat(offsets[:-1], lengths)  # index i inside the sample
     is_last = pos == np.repeat(lengths - 1, lengths)
     # Position p of a sample is its raw index i = p + 1: token x_{p+1}; x_{p+2} and loss_mask[p+2]
@@ -140,14 +92,22 @@ def shift_columns(sample_ids: list[str], input_ids: np.ndarray, loss_mask: np.nd
     nxt = np.minimum(j + 1, max(ids.size - 1, 0))
     has_next = ~is_last[j]
     return ShardColumns(
-        sample_ids=list(sample_ids),
+        sample_ids=list(raw.sample_ids),
         starts=offsets - np.arange(offsets.size, dtype=np.int64),  # n_i − 1 positions per sample
         tokens=ids[j],
         targets=np.where(has_next, ids[nxt], -1),
         supervised=has_next & mask[nxt],
         first_tokens=ids[offsets[:-1]],
-        token_offset=np.asarray(token_offset, dtype=np.int64),
+        token_offset=raw.token_offset,
     )
+
+
+def training_rows(token_offset: int, num_positions: int) -> tuple[slice, slice]:
+    """(aux rows, top-k rows) of the shard tensors that a sample's T positions read, for a sample whose
+    raw rows begin at ``token_offset``: ``aux[p]`` is raw row p and ``topk[p]`` raw row p + 1
+    (docs/indexing.md), so aux row n − 1 and top-k row 0 are never read."""
+    return (slice(token_offset, token_offset + num_positions),
+            slice(token_offset + 1, token_offset + 1 + num_positions))
 
 
 def read_num_positions(store: Store, index: int) -> tuple[list[str], np.ndarray]:
@@ -157,32 +117,13 @@ def read_num_positions(store: Store, index: int) -> tuple[list[str], np.ndarray]
     return table.column("sample_id").to_pylist(), table.column("num_tokens").to_numpy().astype(np.int64) - 1
 
 
-def _flat_list(array) -> tuple[np.ndarray, np.ndarray]:
-    """Values and offsets (rebased to those values) of a pyarrow list array, possibly a slice."""
-    offsets = array.offsets.to_numpy().astype(np.int64)
-    values = array.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]]
-    return values, offsets - offsets[0]
-
-
 def read_columns(store: Store, index: int) -> ShardColumns:
     """Shard ``index``'s samples in training coordinates (Parquet only; no tensor is read).
 
     Raises:
         UserError: when a row's ``input_ids`` and ``loss_mask`` differ in length.
     """
-    table = store.read_rows(index, PARQUET_READ_COLUMNS)
-    ids, offsets = _flat_list(table.column("input_ids").combine_chunks())
-    mask, mask_offsets = _flat_list(table.column("loss_mask").combine_chunks())
-    if not np.array_equal(offsets, mask_offsets):
-        raise UserError(f"store {store.root}: shard {index} has input_ids and loss_mask of different lengths "
-                        "in some row")
-    return shift_columns(table.column("sample_id").to_pylist(), ids, mask, offsets,
-                         table.column("token_offset").to_numpy())
-
-
-def stored_aux(tensors: dict[str, Tensor]) -> StoredAux:
-    """The aux rows of a shard's (mapped) tensors, in whichever encoding the file holds."""
-    return StoredAux(tensors[S.AUX_HIDDEN], tensors.get(S.AUX_SCALE))
+    return shift_columns(read_raw_columns(store, index))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -225,34 +166,43 @@ class TrainingSample:
         return self.input_ids_n[: int(supervised[0]) + 2].tolist()
 
 
-def sample_of(columns: ShardColumns, row: int, tensors: dict[str, Tensor]) -> TrainingSample:
-    """Sample ``row`` of a shard: its columns' slices and (views of) its tensor rows."""
+def _training_sample(columns: ShardColumns, row: int, aux: StoredAux, topk_ids: Tensor,
+                     topk_logprobs: Tensor) -> TrainingSample:
     a, b = int(columns.starts[row]), int(columns.starts[row + 1])
-    off, num_positions = int(columns.token_offset[row]), b - a
-    assert off + num_positions + 1 <= tensors[S.AUX_HIDDEN].shape[0], "token_offset past the shard's tensors"
+    aux_rows, topk_rows = training_rows(int(columns.token_offset[row]), b - a)
+    assert topk_rows.stop <= aux.num_rows, "token_offset past the shard's tensors"
     return TrainingSample(
         sample_id=columns.sample_ids[row],
         first_token=int(columns.first_tokens[row]),
         tokens_T=torch.from_numpy(columns.tokens[a:b]),
         targets_T=torch.from_numpy(columns.targets[a:b]),
         supervised_T=torch.from_numpy(columns.supervised[a:b]),
-        aux=stored_aux(tensors)[off:off + num_positions],
-        topk_ids_Tk=tensors[S.TOPK_IDS][off + 1:off + 1 + num_positions],
-        topk_logprobs_Tk=tensors[S.TOPK_LOGPROBS][off + 1:off + 1 + num_positions],
+        aux=aux[aux_rows],
+        topk_ids_Tk=topk_ids[topk_rows],
+        topk_logprobs_Tk=topk_logprobs[topk_rows],
     )
+
+
+def sample_of(columns: ShardColumns, row: int, tensors: dict[str, Tensor]) -> TrainingSample:
+    """Sample ``row`` of a shard: its columns' slices and (views of) its tensor rows."""
+    return _training_sample(columns, row, stored_aux(tensors), tensors[S.TOPK_IDS], tensors[S.TOPK_LOGPROBS])
+
+
+def shift_sample(raw: RawSample) -> TrainingSample:
+    """One raw sample (token index i) in training coordinates: the same shift as a shard's."""
+    return _training_sample(shift_columns(raw.columns()), 0, raw.aux, raw.topk_ids_nk, raw.topk_logprobs_nk)
 
 
 def training_sample(sample_id: str, input_ids_n: Tensor, loss_mask_n: Tensor, aux_nAH: Tensor,
                     topk_ids_nk: Tensor, topk_logprobs_nk: Tensor, aux_scale_nA: Tensor | None = None) -> TrainingSample:
-    """One sample's raw rows (n tokens, as stored) in training coordinates, through the same shift."""
+    """One sample's raw rows (n tokens, as stored) in training coordinates (:func:`shift_sample`)."""
     n = int(torch.as_tensor(input_ids_n).numel())
     assert n >= 2 and aux_nAH.shape[0] == n and topk_ids_nk.shape[0] == n, "sample rows disagree"
-    columns = shift_columns([sample_id], torch.as_tensor(input_ids_n).numpy(),
-                            torch.as_tensor(loss_mask_n).numpy(), np.array([0, n]), np.array([0]))
     tensors = {S.AUX_HIDDEN: aux_nAH, S.TOPK_IDS: topk_ids_nk, S.TOPK_LOGPROBS: topk_logprobs_nk}
     if aux_scale_nA is not None:
         tensors[S.AUX_SCALE] = aux_scale_nA
-    return sample_of(columns, 0, tensors)
+    return shift_sample(raw_sample(sample_id, torch.as_tensor(input_ids_n).numpy(),
+                                   torch.as_tensor(loss_mask_n).numpy(), tensors))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -298,10 +248,10 @@ class ShardReader:
 
         path, entries = self._cached(self._aux, (store, shard), load)
         columns = self.columns(store, shard)
-        first, count = int(columns.token_offset[row]), columns.num_positions(row)
+        aux_rows, _ = training_rows(int(columns.token_offset[row]), columns.num_positions(row))
 
         def rows(entry: TensorEntry) -> ByteRange:
-            return path, entry.offset + first * entry.row_bytes, count * entry.row_bytes
+            return path, entry.offset + aux_rows.start * entry.row_bytes, (aux_rows.stop - aux_rows.start) * entry.row_bytes
 
         return rows(entries[S.AUX_HIDDEN]), rows(entries[S.AUX_SCALE]) if S.AUX_SCALE in entries else None
 
@@ -329,8 +279,7 @@ def iter_shard_columns(store: Store) -> Iterator[tuple[int, ShardColumns]]:
 
 
 __all__ = [
-    "AUX_DTYPES", "AuxSource", "ByteRange", "ShardColumns", "ShardReader", "StoredAux", "TrainingSample",
-    "iter_shard_columns", "iter_training_samples", "open_shard_tensors", "raw_bytes_per_token", "read_columns",
-    "read_num_positions", "sample_of", "shift_columns", "stored_aux", "tensor_layout", "training_sample",
-    "PARQUET_READ_COLUMNS",
+    "AuxSource", "ByteRange", "ShardColumns", "ShardReader", "StoredAux", "TrainingSample", "iter_shard_columns",
+    "iter_training_samples", "read_columns", "read_num_positions", "sample_of", "shift_columns", "shift_sample",
+    "training_rows", "training_sample",
 ]

@@ -19,6 +19,12 @@ from peagle.schemas.errors import UserError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
+DRAFT_METHODS = ("peagle", "eagle3")
+"""How a draft proposes its K tokens (docs/methods.md): ``peagle`` all K in one forward (mask slots),
+``eagle3`` one per forward, each forward reading the previous one's hidden state."""
+METHOD_NAMES = {"peagle": "P-EAGLE", "eagle3": "EAGLE-3 with training-time test"}
+"""What the trainer and the demo call each method in their output."""
+
 DRAFT_ARCHITECTURES = ("llama", "qwen3")
 """Decoder types: the ``transformer_layer_config.model_type`` values vLLM 0.32 maps to a P-EAGLE
 model (``PeagleLlamaForCausalLM`` -> llama_eagle3.py, ``PeagleQwen3ForCausalLM`` -> qwen3_eagle3.py)."""
@@ -31,7 +37,7 @@ def default_aux_layer_ids(num_target_layers: int) -> list[int]:
 
 @dataclass(kw_only=True)
 class DraftConfig:
-    """Shape and vocabulary of a P-EAGLE draft."""
+    """Shape, vocabulary and drafting method of a draft (P-EAGLE or EAGLE-3)."""
 
     hidden_size: int
     """Draft hidden size H (= the target's, so embeddings and lm_head rows can be copied)."""
@@ -49,11 +55,15 @@ class DraftConfig:
     """A: how many target layers feed the draft (len(aux_layer_ids)); fc maps A*target_hidden -> H."""
     target_vocab_size: int
     draft_vocab_size: int
-    mask_token_id: int
-    """Target-vocab id embedded at every mask slot (depth >= 1); vLLM's ``pard_token``."""
+    mask_token_id: int | None = None
+    """Target-vocab id embedded at every mask slot (depth >= 1) of a P-EAGLE draft (vLLM's
+    ``pard_token``; the store's choice); None for an EAGLE-3 draft, which has no mask slots."""
     max_position_embeddings: int
     aux_layer_ids: list[int]
     """Target layers whose entering hidden stream is an aux state (HF hidden_states index)."""
+    method: str = "peagle"
+    """One of DRAFT_METHODS: ``peagle`` has ``mask_hidden`` and a ``mask_token_id`` and is exported for
+    parallel drafting; ``eagle3`` has neither and is exported as an EAGLE-3 draft (sequential drafting)."""
     architecture: str = "llama"
     """Decoder type, one of DRAFT_ARCHITECTURES: ``qwen3`` adds ``q_norm``/``k_norm`` (RMSNorm over
     each head's D features, before RoPE) to every layer's attention, as Qwen3 and vLLM's qwen3_eagle3 do."""
@@ -82,7 +92,11 @@ class DraftConfig:
                 f"draft config: draft_vocab_size {self.draft_vocab_size} exceeds target_vocab_size "
                 f"{self.target_vocab_size}"
             )
-        if not 0 <= self.mask_token_id < self.target_vocab_size:
+        if self.method not in DRAFT_METHODS:
+            raise UserError(f"draft config: method {self.method!r} is not one of {'|'.join(DRAFT_METHODS)}")
+        if self.method == "peagle" and self.mask_token_id is None:
+            raise UserError("draft config: a P-EAGLE draft needs a mask_token_id (its mask slots' token)")
+        if self.mask_token_id is not None and not 0 <= self.mask_token_id < self.target_vocab_size:
             raise UserError(
                 f"draft config: mask_token_id {self.mask_token_id} is outside the target vocab "
                 f"[0, {self.target_vocab_size})"
@@ -110,8 +124,9 @@ class DraftConfig:
         *,
         num_layers: int = 4,
         draft_vocab_size: int | None = None,
-        mask_token_id: int,
+        mask_token_id: int | None,
         aux_layer_ids: list[int] | None = None,
+        method: str = "peagle",
         architecture: str = "llama",
         norm_before_residual: bool = False,
         norm_before_fc: bool = False,
@@ -149,9 +164,10 @@ class DraftConfig:
             num_aux=len(ids),
             target_vocab_size=vocab,
             draft_vocab_size=vocab if draft_vocab_size is None else int(draft_vocab_size),
-            mask_token_id=int(mask_token_id),
+            mask_token_id=None if mask_token_id is None else int(mask_token_id),
             max_position_embeddings=int(text.max_position_embeddings),
             aux_layer_ids=ids,
+            method=method,
             architecture=architecture,
             norm_before_residual=norm_before_residual,
             norm_before_fc=norm_before_fc,

@@ -38,6 +38,7 @@ class LoaderConfig:
     seed: int = 0  # (plan)
     token_budget: int = 16384  # (plan) training positions (n − 1 per sample) per batch
     cod: CodSettings = field(default_factory=CodSettings)  # (plan)
+    method: str = "peagle"  # (plan) the training method: which elements an item holds (stages/train/methods)
     split: str = "train"  # (plan) train | heldout | all
     heldout_fraction: float = 0.0  # (plan)
     shuffle: bool = True  # (plan)
@@ -52,7 +53,6 @@ class LoaderConfig:
     dequantize_in_workers: bool = True  # fp8 stores: workers dequantise (CPU); False ships fp8 to the device
     allow_bad_aux_rows: bool = False  # train on stores whose commit statistics show zero/non-finite rows
     allow_incomplete: bool = False  # train on stores with planned shards not committed (peagle.pipeline.plan)
-    mask_token_id: int | None = None  # default: the stores' StoreSettings.mask_token_id
     aux_layer_ids: tuple[int, ...] | None = None  # what the draft reads; None = whatever the stores hold
 
     def __post_init__(self) -> None:
@@ -78,11 +78,11 @@ def stream_config(c: TrainConfig, *, aux_layer_ids: tuple[int, ...], attention: 
             return None
         split = "heldout"
     return LoaderConfig(
-        stores=tuple(stores), seed=c.seed, token_budget=c.token_budget,
+        stores=tuple(stores), seed=c.seed, token_budget=c.token_budget, method=c.method,
         cod=CodSettings(num_depths=c.num_depths, down_sample_ratio=c.down_sample_ratio,
                         down_sample_ratio_min=c.down_sample_ratio_min, max_anchors=c.max_anchors),
         split=split, heldout_fraction=fraction, shuffle=not eval_split,
         sequence_partitions=c.sequence_partitions, attention="flex" if attention == "flex" else "sdpa",
         num_workers=0 if eval_split else c.num_workers, pin_memory=on_cuda,
         verify=c.verify, dequantize_in_workers=not on_cuda, allow_bad_aux_rows=c.allow_bad_aux_rows,
-        allow_incomplete=c.allow_incomplete, aux_layer_ids=tuple(aux_layer_ids), mask_token_id=c.mask_token_id)
+        allow_incomplete=c.allow_incomplete, aux_layer_ids=tuple(aux_layer_ids))

@@ -30,7 +30,7 @@ INPUTS_DIR = "inputs"
 AUX_HIDDEN = "aux_hidden"  # [T, A, H]
 TOPK_IDS = "topk_ids"  # [T, k]
 TOPK_LOGPROBS = "topk_logprobs"  # [T, k]
-# (shapes and dtypes: peagle.pipeline.store_reader.tensor_layout, the one place that knows them)
+# (shapes and dtypes: peagle.pipeline.shard_tensors.tensor_layout, the one place that knows them)
 AUX_SCALE = "aux_scale"  # [T, A], fp8 stores only (peagle.pipeline.fp8)
 TENSOR_NAMES = (AUX_HIDDEN, TOPK_IDS, TOPK_LOGPROBS)
 
@@ -43,6 +43,12 @@ UNSUPERVISED = "unsupervised"
 OUTSIDE_ASSISTANT = "outside_assistant"  # a supervised token in another role's message: a wrong mask
 SUPERVISED_KINDS = ("content", "reasoning", "tool_call", "end_of_turn", OUTSIDE_ASSISTANT)
 
+# Keys of ``ShardRecord.skipped`` that count samples dropped from kept records, not records; every
+# other key is a record's skip reason (extract's ``conversation.SKIP_REASONS``).
+NON_FINITE_TARGET = "non_finite_target"  # the target's aux states or top-k for the sample hold NaN/inf
+PER_TURN_TRUNCATED_NO_LOSS = "per_turn_truncated_no_loss"  # a per-turn sample cut to no supervised token
+SAMPLE_DROPS = (NON_FINITE_TARGET, PER_TURN_TRUNCATED_NO_LOSS)
+
 # How the mask token was chosen (``StoreSettings.mask_token_source``).
 MASK_FROM_TOKENIZER = "tokenizer_mask_token"  # the tokenizer's own mask token
 MASK_FROM_UNUSED_ROW = "unused_embedding_row"  # an embedding row beyond every id the tokenizer produces
@@ -51,6 +57,20 @@ MASK_FROM_UNUSED_SPECIAL = "unused_special_token"  # another added special token
 MASK_FROM_FLAG = "explicit"  # --mask-token-id
 MASK_TOKEN_SOURCES = (MASK_FROM_TOKENIZER, MASK_FROM_UNUSED_ROW, MASK_FROM_RESERVED, MASK_FROM_UNUSED_SPECIAL,
                       MASK_FROM_FLAG)
+
+
+def describe_mask_token(token_id: int | None, token: str | None, source: str | None) -> str:
+    """One line for plans and `peagle store info`: ``128255 <|reserved_special_token_247|> (...)``."""
+    if token_id is None:
+        return "none recorded (store written by an older peagle: pass --mask-token-id to train)"
+    how = {
+        MASK_FROM_TOKENIZER: "the tokenizer's mask token",
+        MASK_FROM_UNUSED_ROW: "an embedding row past every id the tokenizer produces",
+        MASK_FROM_RESERVED: "a reserved special token the chat template never writes",
+        MASK_FROM_UNUSED_SPECIAL: "an added special token the chat template never writes",
+        MASK_FROM_FLAG: "--mask-token-id",
+    }.get(source or "", "how it was chosen is not recorded")
+    return f"{token_id} {token if token is not None else '(no token)'} ({how})"
 
 
 def shard_stem(index: int) -> str:

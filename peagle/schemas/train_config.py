@@ -3,7 +3,8 @@
 Validation happens here, before any model, store or process group is touched.
 Checks that need the target or the store (hidden size, aux layers, vocab) happen where those are
 opened. A checkpoint stores ``to_dict()``; resuming compares it field by field
-(:func:`config_mismatch`) and refuses a change, except for the fields in ``SAFE_TO_CHANGE``.
+(:func:`peagle.schemas.train_resume.config_mismatch`) and refuses a change, except for the fields in
+``SAFE_TO_CHANGE``.
 """
 
 from __future__ import annotations
@@ -11,10 +12,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
-from peagle.schemas.draft_config import DRAFT_ARCHITECTURES
+from peagle.schemas.draft_config import DRAFT_ARCHITECTURES, DRAFT_METHODS
 from peagle.schemas.errors import UserError
 
 ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
@@ -22,16 +22,11 @@ COMPILE_MODES = ("auto", "layers", "flex", "off")
 FLEX_KERNELS = ("auto", "rows-safe", "tma", "flash")
 OPTIMIZERS = ("adamw", "muon")
 LOSSES = ("forward_kl", "tv")
+PEAGLE_ONLY = ("down_sample_ratio", "down_sample_ratio_min", "max_anchors", "mask_token_id")
+"""Fields of P-EAGLE's COD sampling and mask slots: `--method eagle3` refuses them set (it trains every
+chain and has no mask slots)."""
 
-SAFE_TO_CHANGE = frozenset({
-    "out", "max_steps", "epochs", "eval_every", "save_every", "keep_checkpoints", "log_every", "num_workers",
-    "verify", "eval_store", "allow_bad_aux_rows", "compile", "flex_kernel", "allow_incomplete", "follow_timeout",
-})
-"""Fields a resumed run may change: they steer how long the run goes, what it reports and where it
-lives (a run directory may be moved), not what a step computes. (Changing the run length re-times
-the cosine decay from the resume step on.)"""
-
-__all__ = ["TrainConfig", "StoreSpec", "parse_store_spec", "config_mismatch", "SAFE_TO_CHANGE"]
+__all__ = ["TrainConfig", "StoreSpec", "parse_store_spec", "PEAGLE_ONLY"]
 
 
 @dataclass(frozen=True)
@@ -75,14 +70,22 @@ class TrainConfig:
     """Run directory: metrics.jsonl, checkpoints/ and run.json go here. Re-running the same command
     resumes from the latest checkpoint in it."""
 
+    method: str = "peagle"
+    """Training method (docs/methods.md): `peagle` (P-EAGLE: the draft proposes all K tokens in one
+    forward, from mask slots; trained with COD sampling) or `eagle3` (EAGLE-3 with training-time
+    test: one forward per token, each reading the draft's previous hidden state; trained by unrolling
+    K steps over every chain). `peagle export` writes the format vLLM serves for it."""
+
     num_depths: int = 8
-    """K: how many tokens the draft proposes in parallel (depths 0..K-1 are trained)."""
+    """K: how many tokens the draft proposes per step (depths 0..K-1 are trained): in one forward
+    (peagle), or in K forwards, the steps eagle3 unrolls."""
 
     down_sample_ratio: float = 0.7
-    """r: COD sampling keeps a fraction max(r^d, r_min) of the supervised positions at depth d."""
+    """r: COD sampling keeps a fraction max(r^d, r_min) of the supervised positions at depth d
+    (--method peagle; eagle3 trains every chain)."""
 
     down_sample_ratio_min: float = 0.2
-    """r_min: the floor of the per-depth COD keep fraction."""
+    """r_min: the floor of the per-depth COD keep fraction (--method peagle)."""
 
     sequence_partitions: int = 1
     """S: split each sample's COD sequence into S segments, one forward+backward each (exact: same
@@ -153,8 +156,8 @@ class TrainConfig:
     name one."""
 
     mask_token_id: int | None = None
-    """Token id of the draft's mask slots. Default: the one `peagle extract` chose and recorded in the
-    store (`peagle store info` shows it); a different value is refused. Only needed for a store
+    """Token id of a P-EAGLE draft's mask slots. Default: the one `peagle extract` chose and recorded in
+    the store (`peagle store info` shows it); a different value is refused. Only needed for a store
     written by an older peagle that recorded none (it is then checked against all stored tokens)."""
 
     token_budget: int = 16384
@@ -193,7 +196,7 @@ class TrainConfig:
     probability of speculative sampling). See docs/loss.md for what the untracked tail does to each."""
 
     max_anchors: int | None = None
-    """Cap M on the draft chains of each sample: at most M of its positions start a chain (get
+    """(--method peagle) Cap M on the draft chains of each sample: at most M of its positions start a chain (get
     depth 1 elements); every deeper element extends one of those chains, and the deeper depths'
     counts shrink by the factor that capped depth 1. A sample of T positions then adds at most
     M x (K-1) elements to its T depth-0 ones. Per sample, also when samples are packed into one
@@ -291,6 +294,10 @@ class TrainConfig:
             raise UserError("--follow and --epoch-shards are exclusive: --epoch-shards repeats a finished --follow run")
         if not (math.isfinite(self.follow_timeout) and self.follow_timeout > 0):
             raise UserError(f"--follow-timeout must be > 0 seconds, got {self.follow_timeout}")
+        if self.method not in DRAFT_METHODS:
+            raise UserError(f"--method must be one of {'|'.join(DRAFT_METHODS)}, got {self.method!r}")
+        if self.method != "peagle":
+            self._check_eagle3()
         for name in ("num_depths", "sequence_partitions", "num_layers", "token_budget", "grad_accum",
                      "log_every", "keep_checkpoints"):
             _at_least(name, getattr(self, name), 1)
@@ -323,6 +330,21 @@ class TrainConfig:
         if not 0 <= self.heldout_fraction < 1:
             raise UserError(f"--heldout-fraction must be in [0, 1), got {self.heldout_fraction}")
 
+    def _check_eagle3(self) -> None:
+        """What --method eagle3 does not take: P-EAGLE's COD and mask-token settings (it trains every
+        chain, from the draft's own hidden states), and FSDP2 (its unrolled steps call the decoder
+        layers' ``step``, which FSDP2's per-layer hooks do not wrap)."""
+        defaults = {f.name: f.default for f in fields(self)}
+        peagle_only = [name for name in PEAGLE_ONLY if getattr(self, name) != defaults[name]]
+        if peagle_only:
+            flags = ", ".join(f"--{name.replace('_', '-')}" for name in peagle_only)
+            raise UserError(f"{flags} {'is' if len(peagle_only) == 1 else 'are'} P-EAGLE's (--method peagle): "
+                            "--method eagle3 trains every chain and has no mask slots; leave "
+                            f"{'it' if len(peagle_only) == 1 else 'them'} out")
+        if self.fsdp:
+            raise UserError("--fsdp is not offered with --method eagle3 (its unrolled steps bypass FSDP2's "
+                            "per-layer hooks); train it with DDP (torchrun without --fsdp)")
+
     # ----------------------------------------------------------------------------------------------
 
     def stores(self) -> list[StoreSpec]:
@@ -345,54 +367,6 @@ class TrainConfig:
         if "store" in d:
             d["store"] = tuple(d["store"])
         return cls(**d)
-
-
-ABSENT_MEANT: dict[str, Any] = {"optimizer": "adamw", "norm_before_residual": False, "norm_before_fc": False,
-                                 "fc_norm": False, "train_embeddings": True}
-"""What a field missing from a saved config meant, where that is not today's default: runs
-checkpointed before ``--optimizer`` existed trained with AdamW, and runs checkpointed before the
-EAGLE-3.1 norm options existed trained without them (both since made defaults); runs from before
-``--train-embeddings`` trained the embedding."""
-
-
-def config_mismatch(saved: dict[str, Any], current: TrainConfig) -> str | None:
-    """The first field (other than ``SAFE_TO_CHANGE``) that differs, as one line; None if none does.
-
-    Paths compare after resolving, so ``./store`` and ``/abs/store`` are the same store.
-    """
-    now = current.to_dict()
-    for f in fields(TrainConfig):
-        name = f.name
-        if name in SAFE_TO_CHANGE:
-            continue
-        old = saved.get(name, ABSENT_MEANT.get(name, f.default))
-        new = now[name]
-        if _normalise(name, old) != _normalise(name, new):
-            return (f"--{name.replace('_', '-')} was {_show(old)} in the checkpointed run and is {_show(new)} "
-                    f"now; resume with the same value or use a new --out")
-    return None
-
-
-_PATH_FIELDS = ("target", "out", "init_from", "epoch_shards")
-
-
-def _normalise(name: str, value: Any) -> Any:
-    if value is None:
-        return None
-    if name == "store":
-        specs = [parse_store_spec(s) for s in value]
-        return [(str(Path(s.path).resolve()), s.weight) for s in specs]
-    if name in _PATH_FIELDS:
-        return str(Path(value).resolve())
-    if isinstance(value, (list, tuple)):
-        return list(value)
-    return value
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, (list, tuple)):
-        return ",".join(map(str, value))
-    return repr(value) if isinstance(value, str) else str(value)
 
 
 def _at_least(name: str, value: int, low: int) -> None:

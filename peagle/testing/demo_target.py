@@ -88,11 +88,12 @@ def build_demo_target(cache_dir: str | Path, spec: DemoTargetSpec = DemoTargetSp
 
     def build(work: Path) -> Path:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from peagle.model.target import load_causal_lm, load_tokenizer
 
         base = build_tiny_target(work / "base", spec.base)
-        tokenizer = AutoTokenizer.from_pretrained(base)
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        tokenizer = load_tokenizer(base)
+        model = load_causal_lm(base, torch.float32, "cpu")  # train_lm puts it in training mode
         chats = demo_chats(spec.max_answer_chars, spec.seed)
         windows = chat_token_windows(tokenizer, chats, spec.seq_len, spec.seed)
         log(f"training the demo target ({len(chats)} stdlib docstring chats, {spec.max_steps} steps)")

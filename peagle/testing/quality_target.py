@@ -231,12 +231,13 @@ def build_quality_target(cache_dir: str | Path, spec: QualityTargetSpec = Qualit
 
     def build(work: Path) -> Path:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from peagle.model.target import load_causal_lm, load_tokenizer
 
         texts = [m["content"] for chat in chats for m in chat["messages"]]
         base = build_tiny_target(work / "base", spec.base, tokenizer_texts=texts)
-        tokenizer = AutoTokenizer.from_pretrained(base)
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        tokenizer = load_tokenizer(base)
+        model = load_causal_lm(base, torch.float32, "cpu")  # train_lm puts it in training mode
         windows = chat_token_windows(tokenizer, chats, spec.seq_len, spec.seed)
         log(f"training the quality target ({len(chats)} chats of stdlib code and reference prose, "
             f"{spec.max_steps} steps of {spec.batch_size} x {spec.seq_len} tokens)")
@@ -258,10 +259,11 @@ def text_variety(target: Path, prompts: list[list[dict]], max_new_tokens: int) -
     no repetition; a loop drives it to 0), pooled over all continuations (low when every answer
     reuses the same phrases: a template), and the share of continuations that loop (< 0.5)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    from peagle.model.target import load_causal_lm, load_tokenizer
+
+    tokenizer = load_tokenizer(target)
+    model = load_causal_lm(target, torch.float32, "cpu")
     continuations = []
     for messages in prompts:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_tensors="pt")

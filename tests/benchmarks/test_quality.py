@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from peagle.cli import _register, app
 from peagle.schemas.train_config import TrainConfig
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "quality.py"
@@ -19,12 +20,14 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "quality.py"
 
 @pytest.fixture(scope="module")
 def bench():
+    sys.path.insert(0, str(SCRIPT.parent))  # quality imports quality_variants, its neighbour
     spec = importlib.util.spec_from_file_location("quality_benchmark", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve their module's annotations through sys.modules
     spec.loader.exec_module(module)
     yield module
     del sys.modules[spec.name]
+    sys.path.remove(str(SCRIPT.parent))
 
 
 def test_every_variant_flag_is_a_train_flag(bench) -> None:
@@ -33,6 +36,37 @@ def test_every_variant_flag_is_a_train_flag(bench) -> None:
     assert {flag[2:].replace("-", "_") for flag in flags} <= fields
     assert set(bench.DEFAULT_VARIANTS) | set(bench.TOY_VARIANTS) <= set(bench.VARIANTS) and bench.VARIANTS["baseline"] == {}
     assert set(bench.REFERENCE) | set(bench.REFERENCE.values()) <= set(bench.VARIANTS)
+
+
+@pytest.mark.parametrize("budget", ["Budget", "TOY", "SMOKE"])
+def test_every_variant_is_a_valid_train_command(bench, budget) -> None:
+    """Each run's whole flag list, parsed by `peagle train` itself into its config (which validates it):
+    a variant that `peagle train` would refuse fails here, not hours into the benchmark."""
+    _register()
+    train = importlib.import_module("peagle.cli.train").COMMAND
+    budget = getattr(bench, budget)() if budget == "Budget" else getattr(bench, budget)
+    for variant in bench.VARIANTS:
+        config = train.parse(app, ["--store", "s", "--target", "t", "--out", "o",
+                                   *bench.train_flags(variant, budget, seed=1)])
+        assert config.method == bench.method_of(variant) and config.seed == 1, variant
+        assert config.max_steps == budget.train_steps and config.token_budget == budget.token_budget, variant
+
+
+def test_eagle3_variants_train_the_other_method_on_the_same_budget(bench) -> None:
+    budget = bench.Budget()
+    assert budget.max_anchors is not None  # the P-EAGLE runs' cap, which EAGLE-3 does not take
+    for variant, reference, k in (("eagle3-k3", "defaults-k3", "3"), ("eagle3-k5", "muon-all-norms", "5")):
+        assert variant in bench.DEFAULT_VARIANTS and bench.REFERENCE[variant] == reference
+        flags, theirs = bench.train_flags(variant, budget, seed=0), bench.train_flags(reference, budget, seed=0)
+        assert flags[flags.index("--method") + 1] == "eagle3" and "--method" not in theirs
+        assert flags[flags.index("--num-depths") + 1] == theirs[theirs.index("--num-depths") + 1] == k
+        dropped = {"--max-anchors", "--down-sample-ratio", "--down-sample-ratio-min"}
+        assert dropped <= set(theirs) and not dropped & set(flags)
+        # Everything else (budget, optimizer, norms, seed) is the P-EAGLE run's.
+        assert [f for f in theirs if f.startswith("--") and f not in dropped] == [
+            f for f in flags if f.startswith("--") and f != "--method"]
+        for flag in ("--max-steps", "--token-budget", "--draft-vocab-size", "--optimizer", "--lr", "--seed"):
+            assert flags[flags.index(flag) + 1] == theirs[theirs.index(flag) + 1]
 
 
 def test_train_flags_replace_base_values(bench) -> None:
@@ -51,6 +85,7 @@ def test_summary_per_variant(bench) -> None:
 
     records = [record("baseline", s, 3.0 + 0.01 * s) for s in range(3)] + [record("k3", s, 2.5 + 0.01 * s) for s in range(3)]
     summary = bench.summarise(records)
+    assert summary["k3"]["method"] == "peagle"  # a record from before the method was recorded
     assert summary["baseline"]["al_vllm"]["mean"] == pytest.approx(3.01) and "vs_baseline" not in summary["baseline"]
     assert summary["k3"]["al_offline"]["n"] == 3 and summary["k3"]["al_vllm"]["se"] == pytest.approx(0.01 / 3**0.5)
     assert summary["k3"]["vs_baseline"]["al_vllm"]["diff"] == pytest.approx(-0.5)
@@ -61,6 +96,13 @@ def test_summary_per_variant(bench) -> None:
     ref = summary["muon-lr0.05"]["vs_reference"]
     assert ref["variant"] == "muon" and ref["al_vllm"]["diff"] == pytest.approx(0.1) and ref["al_vllm"]["beyond_noise"]
     assert summary["muon-lr0.05"]["vs_baseline"]["al_vllm"]["diff"] == pytest.approx(0.6)
+    # EAGLE-3 at K = 3 is compared with P-EAGLE at K = 3, and its summary names its method.
+    records += [{**record("defaults-k3", s, 2.0 + 0.01 * s), "method": "peagle"} for s in range(3)]
+    records += [{**record("eagle3-k3", s, 2.2 + 0.01 * s), "method": "eagle3"} for s in range(3)]
+    summary = bench.summarise(records)
+    assert summary["eagle3-k3"]["method"] == "eagle3" and summary["defaults-k3"]["method"] == "peagle"
+    assert summary["eagle3-k3"]["vs_reference"]["variant"] == "defaults-k3"
+    assert summary["eagle3-k3"]["vs_reference"]["al_vllm"]["diff"] == pytest.approx(0.2)
 
 
 @pytest.mark.slow

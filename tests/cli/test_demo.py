@@ -11,6 +11,7 @@ import pytest
     (("--num-depths", "0"), "--num-depths must be >= 1, got 0"),
     (("--train-steps", "-3"), "--train-steps must be >= 1, got -3"),
     (("--seed", "-1"), "--seed must be >= 0, got -1"),
+    (("--method", "medusa"), "--method must be one of peagle|eagle3, got 'medusa'"),
 ])
 def test_a_bad_option_is_refused_before_anything_runs(args, needle, tmp_path, run_peagle):
     out, cache = tmp_path / "demo", tmp_path / "cache"

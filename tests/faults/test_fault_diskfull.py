@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from faultkit import TRAIN_STEPS, compare_run, diff_snapshots, ok, one_line_error, snapshot, temp_files
-from peagle.stages.extract.info import verify_store
+from peagle.stages.store.info import verify_store
 from peagle.stages.train.checkpoint import checkpoint_problem, list_checkpoints
 
 AREA = "disk full"

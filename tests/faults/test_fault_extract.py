@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from faultkit import KILLED, Result, diff_snapshots, ok, parallel_map, snapshot, temp_files
-from peagle.stages.extract.info import verify_store
+from peagle.stages.store.info import verify_store
 
 AREA = "extract"
 SEED = 20240611

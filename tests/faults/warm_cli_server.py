@@ -38,8 +38,8 @@ import transformers  # noqa: E402
 
 for _name in ("AutoConfig", "AutoTokenizer", "AutoModelForCausalLM", "PreTrainedTokenizerFast"):
     getattr(transformers, _name)
-import peagle.stages.extract.backend_hf  # noqa: E402,F401
-import peagle.stages.extract.info  # noqa: E402,F401
+import peagle.model.target_backend_hf  # noqa: E402,F401
+import peagle.stages.store.info  # noqa: E402,F401
 import peagle.stages.extract.run  # noqa: E402,F401
 import peagle.stages.train.loop  # noqa: E402,F401
 

@@ -14,10 +14,12 @@ from transformers import AutoConfig, LlamaConfig, Qwen3Config
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer, LlamaRotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
-from peagle.model.draft import PEagleDraft, build_draft_from_target, rope_inv_freq
-from peagle.model.mask import cod_block_mask, dense_peagle_mask, document_ids, document_masks
+from peagle.model.decoder_layers import rope_inv_freq
+from peagle.model.draft import PEagleDraft, build_draft_from_target
+from peagle.model.mask import dense_peagle_mask, document_ids, document_masks
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.errors import UserError
+from peagle.testing.cod_masks import cod_block_mask
 from peagle.testing.tiny_draft import cod_row, random_draft, small_config
 from peagle.testing.tiny_target import MASK_TOKEN, TinyTargetSpec, build_tiny_target
 

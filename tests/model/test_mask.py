@@ -11,13 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
 
-from peagle.model.mask import (
-    block_mask_from_indices,
-    cod_block_indices,
-    cod_block_mask,
-    create_peagle_mask_mod,
-    dense_peagle_mask,
-)
+from peagle.model.mask import block_mask_from_indices, cod_block_indices, dense_peagle_mask
+from peagle.testing.cod_masks import cod_block_mask, create_peagle_mask_mod
 
 # Eager flex on CPU (forward only) is what we test; the "use torch.compile" advice is noise here.
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -208,3 +203,60 @@ def test_block_indices_reject_a_scrambled_layout() -> None:
 def test_anchor_outside_row_is_rejected() -> None:
     with pytest.raises(ValueError, match="anchors must lie"):
         dense_peagle_mask(torch.tensor([0, 6]), torch.tensor([0, 0]), torch.tensor([6]), 6)
+
+
+def depth_groups(depth: torch.Tensor) -> list[slice]:
+    """The depth groups of a row whose elements are all in flat COD layout (depth ascending)."""
+    starts = torch.searchsorted(depth, torch.arange(int(depth.max()) + 2)).tolist()
+    return [slice(a, b) for a, b in zip(starts, starts[1:]) if b > a]
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), block_size=st.sampled_from([1, 2, 3, 4, 8, 16]))
+def test_one_depth_over_the_elements_before_it_in_every_form(seed: int, block_size: int) -> None:
+    """Sequential drafting's mask (``rows``): one depth group's queries over every element up to it, as
+    mask_mod, dense rows, per-document masks and metadata-built block indices; each equals the full
+    row's mask cut to those rows and columns, and the blocks equal create_block_mask's."""
+    from peagle.model.mask import dense_mask, document_ids, document_masks, peagle_mask_mod
+
+    anchor, depth, lengths, total = random_flat_row(seed)
+    if bool((depth[1:] < depth[:-1]).any()):  # padding appended at random depths: no depth groups
+        return
+    doc = document_ids(anchor, lengths, total)
+    full = dense_mask(anchor, depth, doc)
+    for rows in depth_groups(depth):
+        mask_mod = peagle_mask_mod(anchor, depth, doc, rows)
+        num_q = rows.stop - rows.start
+        evaluated = create_mask(mask_mod, 1, 1, num_q, rows.stop, device="cpu")[0, 0]
+        assert torch.equal(evaluated, full[rows, : rows.stop])
+        assert torch.equal(dense_mask(anchor, depth, doc, rows), evaluated)
+        per_doc = document_masks(anchor, depth, doc, rows)
+        rebuilt = torch.zeros(num_q, rows.stop, dtype=torch.bool)
+        for q_idx, k_idx, mask in zip(per_doc.index_per_doc, per_doc.key_index_per_doc, per_doc.mask_per_doc):
+            rebuilt[q_idx[:, None], k_idx[None, :]] = mask
+        assert torch.equal(rebuilt, evaluated)
+        expected = create_block_mask(mask_mod, None, None, num_q, rows.stop, device="cpu", BLOCK_SIZE=block_size)
+        indices = cod_block_indices(anchor, depth, lengths, total, block_size=block_size, rows=rows)
+        assert_same_blocks(expected, block_mask_from_indices(indices, mask_mod))
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_flex_forward_over_one_depth_equals_sdpa(seed: int) -> None:
+    from peagle.model.mask import dense_mask, document_ids, peagle_mask_mod
+
+    anchor, depth, lengths, total = random_flat_row(seed)
+    if bool((depth[1:] < depth[:-1]).any()):
+        return
+    doc = document_ids(anchor, lengths, total)
+    gen = torch.Generator().manual_seed(seed)
+    for rows in depth_groups(depth):
+        block_mask = block_mask_from_indices(cod_block_indices(anchor, depth, lengths, total, block_size=16, rows=rows),
+                                             peagle_mask_mod(anchor, depth, doc, rows))
+        dense = dense_mask(anchor, depth, doc, rows)
+        q = torch.randn(1, 2, rows.stop - rows.start, 8, generator=gen)
+        k, v = (torch.randn(1, 2, rows.stop, 8, generator=gen) for _ in range(2))
+        flex_out = flex_attention(q, k, v, block_mask=block_mask)
+        real = dense.any(dim=-1)
+        sdpa_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+        torch.testing.assert_close(flex_out[:, :, real], sdpa_out[:, :, real], atol=1e-5, rtol=1e-5)

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from peagle.model.draft import PEagleDraft
-from peagle.model.mask import cod_block_mask, dense_peagle_mask
+from peagle.model.mask import dense_peagle_mask
 from peagle.model.proposer import build_proposer_inputs, propose
 from peagle.schemas.draft_config import DraftConfig
+from peagle.testing.cod_masks import cod_block_mask
 
 MASK_ID = 250
 NUM_AUX, HIDDEN = 3, 64

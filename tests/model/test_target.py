@@ -1,5 +1,5 @@
 """The target directory (model/target.py): config of plain and multimodal targets, weights by name and
-suffix, the content hash, and the one store-vs-target check."""
+suffix, the tokenizer and the transformers model, the content hash, and the one store-vs-target check."""
 
 from __future__ import annotations
 
@@ -79,7 +79,32 @@ def test_missing_directory_and_config_are_one_line(tmp_path):
         T.TargetWeights(tmp_path)
 
 
-def settings_of(target: T.Target, **changes) -> S.StoreSettings:
+def test_tokenizer_and_model_are_transformers_own_and_a_broken_directory_is_one_line(tiny_llama, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = T.open_target(tiny_llama)
+    assert "tokenizer" not in vars(target)  # loaded when first asked for (training never asks)
+    text = "Hello there, general target."
+    assert target.tokenizer(text)["input_ids"] == AutoTokenizer.from_pretrained(tiny_llama)(text)["input_ids"]
+    assert target.tokenizer is target.tokenizer
+    model = T.load_causal_lm(tiny_llama, torch.float32, "cpu")
+    assert not model.training and next(model.parameters()).dtype == torch.float32
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    ids = torch.tensor([target.tokenizer(text)["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+    broken = shutil.copytree(tiny_llama, tmp_path / "broken")
+    for p in broken.glob("tokenizer*"):
+        p.unlink()
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    for load in (lambda: T.open_target(broken).tokenizer, lambda: T.load_causal_lm(broken, torch.float32, "cpu")):
+        with pytest.raises(UserError) as err:
+            load()
+        assert str(err.value).startswith("cannot load target") and "\n" not in str(err.value)
+
+
+def settings_of(target: T.TargetDirectory, **changes) -> S.StoreSettings:
     identity = target.identity("float32")
     return S.StoreSettings(target=replace(identity, **changes), tokenizer_fingerprint="t", chat_template_hash="h",
                            aux_layer_ids=(2, 4, 5), topk=4, max_seq_len=64, logprob_dtype="float16", loss_on="all")

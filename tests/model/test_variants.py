@@ -22,7 +22,7 @@ from peagle.model.speculators_format import load_export, load_weights_into, writ
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.errors import UserError
 from peagle.schemas.train_config import TrainConfig
-from peagle.stages.train.loop import Trainer
+from peagle.testing.trainer import trainer_for_draft
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "stages" / "train"))  # sibling helpers, any import mode
 from test_partition_equivalence import (DRAFT_VOCAB, HIDDEN, K, MASK_TOKEN, NUM_AUX, TARGET_VOCAB,  # noqa: E402
@@ -73,7 +73,7 @@ def test_variant_trains_a_step_and_round_trips_through_the_export(variant, tmp_p
                 {f"fc_norm.{j}.weight" for j in range(NUM_AUX)} if config.fc_norm else set())
     assert own_tensors(draft) == expected
 
-    trainer = Trainer.for_model(TrainConfig(store=("unused",), target="unused", out="unused", num_depths=K,
+    trainer = trainer_for_draft(TrainConfig(store=("unused",), target="unused", out="unused", num_depths=K,
                                             attention="sdpa", max_steps=1, lr=1e-2, warmup_steps=0), draft)
     before = {name: p.detach().clone() for name, p in draft.named_parameters()}
     result = trainer.train_step([batch_of(random_items(0, [20, 13]), 1)])
@@ -107,7 +107,7 @@ def test_variant_trains_a_step_and_round_trips_through_the_export(variant, tmp_p
 def test_qwen3_draft_trains_under_bf16_autocast():
     """The q/k norms' fp32 weights must not turn bf16 queries into fp32 ones before attention."""
     draft = variant_draft("qwen3-all")
-    trainer = Trainer.for_model(TrainConfig(store=("unused",), target="unused", out="unused", num_depths=K,
+    trainer = trainer_for_draft(TrainConfig(store=("unused",), target="unused", out="unused", num_depths=K,
                                             attention="sdpa", max_steps=1), draft, compute_dtype=torch.bfloat16)
     stats, _ = trainer.step_fn.forward_backward([batch_of(random_items(1, [17]), 1)])
     assert math.isfinite(float(stats.loss_sum))

@@ -3,9 +3,12 @@
 For one sample ``x_0 … x_{n−1}``, read in training coordinates (docs/indexing.md, by the store reader
 :mod:`peagle.pipeline.store_reader`: T = n − 1 positions, ``m[p] = loss_mask[p+2]``) every anchor
 p whose whole chain is supervised (``m[p] = … = m[p+K−1] = 1``; this is the set COD's chains are
-drawn from, without subsampling) gets all K drafts in one draft forward: the depth-0 element at p
-(real token ``x_{p+1}``, ``aux[p]``) and mask elements at p+1 … p+K−1, under the training attention
-rule (``peagle.model.mask``), which the proposer parity test equates with vLLM's parallel drafting.
+drawn from, without subsampling) gets all K drafts: a P-EAGLE draft in one draft forward, the
+depth-0 element at p (real token ``x_{p+1}``, ``aux[p]``) and mask elements at p+1 … p+K−1, under
+the training attention rule (``peagle.model.mask``), which the proposer parity test equates with
+vLLM's parallel drafting; an EAGLE-3 draft in K sequential steps (``peagle.model.sequential.unroll``,
+vLLM's eagle3 drafting), depth d fed the target's greedy token for ``x_{p+d+1}``: a chain counts
+only while its drafts equal those tokens, so this is exactly what greedy verification sees.
 Draft j (j = 1..K, depth j−1) at reference position q = p + j − 1 is compared with the target's
 argmax for ``x_{q+2}`` (the top-1 of ``topk[q+1]``, the sample's ``topk_*_Tk[q]``). A chain counts
 as accepted through depth d when its first d drafts all match, which is what greedy verification
@@ -26,7 +29,8 @@ import torch
 from torch import Tensor
 
 from peagle.model.draft import PEagleDraft
-from peagle.model.mask import dense_peagle_mask
+from peagle.model.mask import dense_mask, dense_peagle_mask
+from peagle.model.sequential import unroll
 from peagle.pipeline.progress import track
 from peagle.pipeline.store_reader import TrainingSample
 from peagle.stages.eval.acceptance import AcceptanceHistogram
@@ -89,10 +93,18 @@ def _chunk_correct(draft: PEagleDraft, tokens_T: Tensor, aux_TAH: Tensor, target
     depth_K1 = torch.arange(1, K)
     anchor_N = torch.cat([torch.arange(num_real), anchors_C.repeat(K - 1)])
     depth_N = torch.cat([torch.zeros(num_real, dtype=torch.long), depth_K1.repeat_interleave(C)])
-    tokens_N = torch.cat([tokens_T[:num_real], torch.full(((K - 1) * C,), draft.config.mask_token_id)])
-    mask_NN = dense_peagle_mask(anchor_N, depth_N, torch.tensor([T]), T)
-    hidden_NH = draft(tokens_N, aux_TAH[:num_real], anchor_N + depth_N, mask_NN)
-    rows = torch.cat([anchors_C, num_real + torch.arange((K - 1) * C)])  # depth 0 at the anchors, then mask rows
+    if draft.config.method == "eagle3":
+        # Depth d >= 1 reads the target's greedy token at its parent's reference position: what a chain
+        # still alive under greedy verification feeds (its drafts so far equal those tokens).
+        tokens_N = torch.cat([tokens_T[:num_real], target_T[anchor_N[num_real:] + depth_N[num_real:] - 1]])
+        doc_N = torch.zeros_like(anchor_N)
+        depth_starts = (0, *(num_real + C * torch.arange(K)).tolist())
+        masks = [dense_mask(anchor_N, depth_N, doc_N, slice(a, b)) for a, b in zip(depth_starts, depth_starts[1:])]
+        hidden_NH = unroll(draft, tokens_N, aux_TAH[:num_real], anchor_N + depth_N, anchor_N, depth_starts, masks)
+    else:
+        mask_NN = dense_peagle_mask(anchor_N, depth_N, torch.tensor([T]), T)
+        hidden_NH = draft(tokens_T[:num_real], aux_TAH[:num_real], anchor_N + depth_N, mask_NN)
+    rows = torch.cat([anchors_C, num_real + torch.arange((K - 1) * C)])  # depth 0 at the anchors, then deeper rows
     draft_ids = draft.compute_logits(hidden_NH[rows]).argmax(dim=-1)
     proposed_KC = draft.draft_to_target(draft_ids).view(K, C)
     return proposed_KC == target_T[anchors_C[None, :] + torch.arange(K)[:, None]]

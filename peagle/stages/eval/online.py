@@ -1,4 +1,4 @@
-"""Online acceptance with our own speculative-decoding loop: HF target, P-EAGLE proposer.
+"""Online acceptance with our own speculative-decoding loop: HF target, the draft's own proposer.
 
 gpt-fast's shape: one function per step of the algorithm, a target labelled q and a draft labelled p,
 and an ``accept_counts`` histogram (:mod:`peagle.stages.eval.acceptance`) turned into acceptance
@@ -8,8 +8,9 @@ State between steps: ``tokens`` (prompt + generated), the target's KV cache over
 last one, and the target's aux states of the same positions. A step:
 
 1. :func:`propose` -- the drafter reads ``tokens`` and the aux states and returns K draft
-   distributions in one forward (the P-EAGLE proposer: the real slot, then K−1 mask slots, exactly
-   as vLLM's parallel drafting; ``peagle.model.proposer``);
+   distributions and the K drafts: a P-EAGLE draft in one forward (the real slot, then K−1 mask
+   slots, exactly as vLLM's parallel drafting), an EAGLE-3 draft in K forwards, each fed the
+   previous draft and pre-norm hidden state (vLLM's eagle3 drafting; ``peagle.model.proposer``);
 2. :func:`verify` -- one target forward over ``[last token, d_1 … d_K]`` gives K+1 target
    distributions and the aux states of those positions;
 3. :func:`accept_greedy` (temperature 0: d_j is kept while it equals the target's argmax) or
@@ -38,13 +39,20 @@ import torch
 from torch import Tensor
 
 from peagle.model.draft import PEagleDraft
+from peagle.model.target import load_causal_lm
 from peagle.model.proposer import propose as proposer_propose
+from peagle.model.proposer import propose_sequential
 from peagle.pipeline.progress import track
 from peagle.stages.eval.acceptance import AcceptanceHistogram
 
-Drafter = Callable[[Tensor, Tensor, int], Tensor]
-"""``(tokens_S, aux_PAH, K) -> logits_KV``: K draft distributions over the target vocab (−inf where
-the draft cannot propose). Draft j is the guess for token S + j − 1."""
+Pick = Callable[[Tensor], int]
+"""``pick(logits_V) -> token``: the draft token chosen from one draft distribution over the target
+vocab (the sampler's: the argmax, or a draw)."""
+
+Drafter = Callable[[Tensor, Tensor, int, Pick], tuple[Tensor, list[int]]]
+"""``(tokens_S, aux_PAH, K, pick) -> (logits_KV, drafts_K)``: K draft distributions over the target
+vocab (−inf where the draft cannot propose) and the K drafts ``pick`` chose from them; a sequential
+drafter feeds each choice to its next forward. Draft j is the guess for token S + j − 1."""
 
 
 class TargetLM(Protocol):
@@ -70,15 +78,7 @@ class HFTarget:
     @classmethod
     def load(cls, model_dir: str, aux_layer_ids: list[int], *, dtype: torch.dtype = torch.float32,
              device: str | torch.device = "cpu") -> "HFTarget":
-        from transformers import AutoModelForCausalLM
-
-        from peagle.schemas.errors import UserError
-
-        try:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-        except (OSError, ValueError) as err:
-            raise UserError(f"cannot load target model from {model_dir}: {str(err).splitlines()[0]}") from err
-        return cls(model.to(device), aux_layer_ids)
+        return cls(load_causal_lm(model_dir, dtype, device), aux_layer_ids)
 
     @torch.no_grad()
     def forward(self, input_ids_L: Tensor, cache):
@@ -89,17 +89,33 @@ class HFTarget:
 
 
 def proposer_drafter(draft: PEagleDraft, target_vocab_size: int) -> Drafter:
-    """The P-EAGLE proposer as a Drafter: draft-vocab logits scattered into the target vocab (on CPU)."""
+    """The draft's proposer as a Drafter (P-EAGLE's one forward, or EAGLE-3's K, by ``config.method``):
+    draft-vocab logits scattered into the target vocab (on CPU)."""
     device, dtype = draft.fc.weight.device, draft.fc.weight.dtype
     target_of_draft = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size, device=device)).cpu()
 
-    def drafter(tokens_S: Tensor, aux_PAH: Tensor, num_depths: int) -> Tensor:
-        proposal = proposer_propose(draft, tokens_S.to(device), aux_PAH.to(device=device, dtype=dtype), num_depths)
-        logits_KV = torch.full((num_depths, target_vocab_size), float("-inf"))
-        logits_KV[:, target_of_draft] = proposal.logits_KV.float().cpu()
-        return logits_KV
+    def over_target_vocab(logits_XV: Tensor) -> Tensor:
+        out_XV = torch.full((logits_XV.shape[0], target_vocab_size), float("-inf"))
+        out_XV[:, target_of_draft] = logits_XV.float().cpu()
+        return out_XV
 
-    return drafter
+    def parallel(tokens_S: Tensor, aux_PAH: Tensor, num_depths: int, pick: Pick) -> tuple[Tensor, list[int]]:
+        proposal = proposer_propose(draft, tokens_S.to(device), aux_PAH.to(device=device, dtype=dtype), num_depths)
+        logits_KV = over_target_vocab(proposal.logits_KV)
+        return logits_KV, [pick(row) for row in logits_KV]
+
+    def sequential(tokens_S: Tensor, aux_PAH: Tensor, num_depths: int, pick: Pick) -> tuple[Tensor, list[int]]:
+        rows, drafts = [], []
+
+        def choose(draft_logits_V: Tensor) -> Tensor:
+            rows.append(over_target_vocab(draft_logits_V[None])[0])
+            drafts.append(pick(rows[-1]))
+            return torch.tensor(drafts[-1])
+
+        propose_sequential(draft, tokens_S.to(device), aux_PAH.to(device=device, dtype=dtype), num_depths, choose)
+        return torch.stack(rows), drafts
+
+    return sequential if draft.config.method == "eagle3" else parallel
 
 
 @dataclass
@@ -153,9 +169,9 @@ def prefill(target: TargetLM, prompt_ids: list[int], sampler: Sampler) -> Decode
     return DecodeState(tokens=list(prompt_ids) + [sampler.pick(logits_LV[-1])], cache=cache, aux_PAH=aux_LAH)
 
 
-def propose(drafter: Drafter, state: DecodeState, num_depths: int) -> Tensor:
-    """K draft distributions (logits over the target vocab) in one draft forward."""
-    return drafter(torch.tensor(state.tokens), state.aux_PAH, num_depths)
+def propose(drafter: Drafter, state: DecodeState, num_depths: int, sampler: "Sampler") -> tuple[Tensor, list[int]]:
+    """K draft distributions (logits over the target vocab) and the K drafts the sampler picked."""
+    return drafter(torch.tensor(state.tokens), state.aux_PAH, num_depths, sampler.pick)
 
 
 def verify(target: TargetLM, state: DecodeState, draft_ids_K: list[int]) -> tuple[Tensor, Tensor]:
@@ -204,12 +220,9 @@ def speculative_generate(target: TargetLM, drafter: Drafter, prompt_ids: list[in
     state = prefill(target, prompt_ids, sampler)
     forwards = 1
     while not _done(state.tokens, len(prompt_ids), max_new_tokens, stop_ids):
-        draft_logits_KV = propose(drafter, state, num_depths)
-        if sampler.greedy:
-            draft_ids = draft_logits_KV.argmax(dim=-1).tolist()
-        else:
+        draft_logits_KV, draft_ids = propose(drafter, state, num_depths, sampler)
+        if not sampler.greedy:
             draft_probs_KV = sampler.probs(draft_logits_KV)
-            draft_ids = [sampler.sample(p) for p in draft_probs_KV]
         target_logits_LV, aux_LAH = verify(target, state, draft_ids)
         forwards += 1
         if sampler.greedy:

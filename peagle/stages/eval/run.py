@@ -23,7 +23,7 @@ import peagle
 from peagle.model.checkpoint_export import export_checkpoint
 from peagle.model.speculators_format import (PROVENANCE_KEY, ExportedDraft, is_export_dir, load_export,
                                               read_export_config)
-from peagle.model.target import CONFIG_FILE, check_store_matches_target, open_target
+from peagle.model.target import CONFIG_FILE, check_store_matches_target, load_tokenizer, open_target
 from peagle.pipeline.store import Store, open_store
 from peagle.pipeline.store_reader import iter_training_samples
 from peagle.schemas.checkpoint import CHECKPOINTS_DIR
@@ -141,9 +141,7 @@ def run_eval(config: EvalConfig, *, echo: Callable[[str], None] = print) -> dict
 
     prompt_ids, prompt_source, stops = [], None, []
     if needs_target:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        tokenizer = load_tokenizer(target_dir)
         prompt_ids, prompt_source = _prompts(config, tokenizer, store, heldout)
         stops = [] if config.ignore_eos else prompt_sources.stop_token_ids(tokenizer, target_dir)
 

@@ -4,7 +4,8 @@
 draft (docs/draft-and-export.md): it reads the speculators config, serves the verifier named inside, and sets
 ``speculative_config.parallel_drafting``. Without that flag vLLM would run one-token EAGLE-3
 drafting and ignore ``mask_hidden``, so :func:`run_vllm` refuses to report numbers unless the engine
-says parallel drafting is on.
+says parallel drafting is on. An EAGLE-3 export (speculators type ``eagle3``) is the other way
+round: vLLM must draft sequentially, method ``eagle3``, parallel drafting off.
 
 vLLM's own counters (``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``,
 ``..._num_accepted_tokens``, ``..._num_accepted_tokens_per_pos``) are process-wide and cumulative,
@@ -156,19 +157,25 @@ def _run_vllm(export_dir: str | os.PathLike, prompts: list[list[int]], *, num_sp
              max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0, stop_ids: list[int] = (),
              ignore_eos: bool = False, dtype: str = "float32", max_model_len: int | None = None,
              target_only: bool = True, target: str | os.PathLike | None = None) -> VllmResult:
-    """Serve ``export_dir`` with vLLM (parallel drafting asserted), generate, read acceptance.
+    """Serve ``export_dir`` with vLLM (parallel drafting asserted for a P-EAGLE export, sequential
+    drafting for an EAGLE-3 one), generate, read acceptance.
 
     ``LLM(model=export_dir)`` serves the verifier named in the export. With ``target`` (another copy
     or location of the verifier) the other documented route is taken instead: ``LLM(model=target,
-    speculative_config={"model": export_dir, "method": "eagle3", "parallel_drafting": True, ...})``.
+    speculative_config={"model": export_dir, "method": "eagle3", "parallel_drafting": P, ...})``,
+    P true for a P-EAGLE export.
     With ``target_only`` the verifier alone is then served on the same prompts, for the
     greedy-output check and the plain-decoding baseline.
 
     Raises:
         UserError: when vLLM cannot be imported, or the engine did not turn parallel drafting on.
     """
+    import json
+
     vllm, TokensPrompt = _import_vllm()
     export_dir = Path(export_dir).resolve()
+    config_json = json.loads((export_dir / "config.json").read_text())
+    parallel = config_json.get("speculators_model_type") != "eagle3"  # peagle: parallel drafting; eagle3: not
     if max_model_len is None:
         k = num_speculative_tokens or 8
         max_model_len = max(len(p) for p in prompts) + max_new_tokens + 2 * k + 16
@@ -182,22 +189,21 @@ def _run_vllm(export_dir: str | os.PathLike, prompts: list[list[int]], *, num_sp
         route, model, spec_config = "LLM(model=EXPORT_DIR)", str(export_dir), spec_override or None
     else:
         if "num_speculative_tokens" not in spec_override:  # this route needs K spelled out
-            import json
-
-            config_json = json.loads((export_dir / "config.json").read_text())
             spec_override["num_speculative_tokens"] = int(
                 config_json["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
-        route, model = "speculative_config parallel_drafting", str(target)
-        spec_config = {"model": str(export_dir), "method": "eagle3", "parallel_drafting": True, **spec_override}
+        route, model = "speculative_config" + (" parallel_drafting" if parallel else ""), str(target)
+        spec_config = {"model": str(export_dir), "method": "eagle3", "parallel_drafting": parallel, **spec_override}
     bars = library_bars_enabled()
     llm = vllm.LLM(model=model, speculative_config=spec_config, disable_log_stats=False, use_tqdm_on_load=bars,
                    **engine_args)
     try:
         config = llm.llm_engine.vllm_config
         spec = config.speculative_config
-        if spec is None or not spec.parallel_drafting:
-            raise UserError(f"vLLM loaded {export_dir} without parallel drafting (speculative_config="
-                            f"{spec!r}); its acceptance would be that of one-token EAGLE-3 drafting")
+        if spec is None or bool(spec.parallel_drafting) != parallel or str(spec.method) != "eagle3":
+            raise UserError(f"vLLM loaded {export_dir} with speculative_config={spec!r}; a "
+                            f"{'P-EAGLE' if parallel else 'EAGLE-3'} export must be served by method eagle3 "
+                            f"{'with' if parallel else 'without'} parallel drafting, or its acceptance means "
+                            "something else")
         verifier = str(config.model_config.model)
         params = _sampling_params(vllm, len(prompts), temperature=temperature, max_new_tokens=max_new_tokens,
                                   seed=seed, stop_ids=list(stop_ids), ignore_eos=ignore_eos)

@@ -39,7 +39,7 @@ import torch
 from peagle.model.target import TargetWeights, text_config_dict
 from peagle.pipeline.progress import library_bars_enabled
 from peagle.schemas.errors import UserError
-from peagle.stages.extract.backend import TargetOutput
+from peagle.model.target_backend import TargetOutput
 
 # The staging dir holds the dumps of one engine call at a time; a call is split so that its dumps
 # take at most this share of the staging filesystem's free space.

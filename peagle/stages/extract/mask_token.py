@@ -76,21 +76,7 @@ class MaskTokenChoice:
     source: str  # one of schemas.store.MASK_TOKEN_SOURCES
 
     def describe(self) -> str:
-        return describe_mask_token(self.token_id, self.token, self.source)
-
-
-def describe_mask_token(token_id: int | None, token: str | None, source: str | None) -> str:
-    """One line for plans and `peagle store info`: ``128255 <|reserved_special_token_247|> (...)``."""
-    if token_id is None:
-        return "none recorded (store written by an older peagle: pass --mask-token-id to train)"
-    how = {
-        S.MASK_FROM_TOKENIZER: "the tokenizer's mask token",
-        S.MASK_FROM_UNUSED_ROW: "an embedding row past every id the tokenizer produces",
-        S.MASK_FROM_RESERVED: "a reserved special token the chat template never writes",
-        S.MASK_FROM_UNUSED_SPECIAL: "an added special token the chat template never writes",
-        S.MASK_FROM_FLAG: "--mask-token-id",
-    }.get(source or "", "how it was chosen is not recorded")
-    return f"{token_id} {token if token is not None else '(no token)'} ({how})"
+        return S.describe_mask_token(self.token_id, self.token, self.source)
 
 
 def choose_mask_token(tokenizer: Any, vocab_size: int, explicit: int | None = None) -> MaskTokenChoice:

@@ -77,22 +77,12 @@ def check_data_path(path: str | Path) -> Path:
 def count_records(paths: Iterable[str | Path]) -> list[int]:
     """Records per file, without decoding any: newlines for JSONL, footer metadata for Parquet.
 
-    Equals the number of records ``iter_records`` yields for each file.
+    Equals the number of records ``iter_file_records`` yields for each file.
 
     Raises:
         UserError: a file is missing, unreadable or not valid Parquet.
     """
     return [_count_file(check_data_path(p)) for p in paths]
-
-
-def iter_records(paths: Iterable[str | Path]) -> Iterator[SourceRecord]:
-    """Every record of every file: files in the given order, records in file order.
-
-    Raises:
-        UserError: a file is missing, unreadable or not valid Parquet.
-    """
-    for path in paths:
-        yield from iter_file_records(path)
 
 
 def iter_file_records(path: str | Path, start: int = 0, stop: int | None = None) -> Iterator[SourceRecord]:

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Callable
 
+from peagle.model.target import TargetDirectory, open_target
+from peagle.model.target_backend import TargetBackend, TargetOutput
 from peagle.pipeline import plan as P
 from peagle.pipeline.atomic import remove_stale_temps
 from peagle.pipeline.failpoints import failpoint
@@ -24,17 +26,15 @@ from peagle.pipeline.store import init_store, list_commits, rebuild_manifest
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 from peagle.schemas.extract_config import ExtractConfig
-from peagle.stages.extract.backend import TargetBackend, TargetOutput
 from peagle.stages.extract.readers import check_data_path, iter_file_records
 from peagle.stages.extract.regenerate import SamplingSettings, regenerate_records
 from peagle.stages.extract.conversation import BLANK_LINE, CONTAINS_MASK_TOKEN
 from peagle.stages.extract.input_check import NUM_EXAMPLES, BadRecord, check_input, words
 from peagle.stages.extract.run_plan import ExtractPlan, check_fits, format_plan, make_plan
 from peagle.stages.extract.template import TokenizedSample, prepare_record
-from peagle.stages.extract.target import Target, load_target, resolve_backend_name, store_settings
+from peagle.stages.extract.store_settings import resolve_backend_name, store_settings
 from peagle.stages.extract.writer import ShardContent, ShardWriter
 
-PER_TURN_DROPPED = "per_turn_truncated_no_loss"  # per_turn samples cut to no loss (not record skips)
 WRITER_THREADS = 2  # shards written at once: sha256 and file writes release the GIL
 
 
@@ -82,7 +82,8 @@ def make_batches(lengths: list[int], batch_size: int, max_batch_tokens: int) -> 
     return batches
 
 
-def open_backend(name: str, config: ExtractConfig, settings: S.StoreSettings, target: Target) -> TargetBackend:
+def open_backend(name: str, config: ExtractConfig, settings: S.StoreSettings,
+                 target: TargetDirectory) -> TargetBackend:
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     if name == "vllm":
         from peagle.stages.extract.backend_vllm import VllmBackend  # imports vllm: only when asked for
@@ -92,7 +93,7 @@ def open_backend(name: str, config: ExtractConfig, settings: S.StoreSettings, ta
                            tensor_parallel_size=config.tensor_parallel_size,
                            gpu_memory_utilization=config.gpu_memory_utilization or None,
                            engine_kwargs=config.vllm_engine_kwargs())
-    from peagle.stages.extract.backend_hf import HFBackend
+    from peagle.model.target_backend_hf import HFBackend
 
     return HFBackend(target.path, aux_layer_ids=settings.aux_layer_ids, topk=settings.topk,
                      dtype=settings.target.dtype, device=config.device, pad_token_id=pad)
@@ -132,7 +133,7 @@ def run_forward(backend: TargetBackend, samples: list[TokenizedSample], config: 
     return outputs  # type: ignore[return-value]
 
 
-def prepare_shard(shard: P.PlannedShard, records: list, target: Target, settings: S.StoreSettings,
+def prepare_shard(shard: P.PlannedShard, records: list, target: TargetDirectory, settings: S.StoreSettings,
                   config: ExtractConfig) -> PreparedShard:
     """Records -> samples, with skip counts by reason, truncated samples and per-turn renders.
 
@@ -153,7 +154,7 @@ def prepare_shard(shard: P.PlannedShard, records: list, target: Target, settings
                 out.examples.append(bad)
             continue
         if prepared.num_dropped:
-            out.skipped[PER_TURN_DROPPED] += prepared.num_dropped
+            out.skipped[S.PER_TURN_TRUNCATED_NO_LOSS] += prepared.num_dropped
         out.num_truncated += prepared.num_truncated
         out.num_rendered_per_turn += prepared.rendered_per_turn
         out.samples.extend(prepared.samples)
@@ -163,7 +164,7 @@ def prepare_shard(shard: P.PlannedShard, records: list, target: Target, settings
 REGENERATE_WINDOW = 16  # shards regenerated together: bounds memory, and vLLM swaps engines once per window
 
 
-def prepared_shards(pending: list[P.PlannedShard], backend: TargetBackend, target: Target,
+def prepared_shards(pending: list[P.PlannedShard], backend: TargetBackend, target: TargetDirectory,
                     settings: S.StoreSettings, config: ExtractConfig,
                     echo: Callable[[str], None] | None = None) -> Iterator[PreparedShard]:
     """Each pending shard's samples (regenerated first with ``--regenerate``), in order.
@@ -202,7 +203,7 @@ def run_extract(config: ExtractConfig, *, echo: Callable[[str], None] = print,
         torch.set_num_threads(config.threads)
     for path in config.data:  # cheap checks first: a typo should not wait for transformers to import
         check_data_path(path)
-    target = load_target(config.target)
+    target = open_target(config.target)
     settings = store_settings(config, target)
     backend_name = resolve_backend_name(config.backend)
     root = Path(config.out)

@@ -10,17 +10,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from peagle.model.target import TargetDirectory
 from peagle.pipeline import plan as P
 from peagle.pipeline.store import check_same_settings, list_commits, read_settings, sha256_file
-from peagle.pipeline.store_reader import raw_bytes_per_token
+from peagle.pipeline.shard_tensors import raw_bytes_per_token
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 from peagle.schemas.extract_config import ExtractConfig
 from peagle.stages.extract.conversation import CONTAINS_MASK_TOKEN, SkipRecord, normalise_record
 from peagle.stages.extract.input_check import InputScan, scan_records, words
-from peagle.stages.extract.mask_token import describe_mask_token
 from peagle.stages.extract.readers import count_records, iter_file_records
-from peagle.stages.extract.target import Target
 from peagle.stages.extract.template import prepare_record
 
 ESTIMATE_RECORDS = 256  # records tokenized to estimate the token count of a large plan
@@ -66,7 +65,7 @@ def input_files(paths: tuple[str, ...]) -> list[P.InputFile]:
     return files
 
 
-def make_plan(config: ExtractConfig, target: Target, settings: S.StoreSettings) -> ExtractPlan:
+def make_plan(config: ExtractConfig, target: TargetDirectory, settings: S.StoreSettings) -> ExtractPlan:
     """The plan, read-only: nothing is created, so ``--dry-run`` and a refused start leave no trace."""
     root = Path(config.out)
     files = input_files(config.data)
@@ -172,7 +171,7 @@ def format_plan(plan: ExtractPlan, config: ExtractConfig, store: Path) -> str:
         f"  settings   aux layers {','.join(map(str, s.aux_layer_ids))}, top-k {s.topk} ({s.logprob_dtype}), "
         f"max len {s.max_seq_len}, loss on {s.loss_on}, hidden states {s.hidden_dtype}"
         + ("" if s.supervise_reasoning else " (reasoning not supervised)"),
-        f"  mask token {describe_mask_token(s.mask_token_id, s.mask_token, s.mask_token_source)}",
+        f"  mask token {S.describe_mask_token(s.mask_token_id, s.mask_token, s.mask_token_source)}",
         f"  tokens     ~{plan.estimated_tokens:,} ({how}), ~{plan.estimated_supervised:,} supervised",
         *([f"  checked    {plan.scan.num_records:,} records decoded: "
            + (f"{sum(plan.scan.skipped.values()):,} unusable ({words(plan.scan.skipped)})" if plan.scan.skipped

@@ -2,10 +2,12 @@
 
 Files are byte-identical for identical input (docs/reliability.md: a killed and resumed run, or n workers
 instead of one, give the same store): the Parquet file is written with fixed settings and no
-varying metadata, and the safetensors file is serialised here directly (header, then each tensor's
-rows sample by sample), which also avoids concatenating a shard's tensors into one more copy.
-An fp8 store's rows are quantised here (``encode_sample``), and the shard's content statistics
-(``peagle.stages.extract.stats``) are computed from exactly the encoded rows and committed with it.
+varying metadata, and the safetensors file is serialised directly (``shard_tensors.write_tensors``:
+header, then each tensor's rows sample by sample), which also avoids concatenating a shard's tensors
+into one more copy.
+An fp8 store's rows are quantised as they are encoded (``peagle.pipeline.shard_tensors.encode_sample``),
+and the shard's content statistics (``peagle.pipeline.shard_stats``) are computed from exactly the
+encoded rows and committed with it.
 
 ``ShardWriter`` runs ``write_and_commit`` on a background thread fed by a bounded queue of whole
 shards: the model computes shard s+1 while shard s goes to disk, and waits only when the disk is
@@ -19,26 +21,21 @@ from __future__ import annotations
 
 import itertools
 import queue
-import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from peagle.pipeline import fp8
+from peagle.model.target_backend import TargetOutput
+from peagle.pipeline.raw_reader import raw_sample
+from peagle.pipeline.shard_stats import sample_rows, shard_stats
+from peagle.pipeline.shard_tensors import encode_sample, write_tensors
 from peagle.pipeline.store import commit_shard, write_shard_file
-from peagle.pipeline.safetensors_file import encode_header
-from peagle.pipeline.store_reader import stored_aux, tensor_layout
 from peagle.schemas import store as S
-from peagle.stages.extract.backend import TargetOutput
-from peagle.stages.extract.stats import sample_rows, shard_stats
 from peagle.stages.extract.template import TokenizedSample
-
-NON_FINITE_TARGET = "non_finite_target"
 
 PARQUET_SCHEMA = pa.schema([
     ("sample_id", pa.string()),
@@ -74,7 +71,7 @@ def drop_non_finite(content: ShardContent) -> ShardContent:
     if not num_dropped:
         return content
     skipped = dict(content.skipped)
-    skipped[NON_FINITE_TARGET] = skipped.get(NON_FINITE_TARGET, 0) + num_dropped
+    skipped[S.NON_FINITE_TARGET] = skipped.get(S.NON_FINITE_TARGET, 0) + num_dropped
     return ShardContent(index=content.index, input_name=content.input_name, first_record=content.first_record,
                         end_record=content.end_record, samples=[content.samples[i] for i in keep],
                         outputs=[content.outputs[i] for i in keep], skipped=skipped,
@@ -111,41 +108,6 @@ def write_parquet(table: pa.Table, path: str | Path) -> None:
                    write_statistics=False, row_group_size=max(1, table.num_rows), data_page_version="2.0")
 
 
-def encode_sample(aux_TAH: torch.Tensor, topk_ids_TK: torch.Tensor, topk_logprobs_TK: torch.Tensor,
-                  settings: S.StoreSettings) -> dict[str, torch.Tensor]:
-    """One sample's tensors as the store holds them (``store_reader.tensor_layout``, in file order).
-
-    The aux states are rounded to bf16 first, also for fp8: an fp8 store is then exactly the
-    conversion (``peagle store convert``) of the bf16 store of the same run, whichever backend
-    computed it (the double rounding costs at most bf16's 2^-9 next to fp8's 2^-4; docs/fp8.md).
-    """
-    layout = tensor_layout(settings, 0)
-    logprob_dtype = layout[S.TOPK_LOGPROBS][1]
-    low = torch.finfo(logprob_dtype).min  # a log-prob below fp16's range is zero probability anyway
-    states_TAH = aux_TAH.to(torch.bfloat16)
-    parts = {S.TOPK_IDS: topk_ids_TK.to(layout[S.TOPK_IDS][1]),
-             S.TOPK_LOGPROBS: topk_logprobs_TK.clamp(min=low).to(logprob_dtype)}
-    if settings.hidden_dtype == S.HIDDEN_FP8:
-        parts[S.AUX_HIDDEN], parts[S.AUX_SCALE] = fp8.quantize(states_TAH)
-    else:
-        parts[S.AUX_HIDDEN] = states_TAH
-    return {name: parts[name].contiguous() for name in layout}
-
-
-def write_tensors(path: str | Path, samples: list[dict[str, torch.Tensor]], settings: S.StoreSettings) -> None:
-    """A shard's tensors (each sample's from :func:`encode_sample`) in the store's layout, streamed
-    sample by sample into one safetensors file (no concatenated copy)."""
-    assert sys.byteorder == "little", "safetensors is little-endian; raw tensor bytes are written as-is"
-    layout = tensor_layout(settings, sum(parts[S.AUX_HIDDEN].shape[0] for parts in samples))
-    with open(path, "wb") as f:
-        f.write(encode_header(layout))
-        for name, (shape, dtype) in layout.items():
-            for parts in samples:
-                t = parts[name]
-                assert t.shape[1:] == shape[1:] and t.dtype == dtype, (name, t.shape, t.dtype, shape, dtype)
-                f.write(memoryview(t.view(torch.uint8).numpy()))
-
-
 def encoded_shard(samples: list[TokenizedSample], outputs: list[TargetOutput],
                   settings: S.StoreSettings) -> tuple[list[dict[str, torch.Tensor]], S.ShardStats]:
     """Every sample's stored tensors, and the shard's statistics computed from exactly those."""
@@ -153,8 +115,7 @@ def encoded_shard(samples: list[TokenizedSample], outputs: list[TargetOutput],
     for sample, out in zip(samples, outputs, strict=True):
         parts = encode_sample(out.aux_TAH, out.topk_ids_TK, out.topk_logprobs_TK, settings)
         encoded.append(parts)
-        rows.append(sample_rows(stored_aux(parts).states(), parts[S.TOPK_IDS], parts[S.TOPK_LOGPROBS],
-                                np.asarray(sample.input_ids), np.asarray(sample.loss_mask)))
+        rows.append(sample_rows(raw_sample(sample.sample_id, sample.input_ids, sample.loss_mask, parts)))
     return encoded, shard_stats(rows, settings)
 
 

@@ -8,11 +8,11 @@ the batch; N = flat COD elements; E = supervised flat elements that have a targe
 (:mod:`peagle.pipeline.store_reader`, where the index shift is done, once) as per-position arrays:
 for p ∈ [0, n−2] the depth-0 element at p reads ``x_{p+1}`` and ``aux[p]``; any element whose
 reference position (``anchor + depth``) is p predicts ``x_{p+2}``, with target distribution
-``topk[p+1]``, and is supervised iff ``m[p] = 1``. :func:`make_item` adds the COD draw; nothing
-here adds 1 or 2 to an index.
+``topk[p+1]``, and is supervised iff ``m[p] = 1``. :func:`make_item` adds the training method's draw of
+elements (``methods/``: COD sampling, or every chain); nothing here adds 1 or 2 to an index.
 
 **One flat row per batch, no padding.** A batch packs several samples, back to back, into one row
-of T positions under a token budget. The P-EAGLE forward is over the flat COD sequence, whose length
+of T positions under a token budget. A unit's forward is over the flat COD sequence, whose length
 N is random (COD sampling) even for one sample, so a "row per sample" layout would pad every row to
 the longest N of the batch; packing into one row pads nothing. Documents stay isolated through the
 mask (``doc_lengths_D``: an element sees only elements of its own sample, docs/mask.md), COD sampling
@@ -54,13 +54,15 @@ from torch import Tensor
 from peagle.model.mask import document_ids
 from peagle.pipeline.store_reader import AuxSource, ByteRange, StoredAux, TrainingSample
 from peagle.schemas.loader_config import CodSettings
-from peagle.stages.train.cod import cod_generator, generate_cod_sample_indices, pack_cod
+from peagle.stages.train.cod import pack_cod
+from peagle.stages.train.methods import PEAGLE, TrainingMethod
 from peagle.stages.train.segments import UnitPlan, plan_units
 
 
 @dataclass(frozen=True, kw_only=True)
 class TrainItem:
-    """One sample in training coordinates (a ``TrainingSample``'s arrays) with its COD draw.
+    """One sample in training coordinates (a ``TrainingSample``'s arrays) with its elements (the training
+    method's draw: COD sampling for P-EAGLE, every chain for EAGLE-3).
 
     ``aux``, ``topk_*_Tk`` may be views into a memory-mapped shard: nothing is copied until
     :func:`collate` writes the batch.
@@ -72,7 +74,7 @@ class TrainItem:
     supervised_T: Tensor  # bool, m[p] = loss_mask[p+2]; m[T-1] = False
     topk_ids_Tk: Tensor  # int32, topk[p+1] (the distribution of x_{p+2})
     topk_logprobs_Tk: Tensor  # float16/32, topk[p+1]
-    anchor_pos: Tensor  # int64 [n_cod], COD draw in sample coordinates (flat COD layout)
+    anchor_pos: Tensor  # int64 [n_cod], the elements' anchors in sample coordinates (flat COD layout)
     depth: Tensor  # int64 [n_cod]
     num_depths: int  # K of the draw: a chain is complete when it reaches depth K − 1
 
@@ -81,16 +83,16 @@ class TrainItem:
         return int(self.tokens_T.numel())
 
 
-def make_item(sample: TrainingSample, *, cod: CodSettings, seed: int, epoch: int) -> TrainItem:
-    """Draw one sample's COD elements (the sample comes from the store reader, already shifted).
+def make_item(sample: TrainingSample, *, cod: CodSettings, seed: int, epoch: int,
+              method: TrainingMethod = PEAGLE) -> TrainItem:
+    """One sample's elements as the training method draws them (the sample comes from the store reader,
+    already shifted).
 
-    The COD draw uses ``cod_generator(seed, epoch, sample_id)`` only, so the item depends on
+    P-EAGLE's COD draw uses ``cod_generator(seed, epoch, sample_id)`` only, so the item depends on
     (seed, epoch, sample_id) and the store contents, never on rank, worker or resume point.
     """
     assert sample.num_positions >= 1, "a sample needs two tokens"
-    anchor_pos, depth = generate_cod_sample_indices(
-        sample.num_positions, sample.supervised_T, cod.num_depths, cod.down_sample_ratio, cod.down_sample_ratio_min,
-        True, generator=cod_generator(seed, epoch, sample.sample_id), max_anchors=cod.max_anchors)
+    anchor_pos, depth = method.draw(sample, cod, seed=seed, epoch=epoch)
     return TrainItem(
         sample_id=sample.sample_id,
         tokens_T=sample.tokens_T,
@@ -122,7 +124,6 @@ class TrainBatch:
         anchor_N        int64 [N]      row offset where the element's chain starts
         depth_N         int64 [N]
         position_ids_N  int64 [N]      RoPE position: anchor + depth, counted from the sample's start
-        input_ids_N     int64 [N]      tokens_T for depth 0, ``mask_token_id`` for depth >= 1
         doc_N           int64 [N]      the sample (document) each element belongs to
 
     Supervision, for the E supervised elements that have a target:
@@ -155,7 +156,6 @@ class TrainBatch:
     anchor_N: Tensor
     depth_N: Tensor
     position_ids_N: Tensor
-    input_ids_N: Tensor
     supervised_idx_E: Tensor
     target_ids_Ek: Tensor
     target_probs_Ek: Tensor
@@ -236,16 +236,17 @@ def _map_tensors(obj: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     return obj
 
 
-def collate(items: list[TrainItem], *, target_to_draft_V: Tensor, mask_token_id: int, num_segments: int = 1,
+def collate(items: list[TrainItem], *, target_to_draft_V: Tensor, num_segments: int = 1,
             block_size: int | None = None, epoch: int = 0, batch_index: int = 0,
-            aux_reads: list[tuple[ByteRange, ByteRange | None]] | None = None) -> TrainBatch:
+            aux_reads: list[tuple[ByteRange, ByteRange | None]] | None = None,
+            method: TrainingMethod = PEAGLE) -> TrainBatch:
     """Pack items into one flat row and gather the supervised targets (module docstring).
 
     Args:
         target_to_draft_V: int64 ``[V]``, the draft id of each target id (−1 outside the draft vocab).
-        mask_token_id: input token of every depth >= 1 element.
         num_segments: S; > 1 plans one unit per segment.
-        block_size: flex attention block size; None (sdpa) computes no block indices.
+        block_size: flex attention block size; None (sdpa) computes no block indices, else the
+            training ``method`` plans them for each unit (one mask, or one per depth).
         aux_reads: per item, where its aux rows (and fp8 scales, else None) are on disk
             (``ShardReader.aux_read``): the batch then carries an ``AuxSource`` instead of copying
             ``item.aux`` (DataLoader workers).
@@ -275,7 +276,6 @@ def collate(items: list[TrainItem], *, target_to_draft_V: Tensor, mask_token_id:
     num_elements = anchor_N.numel()
     assert bool((depth_N[:num_tokens] == 0).all()) and bool(
         (anchor_N[:num_tokens] == torch.arange(num_tokens)).all()), "depth-0 group is not positions 0..T-1"
-    input_ids_N = torch.cat([tokens_T, torch.full((num_elements - num_tokens,), mask_token_id, dtype=torch.long)])
 
     # Targets: only at supervised elements (reference position anchor + depth with m = 1).
     ref_N = anchor_N + depth_N
@@ -293,7 +293,7 @@ def collate(items: list[TrainItem], *, target_to_draft_V: Tensor, mask_token_id:
     return TrainBatch(
         tokens_T=tokens_T, aux_TAH=aux_TAH, supervised_T=supervised_T,
         doc_starts_D=doc_starts_D, doc_lengths_D=doc_lengths_D,
-        anchor_N=anchor_N, depth_N=depth_N, position_ids_N=position_ids_N, input_ids_N=input_ids_N,
+        anchor_N=anchor_N, depth_N=depth_N, position_ids_N=position_ids_N,
         supervised_idx_E=supervised_idx_E, target_ids_Ek=draft_ids_Ck[keep],
         target_probs_Ek=probs_Ck[keep] / mass_C[keep, None], depth_E=depth_N[supervised_idx_E],
         chain_target_idx_CK=chain_targets(anchor_N, depth_N, supervised_T, supervised_idx_E, num_depths),
@@ -301,7 +301,7 @@ def collate(items: list[TrainItem], *, target_to_draft_V: Tensor, mask_token_id:
         num_no_target=int(candidate_C.numel() - keep.numel()),
         sample_ids=tuple(it.sample_id for it in items), doc_N=document_ids(anchor_N, doc_lengths_D, num_tokens),
         units=plan_units(anchor_N, depth_N, doc_starts_D, doc_lengths_D, supervised_idx_E, num_segments,
-                         block_size=block_size),
+                         num_depths=num_depths, block_size=block_size, block_indices_fn=method.block_indices),
         aux_source=aux_source, epoch=epoch, batch_index=batch_index, aux_scale_TA=aux_scale_TA,
     )
 

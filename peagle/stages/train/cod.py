@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -113,9 +114,37 @@ def generate_cod_sample_indices(
     if not filter_position_zero and seq_length > 0 and bool(m_L[0]):
         raise ValueError("position 0 is supervised but filter_position_zero=False: its anchor would be -1")
 
+    counts = cod_depth_counts(int(m_L.sum()), num_depths, down_sample_ratio, down_sample_ratio_min, max_anchors)
+    return _draw_chains(m_L, counts, filter_position_zero,
+                        lambda pool_P, count: _sample_without_replacement(pool_P, count, generator))
+
+
+def every_chain(seq_length: int, loss_mask: Tensor, num_depths: int) -> tuple[Tensor, Tensor]:
+    """Every element COD's pools hold, nothing drawn: ``(anchor_pos, depth)`` in flat COD layout.
+
+    Depth 0 is every position; depth d >= 1 every supervised p >= d whose chain p − d + 1 .. p is
+    supervised (the pools of :func:`generate_cod_sample_indices`, taken whole). EAGLE-3's
+    training-time test trains each of these chains at every depth (docs/methods.md); chains that
+    would leave the supervised positions stop there, as COD's do. Deterministic: no generator.
+
+    Raises:
+        ValueError: on a mask of the wrong length or ``num_depths < 1``.
+    """
+    m_L = torch.as_tensor(loss_mask).reshape(-1).to(torch.bool).cpu()
+    if m_L.numel() != seq_length:
+        raise ValueError(f"loss_mask has {m_L.numel()} positions, seq_length is {seq_length}")
+    if num_depths < 1:
+        raise ValueError(f"num_depths must be >= 1, got {num_depths}")
+    return _draw_chains(m_L, [seq_length] * (num_depths - 1), True, lambda pool_P, count: pool_P)
+
+
+def _draw_chains(m_L: Tensor, counts: list[int], filter_position_zero: bool,
+                 take: Callable[[Tensor, int], Tensor]) -> tuple[Tensor, Tensor]:
+    """Depth 0 whole, then depth d = 1, 2, ... takes ``take(pool, counts[d - 1])`` of its pool (steps
+    1-4 of :func:`generate_cod_sample_indices`); the first empty depth ends the chains."""
+    seq_length = m_L.numel()
     anchors = [torch.arange(seq_length, dtype=torch.long)]
     depths = [torch.zeros(seq_length, dtype=torch.long)]
-    counts = cod_depth_counts(int(m_L.sum()), num_depths, down_sample_ratio, down_sample_ratio_min, max_anchors)
     supervised_P = torch.nonzero(m_L).flatten()
     drawn_P = torch.empty(0, dtype=torch.long)
     for d, count in enumerate(counts, start=1):
@@ -125,7 +154,7 @@ def generate_cod_sample_indices(
             pool_P = drawn_P + 1
             pool_P = pool_P[pool_P < seq_length]
             pool_P = pool_P[m_L[pool_P]]
-        drawn_P = _sample_without_replacement(pool_P, count, generator)
+        drawn_P = take(pool_P, count)
         if drawn_P.numel() == 0:
             break
         anchors.append(drawn_P - d)
@@ -149,7 +178,7 @@ def pack_cod(per_sample: list[tuple[Tensor, Tensor]], doc_starts: list[int]) -> 
 
     Sample j's anchors are offset by ``doc_starts[j]`` (its first training position in the row);
     elements are then ordered by (depth, row anchor): all depth-0 elements of all samples, then all
-    depth-1, ... -- the layout :func:`peagle.model.mask.cod_block_mask` expects.
+    depth-1, ... -- the layout :func:`peagle.model.mask.cod_block_indices` expects.
 
     Returns:
         ``(anchor_pos, depth, position_ids)``, int64 ``[N]``: row anchors, depths, and RoPE positions

@@ -64,10 +64,6 @@ class EpochPlan:
     num_batches: int
     num_dropped_samples: int
 
-    def batch_refs(self, rank: int, batch: int) -> np.ndarray:
-        bounds = self.bounds_of_rank[rank]
-        return self.refs_of_rank[rank][bounds[batch]:bounds[batch + 1]]
-
 
 def plan_epoch(index: SampleIndex, settings: PlanSettings, epoch: int, world_size: int) -> EpochPlan:
     """The epoch's batches for every rank (module docstring, steps 1-6)."""

@@ -51,7 +51,7 @@ from peagle.schemas.loader_config import LoaderConfig
 from peagle.stages.train.batch import TrainBatch, collate, make_item
 from peagle.stages.train.epoch_plan import EpochPlan, PlanSettings, SampleIndex, plan_epoch, worker_batches
 from peagle.stages.train.follow import EpochShards, check_still_committed
-from peagle.stages.train.mask_token import resolve_mask_token_id
+from peagle.stages.train.methods import training_method
 from peagle.stages.train.vocab import DraftVocab
 
 log = logging.getLogger(__name__)
@@ -184,11 +184,12 @@ class ShardStream(IterableDataset):
     """One rank's batches ``start..num_batches-1`` of one epoch; worker w builds w, w+W, ... of them."""
 
     def __init__(self, stores: list[Store], config: LoaderConfig, *, loc_3B: np.ndarray, bounds: np.ndarray,
-                 num_batches: int, start: int, epoch: int, target_to_draft_V: torch.Tensor, mask_token_id: int):
+                 num_batches: int, start: int, epoch: int, target_to_draft_V: torch.Tensor):
         self.stores, self.config = stores, config
         self.loc_3B, self.bounds = loc_3B, bounds  # (store, shard, row) of the rank's refs, batch bounds
         self.num_batches, self.start, self.epoch = num_batches, start, epoch
-        self.target_to_draft_V, self.mask_token_id = target_to_draft_V, mask_token_id
+        self.target_to_draft_V = target_to_draft_V
+        self.method = training_method(config.method)
 
     def __iter__(self) -> Iterator[TrainBatch]:
         info = get_worker_info()
@@ -204,11 +205,10 @@ class ShardStream(IterableDataset):
             store, shard, row = (int(v) for v in self.loc_3B[:, i])
             aux_reads.append(reader.aux_read(store, shard, row))
             items.append(make_item(reader.sample(store, shard, row), cod=self.config.cod, seed=self.config.seed,
-                                   epoch=self.epoch))
-        out = collate(items, target_to_draft_V=self.target_to_draft_V, mask_token_id=self.mask_token_id,
-                      num_segments=self.config.sequence_partitions,
+                                   epoch=self.epoch, method=self.method))
+        out = collate(items, target_to_draft_V=self.target_to_draft_V, num_segments=self.config.sequence_partitions,
                       block_size=self.config.block_size if self.config.attention == "flex" else None,
-                      epoch=self.epoch, batch_index=batch, aux_reads=aux_reads)
+                      epoch=self.epoch, batch_index=batch, aux_reads=aux_reads, method=self.method)
         fp8_rows = out.aux_source is not None and out.aux_source.scale_reads is not None
         return out.dequantized() if fp8_rows and self.config.dequantize_in_workers else out
 
@@ -247,7 +247,6 @@ class TrainLoader:
             raise UserError(f"draft vocab was built for target vocab {vocab.target_vocab_size}, store "
                             f"{self.stores[0].root} has target vocab {vocab_size}")
         self.target_to_draft_V = vocab.target_to_draft() if vocab is not None else torch.arange(vocab_size)
-        self.mask_token_id = resolve_mask_token_id(self.stores, config.mask_token_id)
         self.manifest_hashes = [manifest_hash(store.root) for store in self.stores]
         self.epoch, self.batch_in_epoch = 0, 0
         self.epoch_shards: dict[int, EpochShards] = {}  # with a source: the shards of every epoch begun
@@ -324,7 +323,7 @@ class TrainLoader:
         loc_3B = np.stack([index.store_of[used], index.shard_of[used], index.row_of[used]])
         dataset = ShardStream(stores, self.config, loc_3B=loc_3B, bounds=bounds[:plan.num_batches + 1],
                               num_batches=plan.num_batches, start=start, epoch=epoch,
-                              target_to_draft_V=self.target_to_draft_V, mask_token_id=self.mask_token_id)
+                              target_to_draft_V=self.target_to_draft_V)
         workers = self.config.num_workers
         # A dedicated generator: without one, every new iterator draws its workers' base seed from the
         # global torch RNG, so a resumed run (one more iterator) would end one draw ahead (docs/reliability.md).
@@ -362,6 +361,7 @@ class TrainLoader:
             "seed": c.seed, "world_size": self.world_size, "token_budget": c.token_budget, "split": c.split,
             "heldout_fraction": c.heldout_fraction, "shuffle": c.shuffle, "shuffle_window": c.shuffle_window,
             **{f"cod.{k}": v for k, v in asdict(c.cod).items()},
+            **({"method": c.method} if c.method != "peagle" else {}),  # absent: P-EAGLE, as before methods
             **self._store_identities(),
         }
 

@@ -34,18 +34,21 @@ from peagle.pipeline.progress import Progress
 from peagle.pipeline.provenance import provenance
 from peagle.pipeline.store import read_settings
 from peagle.schemas.checkpoint import DRAFT_CONFIG_KEY, PROVENANCE_KEY, TRAIN_CONFIG_KEY
-from peagle.schemas.draft_config import DraftConfig
+from peagle.schemas.draft_config import METHOD_NAMES, DraftConfig
 from peagle.schemas.errors import UserError
 from peagle.schemas.loader_config import stream_config
-from peagle.schemas.train_config import TrainConfig, config_mismatch, parse_store_spec
+from peagle.schemas.train_config import TrainConfig, parse_store_spec
+from peagle.schemas.train_resume import config_mismatch
 from peagle.stages.train import checkpoint as ckpt
 from peagle.stages.train import follow
 from peagle.stages.train.batch import TrainBatch
 from peagle.stages.train.device import DevicePrefetcher
 from peagle.stages.train.loader import TrainLoader
 from peagle.stages.train.loss import LossStats
+from peagle.stages.train.mask_token import resolve_mask_token_id
+from peagle.stages.train.attention import resolve_attention
 from peagle.stages.train.step import (StepResult, TrainStep, all_reduce_stats, compiled_graph_count, init_distributed,
-                                      resolve_attention, summarise)
+                                      summarise)
 from peagle.stages.train.metrics_file import append_metrics, truncate_metrics
 from peagle.stages.train.vocab import check_same_vocab, checkpoint_draft_vocab, choose_draft_vocab_size, load_draft_vocab
 
@@ -60,7 +63,7 @@ class Trainer:
         self.config = config
         self.run_dir = Path(config.out)
         self.step, self.tokens_seen = 0, 0
-        self.loader: TrainLoader | None = None  # None in trainers made by ``for_model``
+        self.loader: TrainLoader | None = None  # None in trainers that tests feed (peagle.testing.trainer)
         self.eval_loader: TrainLoader | None = None
         self.cpu_group = None
         self.checkpointer = ckpt.Checkpointer(self.run_dir, keep=config.keep_checkpoints)
@@ -76,7 +79,7 @@ class Trainer:
         """Process group, stores, vocab, draft, wrapper, optimizer, schedule; then resume if possible."""
         c = self.config
         ckpt.seed_rngs(c.seed)  # before anything draws; a resume then restores the checkpoint's states
-        self._setup_world()
+        self.setup_world()
         resume_from = self._find_resume_point()
         if c.follow:  # extraction may not have committed anything yet
             follow.wait_for_first_commit(self.roots, timeout_s=c.follow_timeout, say=self._say)
@@ -105,9 +108,12 @@ class Trainer:
         epochs = c.epochs if c.epochs is not None else 1.0
         total_steps = c.max_steps or max(1, int(epochs * self.loader.num_batches) // c.grad_accum)
 
+        # The mask token is a fact of the store (extract chose it) that a P-EAGLE draft config carries on;
+        # an EAGLE-3 draft has no mask slots.
+        mask_token_id = resolve_mask_token_id(self.loader.stores, c.mask_token_id) if c.method == "peagle" else None
         self.draft_config = DraftConfig.from_target_config(
-            target_cfg, num_layers=c.num_layers, draft_vocab_size=draft_vocab_size,
-            mask_token_id=self.loader.mask_token_id, aux_layer_ids=list(settings.aux_layer_ids),
+            target_cfg, num_layers=c.num_layers, draft_vocab_size=draft_vocab_size, mask_token_id=mask_token_id,
+            aux_layer_ids=list(settings.aux_layer_ids), method=c.method,
             architecture=c.draft_architecture, norm_before_residual=c.norm_before_residual,
             norm_before_fc=c.norm_before_fc, fc_norm=c.fc_norm)
         torch.manual_seed(c.seed)  # the same initial draft on every rank and in every run
@@ -116,7 +122,7 @@ class Trainer:
                                         activation_checkpointing=c.activation_checkpointing)
         if c.init_from:
             self._say(load_weights_into(draft, c.init_from))
-        self._build_optimization(draft, total_steps)
+        self.build_step(draft, total_steps)
         self.extra = {"store_manifest_hash": self.loader.manifest_hashes[0],
                       "store_manifest_hashes": list(self.loader.manifest_hashes),
                       "draft_vocab": None if vocab is None else vocab.identity_record(),
@@ -134,8 +140,8 @@ class Trainer:
             atomic_write_json(self.run_dir / RUN_FILE, self._config_part())
         num_params = sum(p.numel() for p in self.draft.parameters())
         num_trainable = sum(p.numel() for p in self.draft.parameters() if p.requires_grad)
-        self._say(f"draft: {c.num_layers} layers, {num_params / 1e6:.1f}M params ({num_trainable / 1e6:.1f}M "
-                  f"trainable), vocab {draft_vocab_size}; world {self.world_size} on {self.device.type}, "
+        self._say(f"draft ({METHOD_NAMES[c.method]}, K = {c.num_depths}): {c.num_layers} layers, "
+                  f"{num_params / 1e6:.1f}M params ({num_trainable / 1e6:.1f}M trainable), vocab {draft_vocab_size}; world {self.world_size} on {self.device.type}, "
                   f"{self.step_fn.describe()}; {self.loader.num_batches} batches/epoch/rank, {total_steps} steps")
 
     def _eval_loader(self, target_cfg: Any, settings: Any, vocab: Any) -> TrainLoader | None:
@@ -176,27 +182,16 @@ class Trainer:
             atomic_write_json(self.run_dir / follow.EPOCHS_FILE,
                               follow.epochs_record(self.roots, self.loader.epoch_shards, began))
 
-    @classmethod
-    def for_model(cls, config: TrainConfig, draft: PEagleDraft, *,
-                  compute_dtype: torch.dtype | None = None) -> "Trainer":
-        """A trainer around a given draft, without stores or checkpoints (tests and benchmarks feed
-        their own batches to ``train_step`` / ``step_fn.forward_backward``); the config's paths are
-        unused. ``compute_dtype`` overrides the device's default (bf16 autocast on CPU, in tests)."""
-        self = cls(config)
-        self.compute_dtype = compute_dtype
-        self._setup_world()
-        self.draft_config = draft.config
-        self._build_optimization(draft, config.max_steps or 1)
-        return self
-
-    def _setup_world(self) -> None:
+    def setup_world(self) -> None:
+        """The process group (under torchrun), this rank's device and the resolved attention."""
         self.rank, self.world_size, self.device = init_distributed()
         if self.world_size > 1:  # counts live on the CPU: reducing them over gloo never waits for the GPU
             self.cpu_group = dist.new_group(backend="gloo") if self.device.type == "cuda" else dist.group.WORLD
         self.attention = resolve_attention(self.config.attention, self.device)
 
-    def _build_optimization(self, draft: PEagleDraft, total_steps: int) -> None:
+    def build_step(self, draft: PEagleDraft, total_steps: int) -> None:
         """The step: device placement, the DDP/FSDP2 wrapper, flex compile, AdamW, the LR schedule."""
+        self.draft_config = draft.config
         self.total_steps = total_steps
         self.step_fn = TrainStep(draft, self.config, device=self.device, attention=self.attention,
                                  total_steps=total_steps, world_size=self.world_size, cpu_group=self.cpu_group,

@@ -112,12 +112,6 @@ ELEMENT_LOSSES: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
 """Per-element loss from (target probs, draft log-probs at the k ids, in-vocab mask), all ``[N, k]``."""
 
 
-def forward_kl_sum(draft_logits_NV: Tensor, target_draft_ids_Nk: Tensor, target_probs_Nk: Tensor,
-                   supervised_N: Tensor, depth_N: Tensor, num_depths: int) -> LossStats:
-    """`divergence_sum` with the forward KL (the default loss)."""
-    return divergence_sum(draft_logits_NV, target_draft_ids_Nk, target_probs_Nk, supervised_N, depth_N, num_depths)
-
-
 def divergence_sum(draft_logits_NV: Tensor, target_draft_ids_Nk: Tensor, target_probs_Nk: Tensor,
                    supervised_N: Tensor, depth_N: Tensor, num_depths: int, loss: str = "forward_kl") -> LossStats:
     """Σ over supervised elements of ``loss``(p, softmax(draft_logits)), with per-depth statistics.

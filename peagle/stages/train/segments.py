@@ -27,11 +27,10 @@ the row, E = the row's supervised elements (``supervised_idx_E``), e = those a u
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
-
-from peagle.model.mask import CodBlockIndices, cod_block_indices
 
 
 @dataclass(frozen=True)
@@ -41,7 +40,7 @@ class SegmentPlan:
     Attributes:
         segment: the segment index s in [0, S).
         indices: ``[M]`` int64 indices into the row's flat element list, ascending (so the carried
-            elements keep the flat COD layout and :func:`peagle.model.mask.cod_block_mask` applies).
+            elements keep the flat COD layout and :func:`peagle.model.mask.cod_block_indices` applies).
         owned: ``[M]`` bool, True for elements this segment owns (loss is charged on these only);
             the rest is causal-completion context.
     """
@@ -125,33 +124,46 @@ class UnitPlan:
         num_real: R, the unit's depth-0 elements (a host int: it sizes the draft's inputs).
         supervised_idx_e: rows inside the unit whose loss the unit charges.
         target_idx_e: which of the row's E supervised targets those rows are (None: all E, in order).
-        block_indices: the unit's BlockMask index arrays (flex attention only).
+        block_indices: the unit's BlockMask index arrays (flex attention only), as the training
+            method plans them (``TrainingMethod.block_indices``: one square mask, or one per depth).
+        depth_starts: K + 1 host ints, where each depth group of the unit starts (and where the last
+            ends): ``depth_starts[1] == num_real``. Sequential drafting steps through them.
     """
 
     element_idx_M: Tensor | None
     num_real: int
     supervised_idx_e: Tensor
     target_idx_e: Tensor | None
-    block_indices: CodBlockIndices | None
+    block_indices: Any
+    depth_starts: tuple[int, ...] = ()
+
+
+BlockIndicesFn = Callable[[Tensor, Tensor, Tensor, int, int, tuple[int, ...]], Any]
+"""``fn(anchor_M, depth_M, doc_lengths_D, num_tokens, block_size, depth_starts)``: a unit's flex block
+indices (``TrainingMethod.block_indices``)."""
 
 
 def plan_units(anchor_N: Tensor, depth_N: Tensor, doc_starts_D: Tensor, doc_lengths_D: Tensor,
-               supervised_idx_E: Tensor, num_segments: int, *, block_size: int | None) -> list[UnitPlan]:
+               supervised_idx_E: Tensor, num_segments: int, *, num_depths: int, block_size: int | None,
+               block_indices_fn: BlockIndicesFn | None = None) -> list[UnitPlan]:
     """The units of one packed row (module docstring); segments that carry nothing are skipped.
 
     ``supervised_idx_E`` are the row's supervised flat indices (ascending); ``block_size`` None
-    (SDPA) computes no BlockMask indices. Every supervised element is charged by exactly one unit.
+    (SDPA) computes no BlockMask indices, else ``block_indices_fn`` does (the training method's).
+    Every supervised element is charged by exactly one unit.
     """
     num_tokens = int(doc_lengths_D.sum())
 
-    def block_indices(idx_M: Tensor | None) -> CodBlockIndices | None:
-        if block_size is None:
-            return None
+    def unit(idx_M: Tensor | None, supervised_idx_e: Tensor, target_idx_e: Tensor | None) -> UnitPlan:
         anchor, depth = (anchor_N, depth_N) if idx_M is None else (anchor_N[idx_M], depth_N[idx_M])
-        return cod_block_indices(anchor, depth, doc_lengths_D, num_tokens, block_size=block_size)
+        per_depth = torch.bincount(depth, minlength=num_depths)[:num_depths]
+        depth_starts = (0, *torch.cumsum(per_depth, 0).tolist())
+        indices = None if block_size is None else block_indices_fn(anchor, depth, doc_lengths_D, num_tokens,
+                                                                    block_size, depth_starts)
+        return UnitPlan(idx_M, depth_starts[1], supervised_idx_e, target_idx_e, indices, depth_starts)
 
     if num_segments == 1:
-        return [UnitPlan(None, num_tokens, supervised_idx_E, None, block_indices(None))]
+        return [unit(None, supervised_idx_E, None)]
     units = []
     for seg in plan_segments(anchor_N, depth_N, doc_starts_D, doc_lengths_D, num_segments):
         idx_M = seg.indices
@@ -161,6 +173,5 @@ def plan_units(anchor_N: Tensor, depth_N: Tensor, doc_starts_D: Tensor, doc_leng
         pos_E = torch.searchsorted(idx_M, supervised_idx_E).clamp(max=idx_M.numel() - 1)
         charged_E = (idx_M[pos_E] == supervised_idx_E) & seg.owned[pos_E]
         target_idx_e = torch.nonzero(charged_E).flatten()
-        units.append(UnitPlan(idx_M, int(torch.searchsorted(idx_M, num_tokens)), pos_E[target_idx_e],
-                              target_idx_e, block_indices(idx_M)))
+        units.append(unit(idx_M, pos_E[target_idx_e], target_idx_e))
     return units

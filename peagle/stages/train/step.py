@@ -44,7 +44,6 @@ from torch import Tensor, nn
 
 from peagle.model.draft import PEagleDraft
 from peagle.model.flex import FLEX_KERNEL_OPTIONS, is_compile_failure
-from peagle.model.mask import block_mask_from_indices, dense_mask, document_masks, peagle_mask_mod
 from peagle.model.regional_compile import DraftCompiler, resolve_compile_mode
 from peagle.schemas.errors import UserError
 from peagle.schemas.train_config import TrainConfig
@@ -52,6 +51,7 @@ from peagle.stages.train.batch import TrainBatch
 from peagle.stages.train.device import default_compute_dtype, resolve_device
 from peagle.stages.train.loss import (LossStats, agreement_rates, chain_acceptance, chain_acceptance_length,
                                       chunked_loss_sum, compute_weight, fused_chunk_loss, matmul_dtype)
+from peagle.stages.train.methods import PEAGLE, TrainingMethod, training_method
 from peagle.stages.train.optim import build_optimizer, clip_and_step, lr_factor
 from peagle.stages.train.segments import UnitPlan
 
@@ -68,24 +68,6 @@ def init_distributed() -> tuple[int, int, torch.device]:
     return (dist.get_rank() if world > 1 else 0), world, device
 
 
-SDPA_PER_DOCUMENT = "sdpa_per_document"
-"""The resolved attention of ``sdpa`` on the CPU: SDPA over each document's elements alone
-(:class:`peagle.model.mask.DocumentMasks`), the same result as one dense mask at a fraction of the
-N^2 work. Splitting by document reads the document ids on the host, free on the CPU; elsewhere
-``sdpa`` stays one dense mask, built without a host read."""
-
-
-def resolve_attention(attention: str, device: torch.device) -> str:
-    """``auto`` is flex on CUDA and SDPA elsewhere (per document on the CPU); flex training off CUDA is
-    refused (no CPU backward)."""
-    if attention == "auto":
-        attention = "flex" if device.type == "cuda" else "sdpa"
-    if attention == "flex" and device.type != "cuda":
-        raise UserError("--attention flex needs a CUDA device for training (flex_attention has no CPU "
-                        "backward); use --attention sdpa or auto on CPU")
-    return SDPA_PER_DOCUMENT if attention == "sdpa" and device.type == "cpu" else attention
-
-
 def compiled_graph_count() -> int:
     """Graphs Dynamo has compiled in this process so far (torch's own counter; metrics diff it)."""
     from torch._dynamo.utils import counters
@@ -94,7 +76,7 @@ def compiled_graph_count() -> int:
 
 
 class DraftStep(nn.Module):
-    """Draft forward + the chunked KL at the charged rows, as ONE module forward.
+    """The training method's forward of a unit + the chunked KL at the charged rows, as ONE module forward.
 
     DDP and FSDP2 hook into ``forward``: the lm_head matmul (and its gradient, when the head trains)
     must happen inside it. Only the e charged rows reach ``lm_head`` (docs/performance.md), a chunk at a time
@@ -108,16 +90,17 @@ class DraftStep(nn.Module):
     """
 
     def __init__(self, draft: PEagleDraft, num_depths: int, compiler: DraftCompiler | None = None,
-                 loss: str = "forward_kl"):
+                 loss: str = "forward_kl", method: TrainingMethod = PEAGLE):
         super().__init__()
         self.draft, self.num_depths, self.compiler, self.loss = draft, num_depths, compiler, loss
+        self.method = method
         self._head_copy: tuple[tuple[Any, ...], Tensor] | None = None
 
-    def forward(self, token_ids_M: Tensor, aux_RAH: Tensor, position_ids_M: Tensor, attn_mask: Any,
-                supervised_idx_e: Tensor, target_ids_ek: Tensor, target_probs_ek: Tensor,
+    def forward(self, inputs: tuple, supervised_idx_e: Tensor, target_ids_ek: Tensor, target_probs_ek: Tensor,
                 depth_e: Tensor) -> tuple[Tensor, ...]:
+        """``inputs``: the unit's ``method.unit_inputs``; the rest: the targets of its charged rows."""
         compiler = self.compiler
-        hidden_MH = self.draft(token_ids_M, aux_RAH, position_ids_M, attn_mask, compiler and compiler.flex)
+        hidden_MH = self.method.hidden_states(self.draft, inputs, compiler and compiler.flex)
         stats, correct_e = chunked_loss_sum(hidden_MH[supervised_idx_e], self.draft.lm_head.weight, target_ids_ek,
                                             target_probs_ek, depth_e, self.num_depths, loss=self.loss,
                                             head_compute_VH=self.head_compute_weight(),
@@ -140,31 +123,19 @@ class DraftStep(nn.Module):
 
 
 def unit_forward(model: nn.Module, batch: TrainBatch, plan: UnitPlan, *, attention: str,
-                 compute_dtype: torch.dtype) -> tuple[LossStats, Tensor]:
+                 compute_dtype: torch.dtype, method: TrainingMethod = PEAGLE) -> tuple[LossStats, Tensor]:
     """One unit's KL sums (``loss_sum`` has grad) and the top-1 agreement ``correct_e`` of the rows it
-    charges, from a batch already on the device: gathers only."""
-    idx = plan.element_idx_M
-
-    def pick(t: Tensor) -> Tensor:
-        return t if idx is None else t[idx]
+    charges, from a batch already on the device: gathers only (the method's ``unit_inputs``)."""
 
     def charged(t: Tensor) -> Tensor:
         return t if plan.target_idx_e is None else t[plan.target_idx_e]
 
     b = batch
-    anchor_M, depth_M, doc_M = pick(b.anchor_N), pick(b.depth_N), pick(b.doc_N)
-    aux_RAH = b.aux_states(None if idx is None else idx[: plan.num_real])  # fp8: dequantised here, on the device
-    if attention == "flex":
-        attn_mask = block_mask_from_indices(plan.block_indices, peagle_mask_mod(anchor_M, depth_M, doc_M),
-                                            device=anchor_M.device)
-    elif attention == SDPA_PER_DOCUMENT:
-        attn_mask = document_masks(anchor_M, depth_M, doc_M)
-    else:
-        attn_mask = dense_mask(anchor_M, depth_M, doc_M)
-    device_type = anchor_M.device.type
+    inputs = method.unit_inputs(b, plan, attention)
+    device_type = b.tokens_T.device.type
     with torch.autocast(device_type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
-        out = model(pick(b.input_ids_N), aux_RAH, pick(b.position_ids_N), attn_mask, plan.supervised_idx_e,
-                    charged(b.target_ids_Ek), charged(b.target_probs_Ek), charged(b.depth_E))
+        out = model(inputs, plan.supervised_idx_e, charged(b.target_ids_Ek), charged(b.target_probs_Ek),
+                    charged(b.depth_E))
     loss_sum, depth_loss_sum, depth_correct, depth_count, correct_e = out
     zero = torch.zeros_like(loss_sum.detach())
     return LossStats(loss_sum, depth_loss_sum, depth_correct, depth_count, zero, zero), correct_e
@@ -211,7 +182,9 @@ class TrainStep:
         self.compiler = DraftCompiler(self.draft.layers, mode=resolve_compile_mode(config.compile, device),
                                       attention=attention, kernel_options=FLEX_KERNEL_OPTIONS[config.flex_kernel],
                                       loss_chunk=fused_chunk_loss)
-        self.model = self._parallelize(DraftStep(self.draft, config.num_depths, self.compiler, config.loss))
+        self.method = training_method(config.method)
+        self.model = self._parallelize(DraftStep(self.draft, config.num_depths, self.compiler, config.loss,
+                                                 self.method))
         self.optimizer = build_optimizer(self.draft, config, device)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, config.warmup_steps, total_steps))
@@ -300,7 +273,7 @@ class TrainStep:
             try:
                 with self.compiler.forward_context():
                     return unit_forward(self.model, batch, plan, attention=self.attention,
-                                        compute_dtype=self.compute_dtype)
+                                        compute_dtype=self.compute_dtype, method=self.method)
             except Exception as err:  # noqa: BLE001 - only compile failures of the layers are handled
                 if not self.compiler.fall_back(err):
                     raise

@@ -101,6 +101,43 @@ def test_a_chain_matching_the_target_is_fully_accepted():
     assert result.to_dict()["top1_agreement_at_depth"] == [1.0, 1.0, 1.0]
 
 
+def test_eagle3_chains_accept_what_sequential_drafting_accepts():
+    """An EAGLE-3 draft's chains, fed the target's greedy tokens, accept at every anchor exactly the
+    prefix that vLLM-style sequential drafting (fed its own drafts) gets accepted, whatever the
+    chunking; planted chains are accepted whole."""
+    import dataclasses
+
+    from peagle.model.proposer import propose_sequential
+
+    peagle_draft = small_draft(4)
+    draft = PEagleDraft(dataclasses.replace(peagle_draft.config, method="eagle3", mask_token_id=None))
+    draft.load_state_dict({k: v for k, v in peagle_draft.state_dict().items() if k != "mask_hidden"})
+    draft = draft.double().eval()
+    sample = random_sample(36, seed=5, loss_mask=[0] * 3 + [1] * 33)
+
+    def drafts(p: int) -> list[int]:
+        return propose_sequential(draft, sample.input_ids_n[: p + 2], sample.aux_TAH[: p + 1].double(),
+                                  K).token_ids_K.tolist()
+
+    for p in range(1, sample.num_positions - K, 2 * K):  # plant whole chains: the target agrees with them
+        for d, token in enumerate(drafts(p)):
+            sample.topk_ids_Tk[p + d, sample.topk_logprobs_Tk[p + d].argmax()] = token
+    target = target_argmax(sample)
+    anchors = chain_anchors(sample.supervised_T, K).tolist()
+    served = []
+    for p in anchors:
+        accepted = 0
+        for d, token in enumerate(drafts(p)):
+            if token != int(target[p + d]):
+                break
+            accepted += 1
+        served.append(accepted)
+    for max_elements in (10_000, 20):
+        correct_KC = chain_correct(draft, sample, K, max_elements=max_elements)
+        assert correct_KC.long().cumprod(dim=0).sum(dim=0).tolist() == served
+    assert served.count(K) >= 4 and min(served) == 0
+
+
 @pytest.fixture(scope="module")
 def tiny_store(tmp_path_factory, tiny_llama):
     from peagle.schemas.extract_config import ExtractConfig

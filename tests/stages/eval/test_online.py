@@ -46,13 +46,13 @@ def prompts(tiny_llama) -> list[list[int]]:
 
 def oracle_drafter(hf: HFTarget):
     """A drafter whose logits are forced to the target's own greedy continuation (a perfect draft)."""
-    def drafter(tokens_S, aux_PAH, num_depths):
+    def drafter(tokens_S, aux_PAH, num_depths, pick):
         seq, logits_KV = tokens_S.tolist(), torch.full((num_depths, hf.vocab_size), float("-inf"))
         for j in range(num_depths):
             logits, _, _ = hf.forward(torch.tensor(seq), None)
             seq.append(int(logits[-1].argmax()))
             logits_KV[j, seq[-1]] = 0.0
-        return logits_KV
+        return logits_KV, [pick(row) for row in logits_KV]
     return drafter
 
 

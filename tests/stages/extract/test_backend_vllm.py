@@ -112,7 +112,7 @@ def test_does_not_depend_on_batch_composition(target):
 
 def test_agrees_with_hf_backend(target):
     """Both backends of `peagle extract` give the same store values (HF's aux are bf16)."""
-    from peagle.stages.extract.backend_hf import HFBackend
+    from peagle.model.target_backend_hf import HFBackend
 
     arch, path, backend, _ = target
     samples = sample_ids(2, (5, 90, 33))

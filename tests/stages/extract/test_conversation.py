@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from peagle.schemas import store as S
 from peagle.stages.extract import conversation as conv
 from peagle.stages.extract.conversation import SkipRecord, normalise_record
 
@@ -126,5 +127,6 @@ def test_skip_reasons(raw, reason):
 def test_skip_reasons_are_unique_snake_case_strings():
     assert len(set(conv.SKIP_REASONS)) == len(conv.SKIP_REASONS)
     assert all(r.replace("_", "").isalnum() and r.islower() for r in conv.SKIP_REASONS)
+    assert not set(conv.SKIP_REASONS) & set(S.SAMPLE_DROPS)  # `store info` counts records by them
     with pytest.raises(AssertionError):
         SkipRecord("not_a_known_reason")

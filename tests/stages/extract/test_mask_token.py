@@ -8,7 +8,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
-from peagle.stages.extract.mask_token import choose_mask_token, describe_mask_token, template_token_ids
+from peagle.stages.extract.mask_token import choose_mask_token, template_token_ids
 
 EXPECTED = {
     "llama3": (128255, "<|reserved_special_token_247|>", S.MASK_FROM_RESERVED),
@@ -104,8 +104,3 @@ def _without_control_tokens(tokenizer):
     fast.chat_template = tokenizer.chat_template
     return fast
 
-
-def test_description_says_how_it_was_chosen():
-    assert describe_mask_token(151669, None, S.MASK_FROM_UNUSED_ROW) == \
-        "151669 (no token) (an embedding row past every id the tokenizer produces)"
-    assert "older peagle" in describe_mask_token(None, None, None)

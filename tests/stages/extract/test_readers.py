@@ -10,7 +10,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from peagle.schemas.errors import UserError
-from peagle.stages.extract.readers import count_records, decode_jsonl_line, iter_file_records, iter_records
+from peagle.stages.extract.readers import count_records, decode_jsonl_line, iter_file_records
+
+
+def iter_records(paths):
+    """Every record of every file, files in the given order (as extract's shards walk them)."""
+    for path in paths:
+        yield from iter_file_records(path)
 
 
 def _chat(i: int) -> dict:

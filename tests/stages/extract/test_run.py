@@ -13,13 +13,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from peagle.pipeline.store import open_store
-from peagle.pipeline.store_reader import open_shard_tensors
+from peagle.pipeline.shard_tensors import open_shard_tensors
+from peagle.model.target import open_target
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 from peagle.schemas.extract_config import ExtractConfig
 from peagle.stages.extract import run as R
 from peagle.stages.extract import run_plan as RP
-from peagle.stages.extract.writer import NON_FINITE_TARGET
 from peagle.testing.chat_data import chat_records, write_chat_jsonl
 
 
@@ -60,7 +60,7 @@ def test_refuses_to_start_when_the_disk_cannot_hold_the_plan(data, tiny_llama, t
 
 def test_token_estimate_from_a_sample_is_close(data, tiny_llama, tmp_path):
     plan = _quiet(_config(data, tiny_llama, tmp_path / "s", dry_run=True, samples_per_shard=2)).plan
-    target = R.load_target(str(tiny_llama))
+    target = open_target(tiny_llama)
     exact, n, _, _ = RP.estimate_tokens(plan.pending, target.tokenizer, plan.settings, "all")
     sampled, m, _, _ = RP.estimate_tokens(plan.pending, target.tokenizer, plan.settings, "all", max_records=6)
     assert (exact, n) == (plan.estimated_tokens, 12) and m == 6
@@ -156,7 +156,7 @@ def test_non_finite_target_samples_are_skipped_and_counted(tiny_llama, tmp_path)
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     summary = _quiet(_config(data, target, tmp_path / "s", samples_per_shard=100))
     (record,) = summary.records
-    assert record.skipped == {NON_FINITE_TARGET: sum(has)} and record.num_samples == 12 - sum(has)
+    assert record.skipped == {S.NON_FINITE_TARGET: sum(has)} and record.num_samples == 12 - sum(has)
 
 
 def test_regenerate_replaces_assistant_turns_deterministically(tiny_llama, tmp_path):

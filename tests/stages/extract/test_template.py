@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from peagle.schemas.errors import UserError
 from peagle.stages.extract.conversation import SKIP_REASONS
-from peagle.stages.extract.readers import SourceRecord, decode_jsonl_line, iter_records
+from peagle.stages.extract.readers import SourceRecord, decode_jsonl_line, iter_file_records
 from peagle.stages.extract.template import make_sample_id, prepare_record
 from peagle.testing.tiny_target import MASK_TOKEN, TinyTargetSpec, build_tiny_target
 
@@ -171,7 +171,7 @@ def test_sample_ids_are_stable_across_runs_and_directories(tmp_path, tokenizers)
 
     def ids(folder: str, loss_on: str) -> list[str]:
         out = []
-        for record in iter_records([tmp_path / folder / "chats.jsonl"]):
+        for record in iter_file_records(tmp_path / folder / "chats.jsonl"):
             out += [s.sample_id for s in prepare_record(record, tok, loss_on=loss_on, max_seq_len=4096).samples]
         return out
 
@@ -215,7 +215,7 @@ def test_every_skip_reason_from_real_files(tmp_path, tokenizers, arch):
 
     forbidden = frozenset({tok.convert_tokens_to_ids(MASK_TOKEN)})
     results = [prepare_record(r, tok, max_seq_len=64, mask_token_id=next(iter(forbidden)))
-               for r in iter_records([jsonl, parquet])]
+               for path in (jsonl, parquet) for r in iter_file_records(path)]
 
     assert [r.skip_reason for r in results] == [reason for _, reason in lines] + [None, "unknown_role"]
     for result in results:

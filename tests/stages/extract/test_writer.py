@@ -5,32 +5,26 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
 
 from peagle.pipeline.store import init_store, list_commits, open_store, sha256_file
-from peagle.pipeline.store_reader import open_shard_tensors
+from peagle.pipeline.shard_tensors import open_shard_tensors
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
-from peagle.stages.extract.backend import TargetOutput
+from peagle.model.target_backend import TargetOutput
 from peagle.stages.extract.template import TokenizedSample
 from peagle.stages.extract.writer import (
-    NON_FINITE_TARGET,
     ShardContent,
     ShardWriter,
     drop_non_finite,
-    encode_sample,
     parquet_table,
     write_and_commit,
     write_parquet,
-    write_tensors,
 )
 
 A, H, K = 3, 16, 4
@@ -59,10 +53,6 @@ def _content(index: int = 0, lengths=(5, 3, 7)) -> ShardContent:
                         num_truncated=1, backend="hf")
 
 
-def _encoded(outputs: list[TargetOutput], settings: S.StoreSettings = SETTINGS) -> list[dict[str, torch.Tensor]]:
-    return [encode_sample(o.aux_TAH, o.topk_ids_TK, o.topk_logprobs_TK, settings) for o in outputs]
-
-
 def test_parquet_rows_follow_design_exactly(tmp_path):
     content = _content()
     write_parquet(parquet_table(content.samples), tmp_path / "x.parquet")
@@ -77,30 +67,7 @@ def test_parquet_rows_follow_design_exactly(tmp_path):
     assert rows[2]["sample_id"] == "id2" and rows[2]["source"] == "a.jsonl:2"
 
 
-def test_tensors_are_the_outputs_concatenated_in_sample_order(tmp_path):
-    content = _content()
-    path = tmp_path / "x.safetensors"
-    write_tensors(path, _encoded(content.outputs), SETTINGS)
-    loaded = load_file(str(path))
-    assert set(loaded) == set(S.TENSOR_NAMES)
-    assert loaded[S.AUX_HIDDEN].shape == (15, A, H) and loaded[S.AUX_HIDDEN].dtype == torch.bfloat16
-    assert loaded[S.TOPK_IDS].shape == (15, K) and loaded[S.TOPK_IDS].dtype == torch.int32
-    assert loaded[S.TOPK_LOGPROBS].dtype == torch.float16
-    assert torch.equal(loaded[S.AUX_HIDDEN], torch.cat([o.aux_TAH for o in content.outputs]))
-    assert torch.equal(loaded[S.TOPK_IDS], torch.cat([o.topk_ids_TK for o in content.outputs]))
-    assert torch.equal(loaded[S.TOPK_LOGPROBS], torch.cat([o.topk_logprobs_TK for o in content.outputs]).half())
-    with safe_open(str(path), "pt") as f:
-        assert f.metadata() is None and sorted(f.keys()) == sorted(S.TENSOR_NAMES)
-    header_len = int.from_bytes(path.read_bytes()[:8], "little")
-    assert header_len % 8 == 0
-
-
-def test_float32_logprobs_and_an_empty_shard(tmp_path):
-    f32 = replace(SETTINGS, logprob_dtype="float32")
-    write_tensors(tmp_path / "f.safetensors", _encoded(_content().outputs, f32), f32)
-    assert load_file(str(tmp_path / "f.safetensors"))[S.TOPK_LOGPROBS].dtype == torch.float32
-    write_tensors(tmp_path / "e.safetensors", [], SETTINGS)
-    assert load_file(str(tmp_path / "e.safetensors"))[S.AUX_HIDDEN].shape == (0, A, H)
+def test_an_empty_shard(tmp_path):
     write_parquet(parquet_table([]), tmp_path / "e.parquet")
     assert pq.read_table(tmp_path / "e.parquet").num_rows == 0
 
@@ -137,10 +104,10 @@ def test_non_finite_samples_are_dropped_and_counted(tmp_path):
                                       topk_logprobs_TK=bad_lp)
     kept = drop_non_finite(content)
     assert [s.sample_id for s in kept.samples] == ["id1"]
-    assert kept.skipped == {"malformed_json": 1, NON_FINITE_TARGET: 2}
+    assert kept.skipped == {"malformed_json": 1, S.NON_FINITE_TARGET: 2}
     init_store(tmp_path, SETTINGS)
     record = write_and_commit(tmp_path, content, SETTINGS)
-    assert record.num_samples == 1 and record.num_tokens == 3 and record.skipped[NON_FINITE_TARGET] == 2
+    assert record.num_samples == 1 and record.num_tokens == 3 and record.skipped[S.NON_FINITE_TARGET] == 2
 
 
 def test_shard_writer_commits_in_order_and_reraises_errors(tmp_path):

@@ -31,7 +31,7 @@ from peagle.schemas.loader_config import CodSettings
 from peagle.schemas.train_config import TrainConfig
 from peagle.stages.eval.offline import chain_anchors, evaluate_offline
 from peagle.stages.train.batch import collate, make_item
-from peagle.stages.train.loop import Trainer
+from peagle.testing.trainer import trainer_for_draft
 from peagle.stages.train.step import summarise
 
 K = 4
@@ -127,14 +127,14 @@ def test_training_acceptance_length_equals_the_offline_evaluators(planted, num_s
     draft, samples, mask_token_id = planted
     target_to_draft = draft.target_to_draft(torch.arange(draft.config.target_vocab_size))
     items = [make_item(s, cod=COMPLETE, seed=3, epoch=0) for s in samples]
-    batches = [collate(items[i:i + 3], target_to_draft_V=target_to_draft, mask_token_id=mask_token_id,
+    batches = [collate(items[i:i + 3], target_to_draft_V=target_to_draft,
                        num_segments=num_segments) for i in range(0, len(items), 3)]
     assert sum(b.num_no_target for b in batches) > 0  # unusable targets are in play ...
     assert any(bool((b.chain_target_idx_CK == b.num_supervised).any()) for b in batches)  # ... inside chains
 
     config = TrainConfig(store=("unused",), target="unused", out="unused", num_depths=K,
                          sequence_partitions=num_segments, attention="sdpa", max_steps=1)
-    trainer = Trainer.for_model(config, draft)
+    trainer = trainer_for_draft(config, draft)
     stats, _ = trainer.step_fn.forward_backward(batches)
     train = summarise(stats)
     evaluated_stats, evaluated_no_target = trainer.step_fn.evaluate(batches)
@@ -161,7 +161,7 @@ def test_chains_cod_stopped_early_are_left_out(planted):
     draft, samples, mask_token_id = planted
     target_to_draft = draft.target_to_draft(torch.arange(draft.config.target_vocab_size))
     items = [make_item(s, cod=CodSettings(num_depths=K), seed=3, epoch=0) for s in samples[:3]]
-    batch = collate(items, target_to_draft_V=target_to_draft, mask_token_id=mask_token_id)
+    batch = collate(items, target_to_draft_V=target_to_draft)
     full_chains = sum(chain_anchors(s.supervised_T, K).numel() for s in samples[:3])
     chains = batch.chain_target_idx_CK
     assert 0 < chains.shape[0] < full_chains

@@ -47,8 +47,7 @@ def test_item_depends_only_on_seed_epoch_and_sample_id(tiny_store):
 def test_batch_targets_are_the_raw_topk_at_reference_position_plus_one(tiny_store):
     raws = supervised_samples(tiny_store, 3)
     vocab_size = tiny_store.vocab_size
-    batch = collate([item_of(r) for r in raws], target_to_draft_V=torch.arange(vocab_size),
-                    mask_token_id=tiny_store.mask_token_id)
+    batch = collate([item_of(r) for r in raws], target_to_draft_V=torch.arange(vocab_size))
     starts = batch.doc_starts_D.tolist()
     assert batch.doc_lengths_D.tolist() == [len(r.input_ids) - 1 for r in raws]
     assert batch.num_tokens == sum(len(r.input_ids) - 1 for r in raws) == batch.tokens_T.numel()
@@ -62,9 +61,9 @@ def test_batch_targets_are_the_raw_topk_at_reference_position_plus_one(tiny_stor
         raw, local = raws[doc], a - starts[doc]
         ref = local + d  # reference position in the sample
         assert int(batch.position_ids_N[i]) == ref
-        assert int(batch.input_ids_N[i]) == (raw.input_ids[local + 1] if d == 0 else tiny_store.mask_token_id)
-        if d == 0:
+        if d == 0:  # the draft's real rows: their input token and aux state (deeper elements read neither)
             assert i == a and torch.equal(batch.aux_TAH[a], raw.aux_nAH[local])
+            assert int(batch.tokens_T[a]) == raw.input_ids[local + 1]
         if ref + 2 < len(raw.input_ids) and raw.loss_mask[ref + 2]:
             expected_supervised.append((i, raw, ref))
     assert batch.supervised_idx_E.tolist() == [i for i, _, _ in expected_supervised]
@@ -84,8 +83,8 @@ def test_draft_vocab_restriction_renormalises_and_counts_uncovered(tiny_store):
     t2d = torch.full((v,), -1, dtype=torch.long)
     t2d[selected] = torch.arange(selected.numel())
     items = [item_of(r) for r in raws]
-    full = collate(items, target_to_draft_V=torch.arange(v), mask_token_id=tiny_store.mask_token_id)
-    batch = collate(items, target_to_draft_V=t2d, mask_token_id=tiny_store.mask_token_id)
+    full = collate(items, target_to_draft_V=torch.arange(v))
+    batch = collate(items, target_to_draft_V=t2d)
     assert batch.num_supervised + batch.num_no_target == full.num_supervised
     keep = [j for j in range(full.num_supervised) if bool((full.target_ids_Ek[j] % 3 == 0).any())]
     assert batch.supervised_idx_E.tolist() == full.supervised_idx_E[keep].tolist()
@@ -100,7 +99,7 @@ def test_draft_vocab_restriction_renormalises_and_counts_uncovered(tiny_store):
 def test_packing_isolates_documents_and_block_indices_cover_the_mask(tiny_store):
     raws = supervised_samples(tiny_store, 3)
     batch = collate([item_of(r) for r in raws], target_to_draft_V=torch.arange(tiny_store.vocab_size),
-                    mask_token_id=tiny_store.mask_token_id, block_size=16)
+                    block_size=16)
     dense = dense_peagle_mask(batch.anchor_N, batch.depth_N, batch.doc_lengths_D, batch.num_tokens)
     assert torch.equal(dense_mask(batch.anchor_N, batch.depth_N, batch.doc_N), dense)  # shipped doc ids
     (unit,) = batch.units
@@ -121,7 +120,7 @@ def test_packing_isolates_documents_and_block_indices_cover_the_mask(tiny_store)
 def test_segments_partition_the_elements(tiny_store):
     raws = supervised_samples(tiny_store, 2)
     batch = collate([item_of(r) for r in raws], target_to_draft_V=torch.arange(tiny_store.vocab_size),
-                    mask_token_id=tiny_store.mask_token_id, num_segments=3, block_size=16)
+                    num_segments=3, block_size=16)
     assert len(batch.units) == 3
     for unit in batch.units:
         assert unit.block_indices.seq_len == unit.element_idx_M.numel()
@@ -139,7 +138,7 @@ def test_segments_partition_the_elements(tiny_store):
 def test_to_and_pin_memory_keep_every_field(tiny_store):
     raws = supervised_samples(tiny_store, 2)
     batch = collate([item_of(r) for r in raws], target_to_draft_V=torch.arange(tiny_store.vocab_size),
-                    mask_token_id=tiny_store.mask_token_id, num_segments=2, block_size=16)
+                    num_segments=2, block_size=16)
     moved = batch.to("cpu")
     assert isinstance(moved, TrainBatch) and torch.equal(moved.aux_TAH, batch.aux_TAH)
     assert moved.sample_ids == batch.sample_ids and moved.units[1].block_indices.block_size == 16
@@ -160,7 +159,7 @@ def test_chain_targets_name_each_complete_chain_and_reject_where_no_target(tiny_
     t2d = torch.full((v,), -1, dtype=torch.long)
     t2d[selected] = torch.arange(selected.numel())
     cod = CodSettings(num_depths=3, down_sample_ratio=0.9, down_sample_ratio_min=0.5)
-    batch = collate([item_of(r, cod=cod) for r in raws], target_to_draft_V=t2d, mask_token_id=tiny_store.mask_token_id)
+    batch = collate([item_of(r, cod=cod) for r in raws], target_to_draft_V=t2d)
     E, K = batch.num_supervised, 3
     target_of = {int(i): e for e, i in enumerate(batch.supervised_idx_E)}
     element_of = {(int(a), int(d)): i for i, (a, d) in enumerate(zip(batch.anchor_N, batch.depth_N))}

@@ -17,7 +17,8 @@ import torch
 from peagle.pipeline import checkpoint_files as cf
 from peagle.schemas.checkpoint import METADATA_FILE
 from peagle.schemas.errors import UserError
-from peagle.schemas.train_config import TrainConfig, config_mismatch
+from peagle.schemas.train_config import TrainConfig
+from peagle.schemas.train_resume import config_mismatch
 from peagle.stages.train import checkpoint as ckpt
 
 

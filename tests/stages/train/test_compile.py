@@ -28,14 +28,16 @@ from transformers import AutoConfig
 from peagle.model.draft import build_draft_from_target
 from peagle.model.flex import FlexRunner
 from peagle.model.regional_compile import DraftCompiler, uncompile_layers
-from peagle.model.mask import block_mask_from_indices, cod_block_mask, peagle_mask_mod
+from peagle.model.mask import block_mask_from_indices, peagle_mask_mod
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.errors import UserError
 from peagle.schemas.train_config import StoreSpec, TrainConfig
 from peagle.stages.train.batch import CodSettings
 from peagle.stages.train.loader import LoaderConfig, TrainLoader
 from peagle.stages.train.loop import Trainer
+from peagle.testing.trainer import trainer_for_draft
 from peagle.stages.train.step import compiled_graph_count
+from peagle.testing.cod_masks import cod_block_mask
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -72,7 +74,7 @@ def _draft(tiny_store):
 def _forward(draft, batch, flex):
     (unit,) = batch.units
     mask = block_mask_from_indices(unit.block_indices, peagle_mask_mod(batch.anchor_N, batch.depth_N, batch.doc_N))
-    return draft(batch.input_ids_N, batch.aux_TAH, batch.position_ids_N, mask, flex)
+    return draft(batch.tokens_T, batch.aux_TAH, batch.position_ids_N, mask, flex)
 
 
 @pytest.mark.slow
@@ -102,7 +104,7 @@ def _trainer(tiny_store, compile: str) -> Trainer:
     config = TrainConfig(store=(str(tiny_store.root),), target=str(tiny_store.target_dir), out="unused",
                          num_depths=4, attention="sdpa", compile=compile, max_steps=10, lr=1e-3, warmup_steps=0,
                          optimizer="adamw")
-    return Trainer.for_model(config, _draft(tiny_store).train(), compute_dtype=torch.bfloat16)
+    return trainer_for_draft(config, _draft(tiny_store).train(), compute_dtype=torch.bfloat16)
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -29,6 +29,7 @@ from peagle.stages.train.batch import CodSettings
 from peagle.stages.train.loader import LoaderConfig, TrainLoader
 from peagle.stages.train.device import DevicePrefetcher
 from peagle.stages.train.loop import Trainer
+from peagle.testing.trainer import trainer_for_draft
 from peagle.stages.train.optim import clip_and_step
 
 pytestmark = pytest.mark.cuda
@@ -54,7 +55,7 @@ def _trainer(tiny_store, attention: str, partitions: int = 1, **options) -> Trai
     config = TrainConfig(store=(str(tiny_store.root),), target=str(tiny_store.target_dir), out="unused",
                          num_depths=4, sequence_partitions=partitions, attention=attention, max_steps=10,
                          lr=1e-3, warmup_steps=0, **options)
-    trainer = Trainer.for_model(config, draft)
+    trainer = trainer_for_draft(config, draft)
     assert trainer.device.type == "cuda" and trainer.step_fn.compute_dtype == torch.bfloat16
     return trainer
 

@@ -25,6 +25,7 @@ from peagle.pipeline import checkpoint_files as cf
 from peagle.schemas.train_config import TrainConfig
 from peagle.stages.train import checkpoint as ckpt
 from peagle.stages.train.loop import Trainer
+from peagle.testing.trainer import trainer_for_draft
 
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))  # sibling test helpers, also when run as a torchrun script
@@ -52,7 +53,7 @@ def _trainer(world_size: int, *, fsdp: bool = False, compute_dtype: torch.dtype 
     config = TrainConfig(store=("unused",), target="unused", out="unused", num_depths=5, sequence_partitions=2,
                          attention="sdpa", max_steps=NUM_STEPS + 1, grad_accum=2 // world_size, lr=3e-3,
                          warmup_steps=1, fsdp=fsdp, optimizer=optimizer)
-    return Trainer.for_model(config, tiny_draft(num_layers=2), compute_dtype=compute_dtype)
+    return trainer_for_draft(config, tiny_draft(num_layers=2), compute_dtype=compute_dtype)
 
 
 def _steps(trainer, world_size: int, rank: int, steps: range, chains: list | None = None) -> list[float]:

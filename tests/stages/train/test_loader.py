@@ -26,6 +26,12 @@ def config(*stores, **kw) -> LoaderConfig:
     return LoaderConfig(stores=specs, **{"token_budget": BUDGET, "cod": COD, **kw})
 
 
+def batch_refs(plan, rank: int, batch: int) -> np.ndarray:
+    """The sample refs of one planned batch of one rank."""
+    bounds = plan.bounds_of_rank[rank]
+    return plan.refs_of_rank[rank][bounds[batch]:bounds[batch + 1]]
+
+
 def fingerprint(batch) -> tuple:
     """Everything that makes a batch what it is, cheap to compare."""
     return (batch.epoch, batch.batch_index, batch.sample_ids, batch.anchor_N.tolist(), batch.depth_N.tolist(),
@@ -52,7 +58,7 @@ def test_plan_partitions_are_disjoint_covering_and_balanced(tiny_store, world_si
                              for w in range(max(1, num_workers))]
                 flat = sorted(b for bs in by_worker for b in bs)
                 assert flat == list(range(plan.num_batches))  # workers: disjoint and covering
-            kept += [int(r) for b in range(plan.num_batches) for r in plan.batch_refs(rank, b)]
+            kept += [int(r) for b in range(plan.num_batches) for r in batch_refs(plan, rank, b)]
         everything = [int(r) for refs in plan.refs_of_rank for r in refs]
         assert len(everything) == len(set(everything)) == int(index.eligible.sum())  # ranks: disjoint, covering
         assert len(kept) == len(set(kept)) == len(everything) - plan.num_dropped_samples
@@ -231,7 +237,7 @@ def test_workers_leave_aux_rows_on_disk_until_the_trainer_reads_them(tiny_store)
     loc = np.stack([loader.index.store_of[refs], loader.index.shard_of[refs], loader.index.row_of[refs]])
     stream = ShardStream(loader.stores, loader.config, loc_3B=loc, bounds=plan.bounds_of_rank[0],
                          num_batches=plan.num_batches, start=0, epoch=0,
-                         target_to_draft_V=loader.target_to_draft_V, mask_token_id=loader.mask_token_id)
+                         target_to_draft_V=loader.target_to_draft_V)
     lazy = stream.build(ShardReader(loader.stores, capacity=2), 0)
     assert lazy.aux_TAH is None and len(lazy.aux_source.reads) == lazy.num_samples
     expected = torch.cat([tiny_store.samples[sid].aux_nAH[:-1] for sid in lazy.sample_ids])
@@ -247,7 +253,7 @@ def test_workers_leave_aux_rows_on_disk_until_the_trainer_reads_them(tiny_store)
 @pytest.fixture(scope="module")
 def fp8_store(tiny_store, tmp_path_factory):
     """``tiny_store`` converted to fp8 (peagle store convert)."""
-    from peagle.stages.extract.convert import convert_store
+    from peagle.stages.store.convert import convert_store
 
     out = tmp_path_factory.mktemp("fp8") / "store"
     convert_store(tiny_store.root, out, "fp8", echo=lambda _: None, progress=False)

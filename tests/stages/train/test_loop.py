@@ -18,7 +18,7 @@ from peagle.schemas.train_config import TrainConfig
 from peagle.stages.train import checkpoint as ckpt
 from peagle.stages.train.loop import Trainer, run_training
 from peagle.stages.train.optim import lr_factor
-from peagle.stages.train.step import SDPA_PER_DOCUMENT, resolve_attention
+from peagle.stages.train.attention import SDPA_PER_DOCUMENT, resolve_attention
 sys.path.insert(0, str(Path(__file__).parent))  # sibling test helpers, whatever pytest's import mode
 from test_partition_equivalence import (assert_same, batch_of, loss_and_grads, random_items, tiny_draft,  # noqa: E402
                                         trainer_for)

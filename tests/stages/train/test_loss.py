@@ -1,4 +1,5 @@
-"""forward_kl_sum against a slow, obvious dense implementation; chunking; the chain acceptance sums."""
+"""The forward KL (``divergence_sum``) against a slow, obvious dense implementation; chunking; the chain
+acceptance sums."""
 
 from __future__ import annotations
 
@@ -10,7 +11,12 @@ import pytest
 import torch
 
 from peagle.stages.train.loss import (LossStats, agreement_rates, chain_acceptance, chain_acceptance_length,
-                                      chunked_loss_sum, forward_kl_sum)
+                                      chunked_loss_sum, divergence_sum)
+
+
+def forward_kl_sum(draft_logits_NV, target_draft_ids_Nk, target_probs_Nk, supervised_N, depth_N, num_depths):
+    """``divergence_sum`` with the forward KL, the default loss."""
+    return divergence_sum(draft_logits_NV, target_draft_ids_Nk, target_probs_Nk, supervised_N, depth_N, num_depths)
 
 
 def random_targets(num: int, vocab: int, topk: int, generator: torch.Generator):

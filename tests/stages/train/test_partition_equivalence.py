@@ -21,6 +21,7 @@ from peagle.schemas.train_config import TrainConfig
 from peagle.schemas.loader_config import CodSettings
 from peagle.stages.train.batch import collate, make_item
 from peagle.stages.train.loop import Trainer
+from peagle.testing.trainer import trainer_for_draft
 from peagle.stages.train.step import all_reduce_stats
 
 TARGET_VOCAB, DRAFT_VOCAB, MASK_TOKEN, HIDDEN, NUM_AUX, TOPK, K = 96, 48, 95, 32, 3, 4, 5
@@ -60,13 +61,13 @@ def random_items(seed: int, lengths: list[int]) -> list:
 
 
 def batch_of(items, num_segments: int):
-    return collate(items, target_to_draft_V=target_to_draft(), mask_token_id=MASK_TOKEN, num_segments=num_segments)
+    return collate(items, target_to_draft_V=target_to_draft(), num_segments=num_segments)
 
 
 def trainer_for(draft: PEagleDraft, num_segments: int) -> Trainer:
     config = TrainConfig(store=("unused",), target="unused", out="unused", num_depths=K,
                          sequence_partitions=num_segments, attention="sdpa", max_steps=1)
-    return Trainer.for_model(config, draft)
+    return trainer_for_draft(config, draft)
 
 
 def loss_and_grads(items_per_micro_batch: list[list], num_segments: int,

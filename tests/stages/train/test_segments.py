@@ -7,9 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peagle.model.mask import cod_block_mask, dense_peagle_mask
+from peagle.model.mask import dense_peagle_mask
 from peagle.stages.train.cod import generate_cod_sample_indices, pack_cod
 from peagle.stages.train.segments import assign_cod_segments, plan_segments
+from peagle.testing.cod_masks import cod_block_mask
 
 
 @st.composite

@@ -31,6 +31,7 @@ from peagle.schemas.train_config import StoreSpec, TrainConfig
 from peagle.stages.train.batch import CodSettings
 from peagle.stages.train.loader import LoaderConfig, TrainLoader
 from peagle.stages.train.loop import Trainer
+from peagle.testing.trainer import trainer_for_draft
 from peagle.stages.train.loss import LossStats
 from peagle.stages.train.step import summarise
 
@@ -94,7 +95,7 @@ def _trainer(tiny_store, **kw) -> Trainer:
     draft = build_draft_from_target(tiny_store.target_dir, draft_config)
     config = TrainConfig(store=(str(tiny_store.root),), target=str(tiny_store.target_dir), out="unused",
                          num_depths=4, max_steps=10, lr=1e-3, warmup_steps=0, **kw)
-    return Trainer.for_model(config, draft)
+    return trainer_for_draft(config, draft)
 
 
 @pytest.mark.parametrize("partitions", [1, 2])

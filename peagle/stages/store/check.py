@@ -40,12 +40,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+from peagle.pipeline.raw_reader import iter_raw_shards
+from peagle.pipeline.shard_stats import SampleRows, mass_bounds, sample_rows, shard_stats
 from peagle.pipeline.store import Store, open_store
-from peagle.pipeline.store_reader import open_shard_tensors, stored_aux
 from peagle.schemas import store as S
 from peagle.schemas.check_config import CheckConfig
-from peagle.stages.extract.check_report import NUM_WORST, CheckReport, Finding, Worst
-from peagle.stages.extract.stats import SampleRows, mass_bounds, sample_rows, shard_stats
+from peagle.stages.store.check_report import NUM_WORST, CheckReport, Finding, Worst
 
 MIN_JUDGED_MEDIAN = 0.2  # below this median top-1 agreement, misalignment cannot be told from the data
 TOPK_HIT_RATIO = 0.5  # ... and a misaligned sample's top-k hit share is below this fraction of the median's
@@ -110,22 +110,18 @@ def scan_store(store: Store, *, progress: bool | None = None) -> tuple[list[_Sam
     computed = []
     bar = tqdm(total=store.num_tokens, unit="tok", unit_scale=True, desc="check", file=sys.stderr,
                disable=None if progress is None else not progress)
-    for record in store.shards:
-        tensors = open_shard_tensors(store, record.index)
-        aux = stored_aux(tensors)
-        table = store.read_rows(record.index, ["sample_id", "input_ids", "loss_mask", "token_offset", "num_tokens"])
+    for shard in iter_raw_shards(store):
         shard_rows = []
-        for sample_id, input_ids, loss_mask, first, n in zip(*(table.column(c).to_pylist() for c in table.column_names)):
-            ids, mask = np.asarray(input_ids, dtype=np.int64), np.asarray(loss_mask, dtype=bool)
-            states = aux[first:first + n].states().float()
-            topk_ids = tensors[S.TOPK_IDS][first:first + n]
-            rows = sample_rows(states, topk_ids, tensors[S.TOPK_LOGPROBS][first:first + n], ids, mask)
-            top1 = topk_ids[:, 0].numpy()
+        for sample in shard.samples():
+            n, ids, mask = sample.num_tokens, sample.input_ids_n.numpy(), sample.loss_mask_n.numpy()
+            rows = sample_rows(sample)
+            # Agreement as if the rows were one position off: top-1 of row i against x_{i+2} (early), x_i (late).
+            top1 = sample.topk_ids_nk[:, 0].numpy()
             early = (top1[:-2] == ids[2:])[mask[2:]].mean() if mask[2:].any() else 0.0
             late = (top1[1:-1] == ids[1:-1])[mask[1:-1]].mean() if mask[1:-1].any() else 0.0
-            scans.append(_SampleScan(record.index, sample_id, rows, (float(early), float(late))))
+            scans.append(_SampleScan(shard.index, sample.sample_id, rows, (float(early), float(late))))
             shard_rows.append(rows)
-            hashes_nA = row_hashes(states.numpy())
+            hashes_nA = row_hashes(sample.aux_nAH.float().numpy())
             valid_nA = ~rows.zero_nA & ~rows.non_finite_nA
             keys["hash"].append(hashes_nA.reshape(-1))
             keys["prefix"].append(np.repeat(prefix_keys(ids), hashes_nA.shape[1]))
@@ -133,7 +129,7 @@ def scan_store(store: Store, *, progress: bool | None = None) -> tuple[list[_Sam
             keys["layer"].append(np.tile(np.arange(hashes_nA.shape[1], dtype=np.int8), n))
             keys["valid"].append(valid_nA.reshape(-1))
             bar.update(n)
-        computed.append((record.index, shard_stats(shard_rows, store.settings)))
+        computed.append((shard.index, shard_stats(shard_rows, store.settings)))
     bar.close()
     joined = {k: np.concatenate(v) if v else np.zeros(0) for k, v in keys.items()}
     return scans, joined, computed
@@ -339,7 +335,7 @@ def check_store(config: CheckConfig, *, progress: bool | None = None,
                        judge_duplicates(scans, keys, config),
                        judge_commit_stats(store, computed), judge_supervised(scans)]
     if config.target is not None:
-        from peagle.stages.extract.check_target import check_target
+        from peagle.stages.store.check_target import check_target
 
         finding, summary = check_target(store, config, echo=echo)
         report.findings.append(finding)

@@ -1,5 +1,5 @@
 """`peagle store check --store STORE --target MODEL_DIR`: recompute random samples with the Hugging Face target
-(extract's own HF backend) and compare them with what the store holds.
+(the HF backend extract uses, ``peagle.model.target_backend_hf``) and compare them with what the store holds.
 
 Per recomputed sample: the relative error ``||stored − recomputed|| / ||recomputed||`` of each aux
 layer's rows, and the share of rows whose stored top-1 id is the recomputed one. A sample fails when
@@ -19,13 +19,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from peagle.model.target import open_target
+from peagle.pipeline.raw_reader import RawShard, open_raw_shard
 from peagle.pipeline.store import Store
-from peagle.pipeline.store_reader import open_shard_tensors, stored_aux
-from peagle.model.target import content_hash as target_content_hash
 from peagle.schemas import store as S
 from peagle.schemas.check_config import CheckConfig
-from peagle.stages.extract.check_report import Finding, Worst
-from peagle.stages.extract.target import load_target
+from peagle.stages.store.check_report import Finding, Worst
 
 TITLE = "samples unlike the target's own recomputation"
 
@@ -57,12 +56,12 @@ def _shape_mismatch(settings: S.StoreSettings, config: Any) -> str | None:
 def check_target(store: Store, config: CheckConfig, *,
                  echo: Callable[[str], None] = print) -> tuple[Finding, dict[str, Any]]:
     """Recompute ``config.samples`` samples with ``config.target`` and judge them (module docstring)."""
-    from peagle.stages.extract.backend_hf import HFBackend
+    from peagle.model.target_backend_hf import HFBackend
 
     settings = store.settings
-    target = load_target(config.target)
+    target = open_target(config.target)
     finding = Finding(key="target", title=TITLE, unit="samples", count=0, allowed=0)
-    same_weights = target_content_hash(config.target) == settings.target.content_hash
+    same_weights = target.content_hash == settings.target.content_hash
     summary: dict[str, Any] = {"target": str(config.target), "same_content_hash": same_weights, "samples": []}
     mismatch = _shape_mismatch(settings, target.config)
     if mismatch:
@@ -77,20 +76,20 @@ def check_target(store: Store, config: CheckConfig, *,
     backend = HFBackend(config.target, aux_layer_ids=settings.aux_layer_ids, topk=settings.topk,
                         dtype=settings.target.dtype, device=config.device, pad_token_id=pad)
     layer_ids = settings.aux_layer_ids
-    results, tensors_of = [], {}
+    results: list[dict[str, Any]] = []
+    opened: dict[int, RawShard] = {}  # one shard mapped at a time
     try:
         for shard, row in picks:
-            if shard not in tensors_of:
-                tensors_of = {shard: open_shard_tensors(store, shard)}  # one shard mapped at a time
-            table = store.read_rows(shard, ["sample_id", "input_ids", "token_offset", "num_tokens"]).slice(row, 1)
-            sample_id, ids, first, n = (table.column(c)[0].as_py() for c in table.column_names)
-            tensors = tensors_of[shard]
-            stored_nAH = stored_aux(tensors)[first:first + n].states().float()
-            stored_top1 = tensors[S.TOPK_IDS][first:first + n, 0]
-            out = backend.run([ids])[0]
+            if shard not in opened:
+                opened = {shard: open_raw_shard(store, shard)}
+            sample = opened[shard].sample(row)
+            n = sample.num_tokens
+            stored_nAH = sample.aux_nAH.float()
+            stored_top1 = sample.topk_ids_nk[:, 0]
+            out = backend.run([sample.input_ids_n.tolist()])[0]
             recomputed_nAH = out.aux_TAH.float()
             results.append({
-                "shard": shard, "sample_id": sample_id, "num_tokens": n,
+                "shard": shard, "sample_id": sample.sample_id, "num_tokens": n,
                 "relative_error": relative_errors(stored_nAH, recomputed_nAH).tolist(),
                 # stored row i = the target's row i+1 (rows one position early), or row i-1 (late)
                 "relative_error_early": float(relative_errors(stored_nAH[:-1], recomputed_nAH[1:]).max()) if n > 1 else 0.0,
@@ -132,7 +131,7 @@ def check_target(store: Store, config: CheckConfig, *,
             f"samples (e.g. {S.shard_stem(r['shard'])}:{r['sample_id']})")
     else:
         recorded = (f"its recorded target {settings.target.path} has content hash {settings.target.content_hash[:12]}, "
-                    f"--target has {target_content_hash(config.target)[:12]}" if not same_weights else
+                    f"--target has {target.content_hash[:12]}" if not same_weights else
                     "although it records this target's content hash")
         finding.explanation = (
             f"none of {len(results)} recomputed samples matches --target {config.target} (aux relative error up to "

@@ -2,7 +2,8 @@
 encoding, shard by shard, resumably, under the extract commit protocol.
 
 Each committed shard of STORE becomes the same shard of NEW: its Parquet file is copied byte for
-byte, its tensors are re-encoded through the writer's own :func:`encode_sample` (so an fp8 store
+byte, its samples (read through the raw reader) are re-encoded by the encoder extract writes with
+(``shard_tensors.encode_sample``; so an fp8 store
 converted from bf16 is byte-identical to one extracted with ``--hidden-dtype fp8`` from the same
 run), its content statistics are computed from the new rows, and its commit record is the source's
 with the new file sizes, sha256 and statistics. A shard of NEW exists once its commit record does:
@@ -23,16 +24,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-
 from peagle.pipeline.atomic import remove_stale_temps
+from peagle.pipeline.raw_reader import open_raw_shard, raw_sample
+from peagle.pipeline.shard_stats import sample_rows, shard_stats
+from peagle.pipeline.shard_tensors import encode_sample, write_tensors
 from peagle.pipeline.store import (Store, check_shards, commit_shard, init_store, list_commits, open_store,
                                    rebuild_manifest, write_bytes_atomic, write_shard_file)
-from peagle.pipeline.store_reader import open_shard_tensors, stored_aux
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
-from peagle.stages.extract.stats import sample_rows, shard_stats
-from peagle.stages.extract.writer import encode_sample, write_tensors
 
 
 @dataclass(kw_only=True)
@@ -50,16 +49,11 @@ def convert_shard(source: Store, record: S.ShardRecord, out: Path, settings: S.S
     if problems:
         raise UserError(f"store {source.root} is damaged: {problems[0]}; not converting it (run "
                         f"`peagle store verify --store {source.root}`)")
-    tensors = open_shard_tensors(source, record.index)
-    aux = stored_aux(tensors)
-    table = source.read_rows(record.index, ["input_ids", "loss_mask", "token_offset", "num_tokens"])
     encoded, rows = [], []
-    for input_ids, loss_mask, first, n in zip(*(table.column(c).to_pylist() for c in table.column_names)):
-        parts = encode_sample(aux[first:first + n].states(), tensors[S.TOPK_IDS][first:first + n],
-                              tensors[S.TOPK_LOGPROBS][first:first + n], settings)
+    for sample in open_raw_shard(source, record.index).samples():
+        parts = encode_sample(sample.aux_nAH, sample.topk_ids_nk, sample.topk_logprobs_nk, settings)
         encoded.append(parts)
-        rows.append(sample_rows(stored_aux(parts).states(), parts[S.TOPK_IDS], parts[S.TOPK_LOGPROBS],
-                                np.asarray(input_ids), np.asarray(loss_mask)))
+        rows.append(sample_rows(raw_sample(sample.sample_id, sample.input_ids_n, sample.loss_mask_n, parts)))
     parquet_bytes, parquet_sha = write_shard_file(out, record.parquet,
                                                   lambda tmp: shutil.copyfile(source.root / record.parquet, tmp))
     try:

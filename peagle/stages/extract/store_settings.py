@@ -1,49 +1,20 @@
-"""The target as extract sees it before loading weights: config, tokenizer, and the identity that
-goes into the store (docs/store.md: path, content hash, architecture, sizes, dtype; tokenizer
-fingerprint; chat-template hash), from which ``StoreSettings`` are built."""
+"""The settings an extraction writes with (``StoreSettings``, docs/store.md), from its config and the
+opened target (``peagle.model.target.TargetDirectory``: config, tokenizer, identity): the target's
+identity, tokenizer fingerprint and chat-template hash, the aux layers and the mask token; and the
+backend and compute dtype a run resolves to."""
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
 import json
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from peagle.model import target as T
-from peagle.model.target import load_config
+from peagle.model.target import TargetDirectory
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 from peagle.schemas.extract_config import ExtractConfig, resolve_aux_layer_ids
 from peagle.stages.extract.mask_token import choose_mask_token
-
-@dataclass(frozen=True, kw_only=True)
-class Target:
-    """What the driver knows about the target before loading its weights."""
-
-    path: Path
-    config: Any  # transformers PretrainedConfig (text part; peagle.model.target.load_config)
-    tokenizer: Any
-
-
-def load_target(path: str) -> Target:
-    """Config and tokenizer of the target (weights are loaded later, by the backend).
-
-    Raises:
-        UserError: the directory is missing or holds no loadable config/tokenizer.
-    """
-    config = load_config(path)  # checks the directory first: a typo fails fast
-    root = Path(path)
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(root)
-    except (OSError, ValueError, KeyError) as err:
-        raise UserError(f"cannot load target {root}: {str(err).strip().splitlines()[0] if str(err).strip() else err!r}") from err
-    return Target(path=root, config=config, tokenizer=tokenizer)
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -78,16 +49,17 @@ def compute_dtype(config: ExtractConfig) -> str:
     return "bfloat16" if on_gpu else "float32"
 
 
-def store_settings(config: ExtractConfig, target: Target) -> S.StoreSettings:
+def store_settings(config: ExtractConfig, target: TargetDirectory) -> S.StoreSettings:
     """The settings this run writes with (a pure function of the config and the target, so every
     worker of a store derives the same ones).
 
     Raises:
-        UserError: bad aux layers for this target, or no usable mask token (``choose_mask_token``).
+        UserError: bad aux layers for this target, an unloadable tokenizer, or no usable mask token
+            (``choose_mask_token``).
     """
     aux_ids = resolve_aux_layer_ids(config, target.config.num_hidden_layers)
     mask = choose_mask_token(target.tokenizer, int(target.config.vocab_size), config.mask_token_id)
-    identity = T.Target(path=target.path, config=target.config).identity(compute_dtype(config))
+    identity = target.identity(compute_dtype(config))
     return S.StoreSettings(
         target=identity, tokenizer_fingerprint=tokenizer_fingerprint(target.tokenizer),
         chat_template_hash=hashlib.sha256((target.tokenizer.chat_template or "").encode()).hexdigest(),

@@ -11,12 +11,10 @@ from pathlib import Path
 from peagle.pipeline.atomic import canonical_json
 from peagle.pipeline.plan import Completeness, format_ranges, plural, store_completeness
 from peagle.pipeline.store import check_shards, list_commits, manifest_dict, read_settings
-from peagle.pipeline.store_reader import raw_bytes_per_token
+from peagle.pipeline.shard_tensors import raw_bytes_per_token
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
-from peagle.stages.extract.conversation import SKIP_REASONS
-from peagle.stages.extract.finish_command import finish_commands
-from peagle.stages.extract.mask_token import describe_mask_token
+from peagle.stages.store.finish_command import finish_commands
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,7 +54,7 @@ class StoreInfo:
 
     @property
     def raw_bytes_per_token(self) -> int:
-        """The tensors' raw bytes per token (``store_reader.raw_bytes_per_token``)."""
+        """The tensors' raw bytes per token (``shard_tensors.raw_bytes_per_token``)."""
         return raw_bytes_per_token(self.settings)
 
 
@@ -102,7 +100,7 @@ def format_info(info: StoreInfo) -> str:
         f"settings     aux_layer_ids {list(s.aux_layer_ids)} ({s.hidden_dtype}), topk {s.topk} ({s.logprob_dtype}), "
         f"max_seq_len {s.max_seq_len}, loss_on {s.loss_on}"
         + ("" if s.supervise_reasoning else ", reasoning not supervised"),
-        f"mask token   {describe_mask_token(s.mask_token_id, s.mask_token, s.mask_token_source)}",
+        f"mask token   {S.describe_mask_token(s.mask_token_id, s.mask_token, s.mask_token_source)}",
         f"tokenizer    {s.tokenizer_fingerprint[:12]}, chat template {s.chat_template_hash[:12]}",
         f"shards       {_shards_line(info)}" + (f" (backend {', '.join(info.backends)})" if info.backends else ""),
         *_missing_lines(info),
@@ -142,9 +140,9 @@ def _missing_lines(info: StoreInfo) -> list[str]:
 
 
 def _record_skips(skipped: dict[str, int]) -> int:
-    """Skipped records; the counts also hold samples dropped from kept records (a per-turn sample cut
-    to no loss, a sample with non-finite target outputs), which are not records."""
-    return sum(n for reason, n in skipped.items() if reason in SKIP_REASONS)
+    """Skipped records; the counts also hold samples dropped from kept records (``S.SAMPLE_DROPS``: a
+    per-turn sample cut to no loss, a sample with non-finite target outputs), which are not records."""
+    return sum(n for reason, n in skipped.items() if reason not in S.SAMPLE_DROPS)
 
 
 def format_token_counts(info: StoreInfo) -> list[str]:

@@ -19,11 +19,11 @@ from peagle.schemas.check_config import CheckConfig
 from peagle.schemas.errors import UserError
 from peagle.schemas.extract_config import ExtractConfig
 from peagle.schemas.train_config import StoreSpec
-from peagle.stages.extract.backend import TargetOutput
-from peagle.stages.extract.check import check_store, prefix_keys
-from peagle.stages.extract.check_report import format_report
-from peagle.stages.extract.convert import convert_store
-from peagle.stages.extract.info import verify_store
+from peagle.model.target_backend import TargetOutput
+from peagle.stages.store.check import check_store, prefix_keys
+from peagle.stages.store.check_report import format_report
+from peagle.stages.store.convert import convert_store
+from peagle.stages.store.info import verify_store
 from peagle.stages.extract.run import run_extract
 from peagle.stages.extract.template import TokenizedSample
 from peagle.stages.extract.writer import ShardContent, write_and_commit

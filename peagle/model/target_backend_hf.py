@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
+from peagle.model.target import load_causal_lm
+from peagle.model.target_backend import TargetOutput
 from peagle.schemas.errors import UserError
-from peagle.stages.extract.backend import TargetOutput
 
 # Budget for one chunk of fp32 logits (tokens * V * 4 bytes): bounds the top-k step's memory.
 LOGITS_CHUNK_BYTES = 256 << 20
@@ -42,18 +43,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-
-
-def load_causal_lm(model_dir: str | os.PathLike, dtype: torch.dtype, device: torch.device) -> Any:
-    """Load the target for inference; a broken model dir is a one-line UserError."""
-    from transformers import AutoModelForCausalLM
-
-    try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    except (OSError, ValueError, KeyError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UserError(f"cannot load target model from {model_dir}: {first}") from err
-    return model.to(device).eval()
 
 
 def decoder_layers(model: Any) -> torch.nn.ModuleList:

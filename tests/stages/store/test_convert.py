@@ -16,7 +16,7 @@ from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 from peagle.schemas.extract_config import ExtractConfig
 from peagle.schemas.train_config import StoreSpec
-from peagle.stages.extract.convert import convert_store
+from peagle.stages.store.convert import convert_store
 from peagle.stages.extract.run import run_extract
 from peagle.stages.train.loader import LoaderConfig, open_training_stores
 from peagle.testing.chat_data import write_chat_jsonl

@@ -1,6 +1,6 @@
 """Content statistics of stored rows: per sample (:func:`sample_rows`) and per shard (:func:`shard_stats`).
 
-The writer computes a shard's statistics while it still holds the tensors, from exactly what it
+Extract's writer computes a shard's statistics while it still holds the tensors, from exactly what it
 writes (fp8: the dequantised codes), and puts them in the commit record; ``peagle store check``
 computes the same numbers by reading a shard back (records written before statistics existed, and
 its own per-row judgements); ``peagle train`` refuses a store whose records show all-zero or
@@ -8,8 +8,10 @@ non-finite rows. Inference engines have shipped bugs that dump exactly such rows
 (chunked prefill, prefix caching, tensor parallelism), and a draft trained on them fails only when
 served.
 
-Rows here are the store's own (raw) rows: row i of a sample of n tokens is ``aux[i]`` (the state after
-x_0 … x_i) and ``topk[i]`` (the distribution of x_{i+1}), i ∈ [0, n) (docs/indexing.md).
+Rows here are the store's own (raw) rows, as the raw reader gives them (``RawSample``,
+:mod:`peagle.pipeline.raw_reader`): row i of a sample of n tokens is ``aux[i]`` (the state after
+x_0 … x_i) and ``topk[i]`` (the distribution of x_{i+1}, ``RawSample.next_tokens_n1``), i ∈ [0, n)
+(docs/indexing.md).
 
 Floats in a record are rounded to 6 significant digits: the record is part of the manifest, whose
 bytes must not depend on summation order across machines (docs/reliability.md).
@@ -24,8 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import Tensor
-
+from peagle.pipeline.raw_reader import RawSample
 from peagle.schemas import store as S
 
 
@@ -54,23 +55,22 @@ class SampleRows:
         return usable
 
 
-def sample_rows(states_nAH: Tensor, topk_ids_nk: Tensor, topk_logprobs_nk: Tensor, input_ids_n: np.ndarray,
-                loss_mask_n: np.ndarray) -> SampleRows:
-    """The row facts of one sample's stored rows (``states_nAH``: the aux states as read back,
-    ``StoredAux.states()``)."""
-    states_nAH = states_nAH.float()
+def sample_rows(sample: RawSample) -> SampleRows:
+    """The row facts of one sample's stored rows (its aux states as read back: fp8 dequantised)."""
+    states_nAH = sample.aux_nAH.float()
     finite_nAH = torch.isfinite(states_nAH)
-    logprobs_nk = topk_logprobs_nk.float()
-    ids = np.asarray(input_ids_n)
+    logprobs_nk = sample.topk_logprobs_nk.float()
+    next_n1 = sample.next_tokens_n1.numpy()
+    predicting_n1k = sample.topk_ids_nk[:-1].numpy()  # topk[i] for the rows i that have a next token
     return SampleRows(
         norm_nA=torch.linalg.vector_norm(states_nAH, dim=-1).numpy(),
         zero_nA=(states_nAH == 0).all(dim=-1).numpy(),
         non_finite_nA=(~finite_nAH.all(dim=-1)).numpy(),
         mass_n=logprobs_nk.exp().sum(dim=-1).numpy(),
         topk_non_finite_n=(~torch.isfinite(logprobs_nk).all(dim=-1)).numpy(),
-        agree_n1=topk_ids_nk[:-1, 0].numpy() == ids[1:],
-        in_topk_n1=(topk_ids_nk[:-1].numpy() == ids[1:, None]).any(axis=1),
-        supervised_n1=np.asarray(loss_mask_n)[1:].astype(bool),
+        agree_n1=predicting_n1k[:, 0] == next_n1,
+        in_topk_n1=(predicting_n1k == next_n1[:, None]).any(axis=1),
+        supervised_n1=sample.next_supervised_n1.numpy(),
     )
 
 

@@ -1,0 +1,69 @@
+"""Whether a checkpointed `peagle train` run may resume under the current flags (docs/reliability.md).
+
+A resumed run must compute what the killed one computed: every :class:`TrainConfig` field but
+:data:`SAFE_TO_CHANGE` must be what the checkpointed run was started with (``run.json`` and the
+checkpoint's config). :func:`config_mismatch` names the first that differs, in one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from peagle.schemas.train_config import TrainConfig, parse_store_spec
+
+SAFE_TO_CHANGE = frozenset({
+    "out", "max_steps", "epochs", "eval_every", "save_every", "keep_checkpoints", "log_every", "num_workers",
+    "verify", "eval_store", "allow_bad_aux_rows", "compile", "flex_kernel", "allow_incomplete", "follow_timeout",
+})
+"""Fields a resumed run may change: they steer how long the run goes, what it reports and where it
+lives (a run directory may be moved), not what a step computes. (Changing the run length re-times
+the cosine decay from the resume step on.)"""
+
+ABSENT_MEANT: dict[str, Any] = {"optimizer": "adamw", "norm_before_residual": False, "norm_before_fc": False,
+                                 "fc_norm": False, "train_embeddings": True}
+"""What a field missing from a saved config meant, where that is not today's default: runs
+checkpointed before ``--optimizer`` existed trained with AdamW, and runs checkpointed before the
+EAGLE-3.1 norm options existed trained without them (both since made defaults); runs from before
+``--train-embeddings`` trained the embedding."""
+
+
+def config_mismatch(saved: dict[str, Any], current: TrainConfig) -> str | None:
+    """The first field (other than ``SAFE_TO_CHANGE``) that differs, as one line; None if none does.
+
+    Paths compare after resolving, so ``./store`` and ``/abs/store`` are the same store.
+    """
+    now = current.to_dict()
+    for f in fields(TrainConfig):
+        name = f.name
+        if name in SAFE_TO_CHANGE:
+            continue
+        old = saved.get(name, ABSENT_MEANT.get(name, f.default))
+        new = now[name]
+        if _normalise(name, old) != _normalise(name, new):
+            return (f"--{name.replace('_', '-')} was {_show(old)} in the checkpointed run and is {_show(new)} "
+                    f"now; resume with the same value or use a new --out")
+    return None
+
+
+_PATH_FIELDS = ("target", "out", "init_from", "epoch_shards")
+
+
+def _normalise(name: str, value: Any) -> Any:
+    if value is None:
+        return None
+    if name == "store":
+        specs = [parse_store_spec(s) for s in value]
+        return [(str(Path(s.path).resolve()), s.weight) for s in specs]
+    if name in _PATH_FIELDS:
+        return str(Path(value).resolve())
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    return value
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value))
+    return repr(value) if isinstance(value, str) else str(value)
