@@ -224,7 +224,7 @@ def demo(
     Fetches SmolLM2-135M-Instruct (once, cached), has it answer chat prompts, runs extract -> vocab
     -> train -> export -> eval, and prints a summary table (store size, train throughput, per-depth
     acceptance, acceptance length in our loop and in vLLM, speedup over plain decoding) and where
-    the plots are. About 10 minutes on 2 CPU cores, set-up not counted; the time of each stage is
+    the plots are. About 11.5 minutes on 2 CPU cores, set-up not counted; the time of each stage is
     printed as it ends.
     """
     hidden_dtype, modes = check_demo_options(
