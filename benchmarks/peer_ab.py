@@ -58,7 +58,7 @@ from quality import EVAL_K, NOISE_WORD, Budget, Stages, continuation_stats, trai
 from peagle.pipeline.atomic import atomic_write_json
 from peagle.pipeline.store import open_store
 from peagle.schemas.train_config import TrainConfig
-from peagle.testing.seed_statistics import describe, welch
+from peagle.testing.seed_statistics import describe_groups, welch
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECULATORS_VENV = ROOT / ".venv-speculators"
@@ -271,13 +271,10 @@ def eval_settings(budget: Budget, modes: list[str]) -> dict:
 
 def summarise(records: list[dict]) -> dict:
     """Per configuration: mean/std/se of every AL over seeds, per-depth means, seconds, Welch vs peagle."""
-    by_config: dict[str, list[dict]] = {}
-    for rec in records:
-        by_config.setdefault(rec["config"], []).append(rec)
+    groups = describe_groups(records, "config", ("al_vllm", "al_own", "al_offline"))
+    by_config = {name: recs for name, (recs, _) in groups.items()}
     out = {}
-    for name, recs in by_config.items():
-        entry = {key: describe([r[key] for r in recs]) if all(r[key] is not None for r in recs) else None
-                 for key in ("al_vllm", "al_own", "al_offline")}
+    for name, (recs, entry) in groups.items():
         entry["per_depth"] = [statistics.fmean(d) for d in zip(*(r["per_depth"] for r in recs))]
         entry["positions"] = statistics.fmean(r["positions"] for r in recs)
         entry["train_seconds"] = statistics.fmean(r["seconds"]["train"] for r in recs)

@@ -60,7 +60,7 @@ from quality_variants import (BASE_TRAIN, DEFAULT_VARIANTS, REFERENCE, TOY_VARIA
 
 from peagle.pipeline.atomic import atomic_write_json
 from peagle.testing.quality_target import QualityTargetSpec, build_quality_target, quality_chats, text_variety
-from peagle.testing.seed_statistics import describe, welch
+from peagle.testing.seed_statistics import describe_groups, welch
 
 EVAL_K = 5
 """Acceptance is always measured at K = 5 draft tokens, whatever K a variant trains."""
@@ -115,13 +115,10 @@ def versus(records: list[dict], other: list[dict]) -> dict:
 
 def summarise(records: list[dict]) -> dict:
     """Per variant: mean/std/se of every AL over seeds, mean per-depth acceptance, Welch vs baseline."""
-    by_variant: dict[str, list[dict]] = {}
-    for rec in records:
-        by_variant.setdefault(rec["variant"], []).append(rec)
+    groups = describe_groups(records, "variant", ("al_vllm", "al_own", "al_offline"))
+    by_variant = {name: recs for name, (recs, _) in groups.items()}
     out = {}
-    for name, recs in by_variant.items():
-        entry = {key: describe([r[key] for r in recs]) if all(r.get(key) is not None for r in recs) else None
-                 for key in ("al_vllm", "al_own", "al_offline")}
+    for name, (recs, entry) in groups.items():
         entry["method"] = recs[0].get("method", "peagle")  # records from before EAGLE-3 are P-EAGLE's
         entry["per_depth"] = [statistics.fmean(depths) for depths in zip(*(r["per_depth"] for r in recs))]
         entry["train_seconds"] = statistics.fmean(r["train_seconds"] for r in recs)

@@ -37,3 +37,15 @@ def describe(values: list[float]) -> dict:
     std = statistics.stdev(values) if len(values) > 1 else None
     return {"mean": statistics.fmean(values), "std": std, "se": std / math.sqrt(len(values)) if std is not None else None,
             "n": len(values), "values": values}
+
+
+def describe_groups(records: list[dict], group: str, keys: tuple[str, ...]) -> dict[str, tuple[list[dict], dict]]:
+    """Records grouped by ``record[group]`` (first-seen order): per group, its records and
+    :func:`describe` of each of ``keys`` over them (None where a record lacks that figure).
+    What every seed-table benchmark summarises before its own comparisons."""
+    groups: dict[str, list[dict]] = {}
+    for rec in records:
+        groups.setdefault(rec[group], []).append(rec)
+    return {name: (recs, {key: describe([r[key] for r in recs]) if all(r.get(key) is not None for r in recs)
+                          else None for key in keys})
+            for name, recs in groups.items()}
