@@ -29,7 +29,7 @@ VERBOSE_KEY = "peagle.verbose"
 app = typer.Typer(
     name="peagle",
     help="Train P-EAGLE (parallel-drafting EAGLE-3) draft models offline and serve them in vLLM.\n\n"
-    "Pipeline: extract -> vocab -> train -> export -> eval.  `peagle demo` runs it all on a tiny target.",
+    "Pipeline: extract -> vocab -> train -> export -> eval.  `peagle demo` runs it all on a small real model.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,

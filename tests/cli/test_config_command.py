@@ -16,6 +16,8 @@ from peagle.schemas.errors import UserError
 from peagle.schemas.fields import field_docs
 
 COMMANDS = ("extract", "train", "export", "eval")
+"""The commands with an example config file (examples/llama-3.1-8b/)."""
+GENERATED = (*COMMANDS, "demo")
 EXAMPLES = Path(__file__).parents[2] / "examples" / "llama-3.1-8b"
 
 
@@ -24,7 +26,7 @@ def spec(name: str):
     return importlib.import_module(f"peagle.cli.{name}").COMMAND
 
 
-@pytest.mark.parametrize("name", COMMANDS)
+@pytest.mark.parametrize("name", GENERATED)
 def test_every_config_field_is_a_flag_with_its_docstring_and_default(name):
     command_spec = spec(name)
     cls = command_spec.config_class
@@ -49,6 +51,7 @@ def test_every_config_field_is_a_flag_with_its_docstring_and_default(name):
     ("extract", ["--data", "d", "--target", "t", "--out", "o"]),
     ("export", ["r", "--out", "o"]),
     ("eval", ["r"]),
+    ("demo", []),
 ])
 def test_unset_flags_take_the_config_defaults(name, argv):
     config = spec(name).parse(app, argv)

@@ -1,17 +1,27 @@
-"""`peagle demo` checks every option before it starts (issue 22): a typo is one line, and nothing ran."""
+"""`peagle demo` checks every option before it starts (issue 22): a typo is one line, and nothing ran.
+Its flags are the fields of ``DemoConfig`` (issue 23), and `peagle --verbose demo` reaches every stage."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import pytest
+
+from peagle.schemas.demo_config import DemoConfig
 
 
 @pytest.mark.parametrize("args,needle", [
     (("--eval-modes", "offline,onlin"), "--eval-modes takes a comma list of offline,online,vllm, got 'offline,onlin'"),
+    (("--eval-modes", "bogus"), "--eval-modes takes a comma list of offline,online,vllm, got 'bogus'"),
     (("--hidden-dtype", "int8"), "--hidden-dtype must be one of bf16 (bfloat16), fp8 (float8), got 'int8'"),
     (("--num-depths", "0"), "--num-depths must be >= 1, got 0"),
+    (("--num-train-chats", "0"), "--num-train-chats must be >= 1, got 0"),
     (("--train-steps", "-3"), "--train-steps must be >= 1, got -3"),
     (("--seed", "-1"), "--seed must be >= 0, got -1"),
     (("--method", "medusa"), "--method must be one of peagle|eagle3, got 'medusa'"),
+    (("--target", "nope"), "Invalid value for '--target': Value error, 'nope' is not one of 'smollm2', 'tiny'. "
+                           "See `peagle demo --help`."),
 ])
 def test_a_bad_option_is_refused_before_anything_runs(args, needle, tmp_path, run_peagle):
     out, cache = tmp_path / "demo", tmp_path / "cache"
@@ -19,3 +29,40 @@ def test_a_bad_option_is_refused_before_anything_runs(args, needle, tmp_path, ru
     assert proc.returncode == 2 and proc.stdout == "", proc.stdout
     assert proc.stderr.strip() == f"peagle: error: {needle}"
     assert not out.exists() and not cache.exists()
+
+
+def test_a_bad_value_in_a_config_file_is_refused_the_same_way(tmp_path, run_peagle):
+    config = tmp_path / "demo.yaml"
+    config.write_text("num-depths: 0\ntarget: tiny\n")
+    out = tmp_path / "demo"
+    proc = run_peagle("demo", "--config", config, "--out", out, "--cache-dir", tmp_path / "cache")
+    assert (proc.returncode, proc.stdout, proc.stderr.strip()) == (2, "", "peagle: error: --num-depths must be >= 1, got 0")
+    assert not out.exists()
+
+
+def test_help_lists_every_config_field_as_a_flag_with_its_placeholder(run_peagle):
+    proc = run_peagle("demo", "--help")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    for field in dataclasses.fields(DemoConfig):
+        flag = "--" + field.name.replace("_", "-")
+        assert re.search(rf"^\s+{flag} [a-zA-Z0-9|,]+\s", proc.stdout, re.MULTILINE), (flag, proc.stdout)
+    for placeholder in ("--target smollm2|tiny", "--backend auto|vllm|hf", "--method peagle|eagle3", "--out DIR",
+                        "--num-depths N", "--hidden-dtype bf16|fp8", "--eval-modes offline,online,vllm"):
+        assert placeholder in proc.stdout, placeholder
+    assert "Run the whole pipeline on a real instruct model (or --target tiny), end to end." in proc.stdout
+
+
+def test_the_root_verbose_flag_reaches_every_stage(tmp_path, run_peagle):
+    """`peagle --verbose demo` runs each stage as `peagle --verbose STAGE`. A cached target that is no
+    model (its directory holds an empty config.json) makes extract, the first stage after it, fail fast:
+    one line naming the stage, after the stages' commands were printed."""
+    cache, out = tmp_path / "cache", tmp_path / "demo"
+    (cache / "targets" / "SmolLM2-135M-Instruct").mkdir(parents=True)
+    (cache / "targets" / "SmolLM2-135M-Instruct" / "config.json").write_text("{}")
+    proc = run_peagle("--verbose", "demo", "--out", out, "--cache-dir", cache, "--backend", "hf",
+                      "--num-train-chats", "2", "--num-heldout", "1")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("peagle: error: demo stage `peagle extract` failed")
+    assert f"$ peagle --verbose target fetch smollm2 --cache-dir {cache}\n" in proc.stdout
+    assert "$ peagle --verbose extract --data " in proc.stdout
+    assert (out / "data" / "train.jsonl").read_text().count("\n") == 2

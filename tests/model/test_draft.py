@@ -1,6 +1,7 @@
 """PEagleDraft against an obvious reference built from transformers' Llama and Qwen3 modules (the norms
-before fc as vLLM's ``combine_hidden_states`` writes them), plus its backends, gradients,
-checkpointing and loading from a target (both tiny target architectures)."""
+before fc as vLLM's ``combine_hidden_states`` writes them), plus its gradients, checkpointing and
+loading from a target (both tiny target architectures). Its layers' attention backends and RoPE:
+test_decoder_layers.py."""
 
 from __future__ import annotations
 
@@ -10,26 +11,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors import safe_open
-from transformers import AutoConfig, LlamaConfig, Qwen3Config
+from transformers import AutoConfig, Qwen3Config
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer, LlamaRotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
-from peagle.model.decoder_layers import rope_inv_freq
 from peagle.model.draft import PEagleDraft, build_draft_from_target
-from peagle.model.mask import dense_peagle_mask, document_ids, document_masks
+from peagle.model.mask import dense_peagle_mask
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.errors import UserError
-from peagle.testing.cod_masks import cod_block_mask
-from peagle.testing.tiny_draft import cod_row, random_draft, small_config
+from peagle.testing.tiny_draft import LLAMA3_ROPE, cod_row, hf_llama_config, random_draft, small_config
 from peagle.testing.tiny_target import MASK_TOKEN, TinyTargetSpec, build_tiny_target
-
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-
-
-def hf_llama_config(config: DraftConfig) -> LlamaConfig:
-    return LlamaConfig(**{k: v for k, v in config.llama_config_dict().items() if k not in ("model_type", "architectures")})
-
 
 def hf_modules(config: DraftConfig):
     """transformers' config, attention, decoder layer and rotary classes of the draft's architecture."""
@@ -131,54 +122,6 @@ def test_every_option_changes_the_forward(option):
     with torch.no_grad():
         diff = (on(token_ids_N, aux_RAH, position_N, allowed_NN) - off(token_ids_N, aux_RAH, position_N, allowed_NN)).abs()
     assert diff.max() > 1e-2
-
-
-def test_rope_inv_freq_matches_transformers():
-    for rope in ({"rope_type": "default", "rope_theta": 10000.0}, LLAMA3_ROPE,
-                 {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}):
-        cfg = small_config(rope_parameters=rope)
-        hf = LlamaRotaryEmbedding(hf_llama_config(cfg))
-        torch.testing.assert_close(rope_inv_freq(cfg), hf.inv_freq.float(), rtol=1e-6, atol=0)
-
-
-def test_sdpa_and_flex_give_equal_outputs():
-    draft = random_draft(small_config(num_layers=2))
-    lengths = [70, 61]  # > one 128-block of elements, two documents
-    anchor_N, depth_N, position_N = cod_row(lengths, num_depths=3)
-    num_real, n = int((depth_N == 0).sum()), anchor_N.numel()
-    token_ids_N = torch.randint(0, 199, (n,))
-    token_ids_N[num_real:] = 199
-    aux_RAH = torch.randn(num_real, 3, 64)
-    dense = dense_peagle_mask(anchor_N, depth_N, torch.tensor(lengths), sum(lengths))
-    block = cod_block_mask(anchor_N, depth_N, torch.tensor(lengths), sum(lengths))
-    with torch.no_grad():
-        torch.testing.assert_close(draft(token_ids_N, aux_RAH, position_N, block),
-                                   draft(token_ids_N, aux_RAH, position_N, dense), atol=1e-5, rtol=1e-5)
-
-
-def test_per_document_sdpa_equals_one_dense_mask_with_gradients():
-    """The CPU path's DocumentMasks: the same outputs and gradients as one [N, N] mask, on a row of
-    three documents whose elements interleave in the flat COD order (depth-major)."""
-    lengths = [9, 4, 6]
-    anchor_N, depth_N, position_N = cod_row(lengths, num_depths=3)
-    num_real, n = sum(lengths), anchor_N.numel()
-    doc_N = document_ids(anchor_N, torch.tensor(lengths), sum(lengths))
-    token_ids_N = torch.randint(0, 199, (n,))
-    token_ids_N[num_real:] = 199
-    aux_RAH = torch.randn(num_real, 3, 64)
-    per_doc = document_masks(anchor_N, depth_N, doc_N)
-    assert [i.numel() for i in per_doc.index_per_doc] == [3 * n_d for n_d in lengths]
-    outputs, grads = [], []
-    for mask in (dense_peagle_mask(anchor_N, depth_N, torch.tensor(lengths), sum(lengths)), per_doc):
-        draft = random_draft(small_config(num_layers=2, architecture="qwen3"))
-        out = draft(token_ids_N, aux_RAH, position_N, mask)
-        out.square().sum().backward()
-        outputs.append(out.detach())
-        grads.append({name: p.grad for name, p in draft.named_parameters() if p.grad is not None})
-    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
-    assert grads[0].keys() == grads[1].keys()
-    for name in grads[0]:
-        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-4, rtol=1e-4, msg=name)
 
 
 def test_frozen_embeddings_get_no_gradient_and_no_optimizer_state():

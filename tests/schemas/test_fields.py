@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from peagle.schemas.demo_config import DemoConfig
 from peagle.schemas.eval_config import EvalConfig
 from peagle.schemas.export_config import ExportConfig
 from peagle.schemas.extract_config import ExtractConfig
@@ -41,5 +42,5 @@ def test_a_field_without_a_docstring_is_an_internal_error():
 
 
 def test_every_config_field_has_help():
-    for cls in (ExtractConfig, TrainConfig, ExportConfig, EvalConfig):
+    for cls in (ExtractConfig, TrainConfig, ExportConfig, EvalConfig, DemoConfig):
         assert set(field_docs(cls)) == set(cls.__dataclass_fields__)
