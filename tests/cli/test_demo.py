@@ -4,6 +4,7 @@ Its flags are the fields of ``DemoConfig`` (issue 23), and `peagle --verbose dem
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 
 import pytest
@@ -66,3 +67,23 @@ def test_the_root_verbose_flag_reaches_every_stage(tmp_path, run_peagle):
     assert f"$ peagle --verbose target fetch smollm2 --cache-dir {cache}\n" in proc.stdout
     assert "$ peagle --verbose extract --data " in proc.stdout
     assert (out / "data" / "train.jsonl").read_text().count("\n") == 2
+
+
+@pytest.mark.slow
+def test_the_tiny_demo_runs_every_stage_and_writes_its_summary(tmp_path, run_peagle):
+    """The demo end to end (README's first command runs the same code on SmolLM2), at the smallest
+    budget: every stage runs as its own `peagle` process, prints its command and time, and the summary
+    holds the store, the training and an acceptance measured in our loop with greedy output unchanged.
+    What a demo draft accepts is benchmarks/results/cpu/demo_summary.json's business, not this test's."""
+    out = tmp_path / "demo"
+    proc = run_peagle("demo", "--target", "tiny", "--target-steps", "2", "--num-train-chats", "3", "--num-heldout", "1",
+                      "--train-steps", "2", "--backend", "hf", "--eval-modes", "online", "--out", out,
+                      "--cache-dir", tmp_path / "cache", timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for stage in ("extract", "vocab", "train", "export", "eval"):
+        assert f"\n$ peagle {stage} " in proc.stdout and f"[demo] {stage}: " in proc.stdout, stage
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["store"]["samples"] == 3 and summary["train"]["steps"] == 2
+    online = summary["eval"]["online"]
+    assert online["acceptance_length"] >= 1.0 and online["greedy_output_matches_plain"]
+    assert "peagle demo summary" in proc.stdout and "online       acceptance length" in proc.stdout
