@@ -1,18 +1,20 @@
 """`peagle extract` and `peagle store` end to end, as real subprocesses on the tiny Llama target:
-the store layout of docs/store.md, n workers == 1 worker byte for byte, resume after kill -9 at every
-named failpoint and at a random moment, refused re-runs, one-line errors, disk full, appending."""
+the store layout of docs/store.md, n workers == 1 worker byte for byte, refused re-runs, one-line
+errors, appending.
+
+Kills, disk full, bad input and damage are the fault suite's (tests/faults, docs/reliability.md): resume after
+kill -9 at every named failpoint, in turn and alone, and at random moments (test_fault_extract.py), a
+file-size limit mid-run (test_fault_diskfull.py), --strict and an input of only bad lines
+(test_fault_inputs.py), `store verify` of a damaged shard (test_fault_store.py)."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import resource
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -114,22 +116,10 @@ def test_store_layout_matches_design(baseline):
     stats = manifest["shards"][0]["stats"]  # content statistics, one entry per aux layer (peagle store check)
     assert len(stats["layers"]) == 3 and stats["layers"][0]["zero_rows"] == 0 and stats["topk"]["non_finite_rows"] == 0
     info = _ok(run_peagle("store", "info", "--store", baseline)).stdout
+    assert "shards       5 of 5 committed (backend hf)" in info
     assert f"tokens       {manifest['num_tokens']:,}" in info and "malformed_json 1" in info
     assert "on disk vs 816 raw tensor bytes" in info
     assert "verify ok: 5 committed shards" in _ok(run_peagle("store", "verify", "--store", baseline)).stdout
-
-
-def test_verify_exits_non_zero_on_a_damaged_shard(baseline, tmp_path):
-    damaged = tmp_path / "damaged"
-    shutil.copytree(baseline, damaged)
-    path = damaged / S.tensors_name(2)
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    path.write_bytes(bytes(data))
-    proc = run_peagle("store", "verify", "--store", damaged)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert f"{S.tensors_name(2)} sha256 does not match its commit record" in proc.stderr
-    assert "verify FAILED: 1 problem(s) in 5 committed shards" in proc.stderr
 
 
 def test_two_concurrent_workers_write_the_same_bytes_as_one(baseline, data, tiny_llama, tmp_path):
@@ -145,38 +135,14 @@ def test_two_concurrent_workers_write_the_same_bytes_as_one(baseline, data, tiny
 
 
 def test_rerun_skips_committed_shards(baseline, data, tiny_llama):
+    """Nothing is rewritten: every file keeps its bytes (so `store info` and `store verify` say what
+    test_store_layout_matches_design saw them say of these bytes) and the shards their mtimes."""
+    before = _snapshot(baseline)
     mtimes = {p: p.stat().st_mtime_ns for p in (baseline / S.SHARDS_DIR).iterdir()}
     proc = _ok(run_peagle(*_args(data, tiny_llama, baseline)))
     assert "5 already committed, 0 to do" in proc.stdout and "nothing to do" in proc.stdout
-    assert "shards       5 of 5 committed (backend hf)" in _ok(run_peagle("store", "info", "--store", baseline)).stdout
+    assert _snapshot(baseline) == before
     assert {p: p.stat().st_mtime_ns for p in (baseline / S.SHARDS_DIR).iterdir()} == mtimes
-
-
-@pytest.mark.slow
-def test_kill_at_every_failpoint_then_resume_gives_identical_store(baseline, data, tiny_llama, tmp_path):
-    """One store, killed again and again at the next named phase; each re-run resumes what is left."""
-    out = tmp_path / "killed"
-    for failpoint in ("extract.forward:3", "extract.write:2", "extract.before_commit", "extract.after_commit"):
-        proc = run_peagle(*_args(data, tiny_llama, out), env={"PEAGLE_FAILPOINT": failpoint})
-        assert proc.returncode == -signal.SIGKILL, (failpoint, proc.returncode, proc.stderr)
-    _ok(run_peagle(*_args(data, tiny_llama, out)))
-    assert _snapshot(out) == _snapshot(baseline)
-    assert "verify ok" in _ok(run_peagle("store", "verify", "--store", out)).stdout
-
-
-def test_kill_at_a_random_moment_then_resume(baseline, data, tiny_llama, tmp_path):
-    out = tmp_path / "random"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([*peagle_bin(), *_args(data, tiny_llama, out)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env=env)
-    deadline = time.monotonic() + 120
-    while not list((out / S.COMMITS_DIR).glob("*.json")) and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-    time.sleep(0.05)  # somewhere inside the next shard
-    proc.kill()
-    proc.wait()
-    _ok(run_peagle(*_args(data, tiny_llama, out)))
-    assert _snapshot(out) == _snapshot(baseline)
 
 
 def test_rerun_with_other_settings_is_one_line_naming_both(baseline, data, tiny_llama):
@@ -191,38 +157,6 @@ def test_missing_model_dir_and_unreadable_data_are_one_line(data, tiny_llama, tm
     _one_line_error(proc, "dir.jsonl is not a regular file")
     _one_line_error(run_peagle(*_args(data, tiny_llama, tmp_path / "s", "--aux-layers", "4,2")), "strictly ascending")
     assert not (tmp_path / "s").exists()
-
-
-def test_strict_is_one_line_naming_file_and_line(data, tiny_llama, tmp_path):
-    _one_line_error(run_peagle(*_args(data, tiny_llama, tmp_path / "s", "--strict")),
-                    f"{data['a']} line 7: not valid JSON (malformed_json)")
-
-
-def test_bad_input_is_loud_in_the_dry_run_the_real_run_vocab_and_store_check(data, tiny_llama, tmp_path):
-    """An input of nothing but bad lines must not "succeed" anywhere (issue 22)."""
-    bad = tmp_path / "allbad.jsonl"
-    bad.write_text('{oops\n{"messages": "x"}\n')
-    out = tmp_path / "s"
-    args = ["extract", "--data", bad, "--target", tiny_llama, "--out", out, *COMMON]
-    # the dry run decodes every line it counts, and --strict applies to it
-    _one_line_error(run_peagle(*args, "--dry-run", "--strict"), f"{bad} line 1: not valid JSON (malformed_json)",
-                    "[--strict]")
-    line = _one_line_error(run_peagle(*args, "--dry-run"), "the dry run found no usable record: all 2 were skipped")
-    assert "1 not valid JSON" in line and f"first: {bad} line 1: not valid JSON" in line
-    assert f"{bad} line 2: `messages` (or `conversations`) is not a list" in line
-    assert not out.exists()
-    line = _one_line_error(run_peagle(*args), "extraction found no usable record", f"{bad} line 2")
-    assert "{'" not in line  # in words, not a Python dict
-    # what it committed (an empty shard) is refused downstream
-    vocab = run_peagle("vocab", "--store", out, "--draft-vocab-size", "10", "--quiet")
-    _one_line_error(vocab, "holds no supervised token")
-    check = run_peagle("store", "check", "--store", out)
-    assert check.returncode == 1 and "the store holds no supervised token" in check.stdout, check.stdout
-    # a share of bad records above --max-skipped-share fails too (2 of the 22 records of a.jsonl are bad)
-    line = _one_line_error(run_peagle(*_args(data, tiny_llama, tmp_path / "t", "--dry-run", "--max-skipped-share",
-                                             "0.05")), "skipped 2 of 22 records (9%, more than --max-skipped-share 0.05)")
-    assert f"{data['a']} line 7: not valid JSON" in line and f"{data['a']} line 14" in line
-    _ok(run_peagle(*_args(data, tiny_llama, tmp_path / "t", "--dry-run", "--max-skipped-share", "0.1")))
 
 
 def test_config_file_keys_are_the_flags(data, tiny_llama, tmp_path):
@@ -247,26 +181,6 @@ def test_appending_a_data_file_adds_new_shards(baseline, data, tiny_llama, tmp_p
         {k: v for k, v in before.items() if k != S.MANIFEST_FILE}
     manifest = json.loads(after[S.MANIFEST_FILE])
     assert [(s["index"], s["input_file"]) for s in manifest["shards"]][-2:] == [(5, "b.jsonl"), (6, "b.jsonl")]
-
-
-def _limit_file_size(limit: int):
-    def apply() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() then fails with EFBIG, as on a full disk
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-    return apply
-
-
-def test_disk_full_is_one_line_and_leaves_no_partial_shard(baseline, data, tiny_llama, tmp_path):
-    out = tmp_path / "full"
-    sizes = sorted(r["safetensors_bytes"] for r in json.loads((baseline / S.MANIFEST_FILE).read_text())["shards"])
-    proc = run_peagle(*_args(data, tiny_llama, out), preexec_fn=_limit_file_size(sizes[len(sizes) // 2] - 1))
-    _one_line_error(proc, "no space left writing", "re-run the same command")
-    committed = {p.stem for p in (out / S.COMMITS_DIR).glob("*.json")}
-    assert 0 < len(committed) < 5
-    for p in (out / S.SHARDS_DIR).iterdir():
-        assert p.stem in committed and ".tmp-" not in p.name, p.name
-    _ok(run_peagle(*_args(data, tiny_llama, out)))
-    assert _snapshot(out) == _snapshot(baseline)
 
 
 def test_the_plan_of_a_regeneration_bounds_the_answers_it_has_not_written(tiny_llama, tmp_path):

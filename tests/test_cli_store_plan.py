@@ -62,16 +62,6 @@ def half_store(tmp_path_factory, tiny_llama) -> tuple[Path, Path]:
     return store, data
 
 
-def test_store_info_shows_one_of_two_the_missing_shard_and_the_command(half_store):
-    store, _ = half_store
-    info = peagle("store", "info", "--store", store)
-    assert info.returncode == 0, info.stderr
-    assert "shards       1 of 2 committed: INCOMPLETE" in info.stdout
-    assert "missing      shard 1 of a.jsonl (10 of 20 planned records)" in info.stdout
-    verify = peagle("store", "verify", "--store", store)
-    assert verify.returncode == 1 and "incomplete: 1 of 2 shards committed (missing: shard 1" in verify.stderr
-
-
 def test_vocab_and_train_refuse_a_half_store_unless_allowed(half_store, tiny_llama, tmp_path):
     store, _ = half_store
     _one_line(peagle("vocab", "--store", store, "--draft-vocab-size", "100"),
@@ -90,12 +80,20 @@ def test_vocab_and_train_refuse_a_half_store_unless_allowed(half_store, tiny_lla
     assert "training on 1 of 2 shards committed" in ran.stderr and "50% of the planned records missing" in ran.stderr
 
 
-def test_the_printed_command_finishes_the_store_and_a_second_extract_extends_its_plan(half_store, tiny_llama,
-                                                                                       tmp_path):
+def test_store_info_shows_one_of_two_the_missing_shard_and_the_command_that_finishes_it(half_store, tiny_llama,
+                                                                                          tmp_path):
+    """`store info` of the half store (a copy: this test finishes it) shows `1 of 2`, the missing shard and
+    the command; `store verify` fails; the printed command completes the store; a second extract of new
+    inputs extends its plan."""
     store = tmp_path / "store"
     shutil.copytree(half_store[0], store)
-    info = peagle("store", "info", "--store", store).stdout
-    lines = info.splitlines()
+    info = peagle("store", "info", "--store", store)
+    assert info.returncode == 0, info.stderr
+    assert "shards       1 of 2 committed: INCOMPLETE" in info.stdout
+    assert "missing      shard 1 of a.jsonl (10 of 20 planned records)" in info.stdout
+    verify = peagle("store", "verify", "--store", store)
+    assert verify.returncode == 1 and "incomplete: 1 of 2 shards committed (missing: shard 1" in verify.stderr
+    lines = info.stdout.splitlines()
     command = lines[[i for i, line in enumerate(lines) if line.startswith("finish with")][0] + 1].strip()
     args = shlex.split(command)
     assert args[:2] == ["peagle", "extract"] and str(half_store[1]) in args and str(tiny_llama) in args

@@ -1,4 +1,5 @@
-"""`peagle train` end to end through the real CLI: extract -> vocab -> train, kill -9, resume, errors.
+"""`peagle train` end to end through the real CLI (on a store made by the extract and vocab stages): train,
+kill -9, resume, errors, a variant run and its export.
 
 A run killed with SIGKILL (failpoints mid-step and mid-checkpoint-write, docs/reliability.md) and started again
 with the same command must end with the same per-step losses and the same final weights as a run
@@ -30,16 +31,19 @@ def peagle(*args, env: dict[str, str] | None = None) -> subprocess.CompletedProc
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, tiny_llama):
-    """A real store from `peagle extract` on the tiny Llama, with a 200-token draft vocab."""
+    """A real store of the tiny Llama with a 200-token draft vocab, made by the stages `peagle extract`
+    and `peagle vocab` run (in this process: the commands themselves are tests/test_cli_extract.py's and
+    tests/test_cli_vocab.py's; here only `peagle train` is under test)."""
+    from peagle.schemas.extract_config import ExtractConfig
+    from peagle.stages.extract.run import run_extract
+    from peagle.stages.train.vocab import build_draft_vocab
     from peagle.testing.chat_data import write_chat_jsonl
 
     root = tmp_path_factory.mktemp("cli_train")
     data = write_chat_jsonl(root / "chat.jsonl", 24, seed=3)
-    proc = peagle("extract", "--data", data, "--target", tiny_llama, "--out", root / "store",
-                      "--samples-per-shard", "6", "--backend", "hf", "--device", "cpu", "--max-seq-len", "256")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    proc = peagle("vocab", "--store", root / "store", "--draft-vocab-size", "200", "--quiet")
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_extract(ExtractConfig(data=(str(data),), target=str(tiny_llama), out=str(root / "store"), samples_per_shard=6,
+                              backend="hf", device="cpu", max_seq_len=256), echo=lambda _: None, progress=False)
+    build_draft_vocab(root / "store", 200, echo=lambda _: None)
     return root / "store"
 
 
@@ -77,17 +81,27 @@ def test_train_writes_metrics_and_checkpoints(straight):
         "step-00000002", "step-00000004", "step-00000006"]
 
 
-# train.step:4 dies mid-step 4 (resume from step 2); train.checkpoint_write:10 dies writing the 3rd of
-# the 7 files of the step-4 checkpoint (resume from step 2, a temp directory left behind).
 @pytest.mark.slow
-@pytest.mark.parametrize("failpoint", ["train.step:4", "train.checkpoint_write:10"])
-def test_kill_9_then_the_same_command_gives_the_same_run(failpoint, store, tiny_llama, straight, tmp_path):
+def test_kill_9_then_the_same_command_gives_the_same_run(store, tiny_llama, straight, tmp_path):
+    """Killed inside a checkpoint write, then (the same command, resumed) killed mid-step: the same
+    command a third time ends with the uninterrupted run's metrics, eval included, and weights.
+
+    Each resumed process's output is kept and compared: the first resume writes steps 3-4, the eval at
+    step 3 and the step-4 checkpoint the last one resumes from."""
     out = tmp_path / "run"
     args = train_args(store, tiny_llama, out)
-    killed = peagle(*args, env={"PEAGLE_FAILPOINT": failpoint})
-    assert killed.returncode == -signal.SIGKILL
+    # the 3rd of the 7 files of the step-4 checkpoint: step 2 is the newest whole one, a temp directory is left
+    killed = peagle(*args, env={"PEAGLE_FAILPOINT": "train.checkpoint_write:10"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".")], "no temp directory left"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if not p.name.startswith(".")) == ["step-00000002"]
+    # resumed at step 3, it dies in its 3rd step (step 5), after writing the step-4 checkpoint
+    killed = peagle(*args, env={"PEAGLE_FAILPOINT": "train.step:3"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert "resumed from" in killed.stderr and "step-00000002" in killed.stderr, killed.stderr[-2000:]
     resumed = peagle(*args)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stderr and "step-00000004" in resumed.stderr, resumed.stderr[-2000:]
     assert losses(out) == losses(straight)
     a, b = final_weights(straight), final_weights(out)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -96,9 +96,9 @@ def store(tmp_path_factory, tiny_llama) -> Path:
     from peagle.testing.chat_data import write_chat_jsonl
 
     root = tmp_path_factory.mktemp("help_examples")
-    data = write_chat_jsonl(root / "chat.jsonl", 12, seed=7)
+    data = write_chat_jsonl(root / "chat.jsonl", 4, seed=7)  # 2 shards of 2: every train step is one small batch
     run_extract(ExtractConfig(data=(str(data),), target=str(tiny_llama), out=str(root / "store"), backend="hf",
-                              topk=8, samples_per_shard=6, device="cpu", max_seq_len=256),
+                              topk=8, samples_per_shard=2, device="cpu", max_seq_len=256),
                 echo=lambda _: None, progress=False)
     return root / "store"
 
@@ -106,7 +106,7 @@ def store(tmp_path_factory, tiny_llama) -> Path:
 @pytest.mark.slow
 def test_every_help_example_runs(store, tiny_llama, tmp_path):
     """Placeholders are filled with a tiny store, target and budget; anything else in them runs as written."""
-    values = {"STORE": str(store), "MODEL_DIR": str(tiny_llama), "SIZE": "200", "STEPS": "2", "GPUS": "1"}
+    values = {"STORE": str(store), "MODEL_DIR": str(tiny_llama), "SIZE": "200", "STEPS": "1", "GPUS": "1"}
     bins = {"peagle": [str(Path(sys.executable).with_name("peagle"))],
             "torchrun": [str(Path(sys.executable).with_name("torchrun"))]}
     ran = 0

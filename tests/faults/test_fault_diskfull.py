@@ -80,15 +80,22 @@ def limit_between_shards(base) -> int:
 
 @pytest.mark.parametrize("limit", ["parquet", "mid-shards"])
 def test_extract_file_size_limit(extract_baseline, runner, tmp_path, figures, limit):
-    """RLIMIT_FSIZE below a Parquet file (the first shard fails) or between shard sizes (some commit)."""
+    """RLIMIT_FSIZE below a Parquet file (the first shard fails) or between shard sizes (some commit).
+
+    The error line tells the user what to do (re-run the same command), and no shard file is left
+    in place without its commit record."""
     fsize = 1500 if limit == "parquet" else limit_between_shards(extract_baseline)
     store = tmp_path / "store"
     res = runner.run(*extract_baseline.args(store), fsize=fsize)
     figures.add(trials=1, faults_injected=1)
-    one_line_error(res, NO_SPACE)
+    one_line_error(res, f"{NO_SPACE} writing", "re-run the same command")
     assert check_store_after_failure(store) == []
+    committed = {p.stem for p in (store / "commits").glob("[0-9]*.json")}
+    shard_files = sorted((store / "shards").iterdir()) if (store / "shards").is_dir() else []
+    assert [p.name for p in shard_files if p.stem not in committed] == []
+    assert len(committed) < extract_baseline.manifest["num_shards"], "every shard fitted: the limit tests nothing"
     if limit == "mid-shards":
-        assert any((store / "commits").glob("*.json")), "no shard fitted: the limit tests nothing in between"
+        assert committed, "no shard fitted: the limit tests nothing in between"
     ok(runner.run(*extract_baseline.args(store)))  # the limit lifted
     diffs = diff_snapshots(extract_baseline.files, snapshot(store))
     assert diffs == [], diffs

@@ -4,7 +4,8 @@ an uninterrupted run and pass `peagle store verify` (docs/reliability.md; issue 
 20 single-worker trials: named failpoints in every phase (mid-forward, mid-write before the rename,
 between the rename and the commit record, after the commit record) at several hit counts, and kills
 at random moments (delays from a seeded RNG; two kills per trial). Then 2 and 4 concurrent workers
-(``--shard-index i --num-shards n``) into one store with kills among them, re-run concurrently.
+(``--shard-index i --num-shards n``) into one store with kills among them, re-run concurrently. And one
+store killed in every phase in turn, each kill hitting the re-run of the one before.
 After every kill, before the re-run, the half-done store must already be sound for readers: every
 committed shard verifies, no shard is in the manifest without a commit record.
 """
@@ -152,6 +153,24 @@ def test_kill_and_resume_single_worker(extract_baseline, runner, tmp_path, figur
     random_kills = sum(o.injected for t, o in zip(trials, outcomes) if not t.failpoint)
     assert random_kills >= 1, "no random kill landed: the runs finish before the drawn delays"
     assert not failures, f"{len(failures)} of {len(trials)} trials broke:\n" + "\n".join(failures)
+
+
+def test_kill_in_every_phase_in_turn_then_resume(extract_baseline, runner, tmp_path, figures):
+    """One store killed again and again, each re-run at the next phase of a shard's write: every
+    re-run resumes what the kills before it left, and the last one ends with the uninterrupted store."""
+    store = tmp_path / "store"
+    outcome = Outcome("every-phase-in-turn")
+    for failpoint in ("extract.forward:3", "extract.write:2", "extract.before_commit", "extract.after_commit"):
+        res = runner.run(*extract_baseline.args(store), env={"PEAGLE_FAILPOINT": failpoint})
+        assert res.returncode == KILLED, f"{failpoint} did not kill\n" + res.describe()
+        outcome.injected += 1
+        outcome.problems += check_half_done(store)
+    ok(runner.run(*extract_baseline.args(store)))
+    compare_with_baseline(extract_baseline, store, runner, outcome)
+    if not outcome.problems:
+        outcome.survived = outcome.injected
+    failures = record(figures, [outcome])
+    assert not failures, "\n".join(failures)
 
 
 def run_workers(base, runner, store: Path, num: int, faults: dict[int, str],

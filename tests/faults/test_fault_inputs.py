@@ -5,11 +5,16 @@ The bad records come from ``peagle.testing.bad_records`` (>= 200, each with its 
 They are shuffled among good records; the good-only twin of the file (bad lines blanked, so every
 good record keeps its line number and sample_id) is extracted too, and both stores must hold the same
 samples bit for bit: same shard files, same sample_ids, input_ids, loss masks and tensors.
+
+Bad input is loud where it must be: ``--strict`` ends the job at the first bad record, and an input of
+nothing but bad lines (or more bad records than ``--max-skipped-share``) fails the dry run, the real
+run, `peagle vocab` and `peagle store check`.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -17,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from faultkit import ok, one_line_error
+from faultkit import EXTRACT_FLAGS, ok, one_line_error
 from peagle.stages.extract.conversation import SKIP_REASONS
 from peagle.stages.extract.readers import SourceRecord, decode_jsonl_line
 from peagle.stages.extract.template import prepare_record
@@ -192,3 +197,39 @@ def test_strict_fails_on_the_first_bad_record(extract_baseline, runner, tmp_path
     figures.add(trials=len(STRICT_PICKS), bad_inputs_tried=len(STRICT_PICKS),
                 bad_inputs_handled=len(STRICT_PICKS) - len(failures))
     assert not failures, "\n".join(failures)
+
+
+def loud(result, *needles: str) -> str:
+    """``one_line_error``, and whatever came before the error is progress lines of finished work."""
+    error = one_line_error(result, *needles)
+    *progress, _ = result.stderr.strip().splitlines()
+    assert all(re.match(r"extract: \d+/\d+ rec \(\d+%\)", line) for line in progress), result.describe()
+    return error
+
+
+def test_an_input_of_only_bad_lines_fails_everywhere(extract_baseline, runner, tmp_path):
+    """An input of nothing but bad lines must not "succeed" anywhere (issue 22): not the dry run (it
+    decodes every line it counts, and --strict applies to it), not the real run, not `peagle vocab` or
+    `peagle store check` of what that committed; nor a share of bad records above --max-skipped-share."""
+    bad = tmp_path / "allbad.jsonl"
+    bad.write_text('{oops\n{"messages": "x"}\n')
+    out = tmp_path / "s"
+    args = ["extract", "--data", bad, "--target", extract_baseline.target, "--out", out, *EXTRACT_FLAGS]
+    loud(runner.run(*args, "--dry-run", "--strict"), f"{bad} line 1: not valid JSON (malformed_json)", "[--strict]")
+    line = loud(runner.run(*args, "--dry-run"), "the dry run found no usable record: all 2 were skipped")
+    assert "1 not valid JSON" in line and f"first: {bad} line 1: not valid JSON" in line
+    assert f"{bad} line 2: `messages` (or `conversations`) is not a list" in line
+    assert not out.exists()
+    line = loud(runner.run(*args), "extraction found no usable record", f"{bad} line 2")
+    assert "{'" not in line  # in words, not a Python dict
+    # what it committed (an empty shard) is refused downstream
+    loud(runner.run("vocab", "--store", out, "--draft-vocab-size", "10", "--quiet"), "holds no supervised token")
+    check = runner.run("store", "check", "--store", out)
+    assert check.returncode == 1 and "the store holds no supervised token" in check.stdout, check.describe()
+    # the baseline's input: 2 of its 30 lines are bad (lines 6 and 18: faultkit's BAD_LINES)
+    line = loud(runner.run(*extract_baseline.args(tmp_path / "t", "--dry-run", "--max-skipped-share", "0.05")),
+                "skipped 2 of 30 records (7%, more than --max-skipped-share 0.05)")
+    data = extract_baseline.data
+    assert f"{data} line 6: `messages` (or `conversations`) is not a list" in line, line
+    assert f"{data} line 18: not valid JSON" in line, line
+    ok(runner.run(*extract_baseline.args(tmp_path / "t", "--dry-run", "--max-skipped-share", "0.1")))

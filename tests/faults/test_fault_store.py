@@ -179,13 +179,19 @@ def _verify_damaged(extract_baseline, runner, root: Path, damage: Damage) -> Res
 
 
 def test_verify_exits_non_zero_on_damage(extract_baseline, runner, tmp_path, figures):
-    """`peagle store verify` on a damaged store must fail as a command: exit 1, for scripts and CI."""
+    """`peagle store verify` on a damaged store must fail as a command: exit 1, for scripts and CI; a
+    flipped byte is reported as the file whose sha256 does not match, with the count of problems."""
     picked = [d for d in DAMAGES if d.name in ("safetensors byte flipped", "parquet truncated", "safetensors deleted")]
     results = parallel_map(lambda d: _verify_damaged(extract_baseline, runner, tmp_path, d), picked)
     figures.add(trials=len(picked), faults_injected=len(picked),
                 faults_survived=sum(r.returncode == 1 for r in results))
     bad = [f"[{d.name}] {r.describe()}" for d, r in zip(picked, results) if r.returncode != 1]
     assert not bad, "verify printed FAILED but exited with status 0:\n" + "\n".join(bad)
+    flipped = next(r for d, r in zip(picked, results) if d.name == "safetensors byte flipped")
+    assert "Traceback" not in flipped.stderr, flipped.describe()
+    assert f"{SHARDS / TENSORS} sha256 does not match its commit record" in flipped.stderr, flipped.describe()
+    assert f"verify FAILED: 1 problem(s) in {extract_baseline.manifest['num_shards']} committed shards" in \
+        flipped.stderr, flipped.describe()
 
 
 def test_verify_detects_hand_edited_manifest(extract_baseline, runner, tmp_path, figures):
