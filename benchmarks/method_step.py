@@ -2,6 +2,7 @@
 
     python benchmarks/method_step.py                                   # the README figure (CPU, ~4 minutes)
     python benchmarks/method_step.py --depths 3 5 8 --token-budget 4096 --out /tmp/m.json
+    python benchmarks/method_step.py --shape tiny --steps 1 --out /tmp/m.json  # a check that it runs, no figure
 
 Both methods train the same draft on the same batches' samples at the same token budget through the
 real trainer (``peagle.testing.trainer.trainer_for_draft``: the code `peagle train` runs per step,
@@ -13,7 +14,8 @@ chain at every depth, unrolled in K forwards (docs/methods.md). So EAGLE-3's ste
 elements and runs K passes; this script says how much that costs.
 
 Draft: the quality benchmark's (1 layer, SmolLM2-135M-shaped: hidden 576, 9 heads, 3 KV heads,
-MLP 1536, target vocab 49152, draft vocab 2048), random weights. Samples: chat-shaped, 256 tokens,
+MLP 1536, target vocab 49152, draft vocab 2048), random weights; ``--shape tiny`` (hidden 64, target
+vocab 1024) only checks that the script runs, in seconds. Samples: chat-shaped, 256 tokens,
 the last ``--supervised-share`` of each supervised (an answer after its prompt), random aux states
 and top-8 targets. Per method and K: ``--warmup`` steps, then ``--steps`` timed ones, the runs'
 steps interleaved (step i of every run in turn, so a shared machine's load falls on all alike);
@@ -43,12 +45,12 @@ from peagle.stages.train.batch import collate, make_item
 from peagle.stages.train.methods import training_method
 from peagle.testing.trainer import trainer_for_draft
 
-SHAPE = dict(hidden=576, heads=9, kv=3, head_dim=64, inter=1536, vocab=49152, draft_vocab=2048)
+SHAPES = {"smollm2": dict(hidden=576, heads=9, kv=3, head_dim=64, inter=1536, vocab=49152, draft_vocab=2048),
+          "tiny": dict(hidden=64, heads=4, kv=2, head_dim=16, inter=128, vocab=1024, draft_vocab=128)}
 NUM_AUX, TOPK = 3, 8
 
 
-def draft_for(method: str, seed: int = 0) -> PEagleDraft:
-    s = SHAPE
+def draft_for(method: str, s: dict, seed: int = 0) -> PEagleDraft:
     config = DraftConfig(hidden_size=s["hidden"], num_heads=s["heads"], num_kv_heads=s["kv"], head_dim=s["head_dim"],
                          intermediate_size=s["inter"], rms_norm_eps=1e-5,
                          rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, num_layers=1,
@@ -62,16 +64,16 @@ def draft_for(method: str, seed: int = 0) -> PEagleDraft:
     return draft
 
 
-def samples(count: int, length: int, supervised_share: float, seed: int) -> list:
+def samples(count: int, length: int, supervised_share: float, seed: int, s: dict) -> list:
     g = torch.Generator().manual_seed(seed)
     out = []
     for j in range(count):
         mask = torch.zeros(length, dtype=torch.bool)
         mask[int(length * (1 - supervised_share)):] = True  # the answer after its prompt
         top = torch.randn(length, TOPK, generator=g).log_softmax(-1).sort(dim=-1, descending=True)
-        ids = torch.randint(0, SHAPE["vocab"] - 1, (length, TOPK), generator=g, dtype=torch.int32)
-        out.append(training_sample(f"b{seed}-{j}", torch.randint(0, SHAPE["vocab"] - 1, (length,), generator=g), mask,
-                                   torch.randn(length, NUM_AUX, SHAPE["hidden"], generator=g).to(torch.bfloat16),
+        ids = torch.randint(0, s["vocab"] - 1, (length, TOPK), generator=g, dtype=torch.int32)
+        out.append(training_sample(f"b{seed}-{j}", torch.randint(0, s["vocab"] - 1, (length,), generator=g), mask,
+                                   torch.randn(length, NUM_AUX, s["hidden"], generator=g).to(torch.bfloat16),
                                    ids, top.values.half()))
     return out
 
@@ -81,7 +83,8 @@ class Run:
 
     def __init__(self, method: str, num_depths: int, args):
         self.method, self.num_depths = method, num_depths
-        draft = draft_for(method)
+        shape = SHAPES[args.shape]
+        draft = draft_for(method, shape)
         t2d = draft.t2d
         target_to_draft = torch.where(t2d, torch.cumsum(t2d.long(), 0) - 1, -1)
         per_batch = args.token_budget // (args.sample_tokens - 1)
@@ -89,7 +92,7 @@ class Run:
         for step in range(args.warmup + args.steps):
             items = [make_item(s, cod=CodSettings(num_depths=num_depths), seed=step, epoch=0,
                                method=training_method(method))
-                     for s in samples(per_batch, args.sample_tokens, args.supervised_share, seed=step)]
+                     for s in samples(per_batch, args.sample_tokens, args.supervised_share, step, shape)]
             self.batches.append(collate(items, target_to_draft_V=target_to_draft, method=training_method(method)))
         config = TrainConfig(store=("unused",), target="unused", out="unused", method=method, num_depths=num_depths,
                              token_budget=args.token_budget, attention="sdpa", max_steps=len(self.batches),
@@ -127,6 +130,8 @@ def measure(args) -> list[dict]:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--depths", type=int, nargs="+", default=[3, 5], help="K values (default: 3 5)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2",
+                    help="draft shape (default smollm2: the figure's; tiny: a check that the script runs)")
     ap.add_argument("--token-budget", type=int, default=2048, help="training positions per batch (default 2048)")
     ap.add_argument("--sample-tokens", type=int, default=257, help="tokens per sample (default 257: 256 positions)")
     ap.add_argument("--supervised-share", type=float, default=0.5, help="supervised share of each sample (default 0.5)")
@@ -138,8 +143,8 @@ def main(argv: list[str] | None = None) -> dict:
     by = {(r["method"], r["num_depths"]): r for r in rows}
     ratios = {str(k): {key: by[("eagle3", k)][key] / by[("peagle", k)][key]
                        for key in ("elements_per_batch", "wall_s_per_step", "cpu_s_per_step")} for k in args.depths}
-    result = {"rows": rows, "eagle3_over_peagle": ratios, "settings": {**vars(args), "out": str(args.out),
-                                                                        "draft_shape": SHAPE, "num_layers": 1},
+    result = {"rows": rows, "eagle3_over_peagle": ratios,
+              "settings": {**vars(args), "out": str(args.out), "draft_shape": SHAPES[args.shape], "num_layers": 1},
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                           "threads": torch.get_num_threads(), "load_average": os.getloadavg()}}
     args.out.parent.mkdir(parents=True, exist_ok=True)

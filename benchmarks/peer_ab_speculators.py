@@ -138,6 +138,10 @@ class JsonLines(logging.Handler):
             self.file.write(json.dumps(record.msg, default=float) + "\n")
             self.file.flush()
 
+    def close(self) -> None:
+        self.file.close()
+        super().close()
+
 
 def publish_export(checkpoint: Path, export: Path) -> None:
     """The checkpoint's config.json and model.safetensors into ``export``, renamed into place whole."""
@@ -196,11 +200,16 @@ def main(argv: list[str] | None = None) -> dict:
     metrics = logging.getLogger(METRICS_LOGGER)
     metrics.setLevel(logging.INFO)
     metrics.propagate = False
-    metrics.addHandler(JsonLines(opts.out / "metrics.jsonl"))
-    trainer = cpu_trainer(model, trainer_config(args), loader)
-    trained = time.monotonic()
-    trainer.run_training()
-    train_seconds = time.monotonic() - trained
+    handler = JsonLines(opts.out / "metrics.jsonl")
+    metrics.addHandler(handler)
+    try:  # the handler goes with the run: a second run in this process writes only its own file
+        trainer = cpu_trainer(model, trainer_config(args), loader)
+        trained = time.monotonic()
+        trainer.run_training()
+        train_seconds = time.monotonic() - trained
+    finally:
+        metrics.removeHandler(handler)
+        handler.close()
     publish_export(save_path / str(epochs - 1), opts.out / "export")
     shutil.move(save_path / "run.yaml", opts.out / "speculators_run.yaml")
     shutil.rmtree(save_path)

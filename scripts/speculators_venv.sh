@@ -29,10 +29,12 @@ if [ "$python_want" != "$python_have" ]; then
   rm -rf "$VENV"
   exit 1
 fi
-"$VENV/bin/python" -m pip install -q --no-deps --no-compile -r "$LOCK"  # .pyc on first import only
+"$VENV/bin/python" -m pip install -q --no-deps --no-compile -r "$LOCK"  # .pyc: the import check's modules only
 err=$(mktemp)
 trap 'rm -f "$err"' EXIT
-if ! "$VENV/bin/python" -c "import speculators.train.trainer, speculators.models.peagle, torch
+# The check below writes the .pyc of what it imports (what the trainer imports), also where
+# PYTHONDONTWRITEBYTECODE is set (CI): without them every later process compiles them again, ~25 s of CPU.
+if ! env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/python" -c "import speculators.train.trainer, speculators.models.peagle, torch
 assert torch.__version__.endswith('+cpu'), torch.__version__" 2>"$err"; then
   echo "speculators_venv.sh: speculators is installed in $VENV but does not import:" >&2
   tail -n 5 "$err" >&2

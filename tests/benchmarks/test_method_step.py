@@ -1,5 +1,5 @@
-"""benchmarks/method_step.py at a toy size: both methods run through the real trainer, the JSON holds a row
-per (method, K) and EAGLE-3's ratios; what it says about time is the benchmark's, not this test's."""
+"""benchmarks/method_step.py at a toy size (``--shape tiny``): both methods run through the real trainer, the JSON
+holds a row per (method, K) and EAGLE-3's ratios; what it says about time is the benchmark's, not this test's."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ def test_a_toy_run_writes_one_row_per_method_and_depth(tmp_path) -> None:
     try:
         spec.loader.exec_module(bench)
         out = tmp_path / "method_step.json"
-        result = bench.main(["--depths", "2", "3", "--token-budget", "128", "--sample-tokens", "65", "--warmup", "0",
-                             "--steps", "1", "--out", str(out)])
+        result = bench.main(["--shape", "tiny", "--depths", "2", "3", "--token-budget", "128", "--sample-tokens", "65",
+                             "--warmup", "0", "--steps", "1", "--out", str(out)])
     finally:
         del sys.modules[spec.name]
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))

@@ -3,6 +3,7 @@ step of each trainer (peagle's, and speculators' in both configurations) on a to
 
 The speculators parts run in ``.venv-speculators`` (scripts/speculators_venv.sh makes it from
 locks/speculators.txt; scripts/test.sh does) and are skipped, with that reason, where it is absent.
+They share one process of that environment (``speculators_jobs``): importing speculators costs seconds.
 """
 
 from __future__ import annotations
@@ -120,28 +121,84 @@ def toy_store(tmp_path_factory, tiny_llama) -> Path:
     return root / "store"
 
 
-def speculators_run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+def speculators_run(args: list[str], timeout: float = 900) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.run([str(SPECULATORS_PYTHON), *args], capture_output=True, text=True, env=env, cwd=BENCHMARKS,
                           timeout=timeout)
 
 
-CONVERT = """
-import sys, torch
+SPECULATORS_JOBS = """
+import json, runpy, sys
+import torch
 from safetensors.torch import save_file
+from torch.optim import _muon
 from speculators.models.eagle3.data import shift_batch
 import peer_ab_data as data
-store, vocab, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+import peer_ab_speculators as trainer
 from peagle.stages.train.vocab import load_draft_vocab
-t2d = load_draft_vocab(store, vocab).t2d_V
-samples = data.StoreSamples(store, data.target_to_draft_of(t2d, t2d.numel()), vocab, 4096)
-shifted = shift_batch(samples[0])
-save_file({k: v.contiguous() for k, v in shifted.items()}, out)
+jobs = json.loads(open(sys.argv[1]).read())
+
+# The conversion: sample 0 through peer_ab_data and speculators' own shift.
+t2d = load_draft_vocab(jobs["store"], jobs["vocab"]).t2d_V
+samples = data.StoreSamples(jobs["store"], data.target_to_draft_of(t2d, t2d.numel()), jobs["vocab"], 4096)
+save_file({k: v.contiguous() for k, v in shift_batch(samples[0]).items()}, jobs["sample"])
+
+# The CPU shim's Newton-Schulz against torch.optim.Muon's own, before a trainer run swaps the shim in.
+errors = []
+for shape in ((48, 96), (96, 48)):
+    grad = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    ours = trainer.fp32_newton_schulz(grad, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+    torch_bf16 = _muon._zeropower_via_newtonschulz(grad, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+    assert torch_bf16.dtype == torch.bfloat16, torch_bf16.dtype  # torch's own iteration, not the shim
+    assert ours.dtype == torch.float32 and ours.shape == torch_bf16.shape, (ours.shape, torch_bf16.shape)
+    errors.append(float((ours - torch_bf16.float()).abs().max() / torch_bf16.float().abs().max()))
+open(jobs["newton_schulz"], "w").write(json.dumps(errors))
+
+# Each configuration's run: the trainer script as peer_ab.py runs it, one after the other.
+for argv in jobs["runs"]:
+    sys.argv = [trainer.__file__, *argv]
+    runpy.run_path(trainer.__file__, run_name="__main__")
 """
 
 
+@pytest.fixture(scope="module")
+def speculators_jobs(bench, toy_store, tiny_llama, tmp_path_factory, run_peagle) -> dict:
+    """One process of the speculators environment does every speculators part of these tests (its imports
+    cost seconds each time): sample 0 converted, the Newton-Schulz check, and one speculators run of each
+    configuration on the toy store, as long as the one-step ``peagle train`` run that precedes it."""
+    from peagle.pipeline.store import read_settings
+
+    root = tmp_path_factory.mktemp("speculators_jobs")
+    budget = replace(bench.Budget(), train_steps=1, token_budget=256, draft_vocab_size=DRAFT_VOCAB)
+    peagle_flags = bench.train_flags("muon-all-norms", budget, seed=0)
+    peagle = run_peagle("train", "--store", toy_store, "--target", tiny_llama, "--out", root / "peagle",
+                        "--num-workers", "0", *peagle_flags)
+    assert peagle.returncode == 0, peagle.stderr[-3000:]
+    rows = [json.loads(line) for line in (root / "peagle" / "metrics.jsonl").read_text().splitlines()]
+    positions = [r for r in rows if r.get("kind") == "train"][-1]["tokens_seen"]
+    mask_token = read_settings(toy_store).mask_token_id
+    configs = {"speculators-defaults": (bench.speculators_defaults_flags(budget, 0), [], 8, "qwen3"),
+               "speculators-peagle": (bench.speculators_peagle_flags(peagle_flags, mask_token), ["--store-vocab"], 5,
+                                      "llama")}
+    runs = [["--store", str(toy_store), "--target", str(tiny_llama), "--out", str(root / config), "--tokens",
+             str(positions), *extra, "--", *flags] for config, (flags, extra, _, _) in configs.items()]
+    jobs = {"store": str(toy_store), "vocab": DRAFT_VOCAB, "sample": str(root / "sample.safetensors"),
+            "newton_schulz": str(root / "newton_schulz.json"), "runs": runs}
+    (root / "jobs.json").write_text(json.dumps(jobs))
+    proc = speculators_run(["-c", SPECULATORS_JOBS, str(root / "jobs.json")])
+    return {"proc": proc, "root": root, "positions": positions, "mask_token": mask_token,
+            "configs": {config: (depths, arch) for config, (_, _, depths, arch) in configs.items()}}
+
+
+def finished(jobs: dict, path: str) -> Path:
+    """``path`` of the speculators process's output, once that process ended well."""
+    proc = jobs["proc"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return jobs["root"] / path
+
+
 @needs_speculators
-def test_conversion_gives_speculators_peagle_samples_and_targets(toy_store, tmp_path) -> None:
+def test_conversion_gives_speculators_peagle_samples_and_targets(toy_store, speculators_jobs) -> None:
     """Sample 0 through the conversion and speculators' own shift equals peagle's training sample:
     same input tokens and aux rows at every position, the same target distribution (the stored top-k
     renormalised over the draft vocab), and speculators' loss mask one position earlier than peagle's."""
@@ -151,10 +208,7 @@ def test_conversion_gives_speculators_peagle_samples_and_targets(toy_store, tmp_
     from peagle.pipeline.store_reader import iter_training_samples
     from peagle.stages.train.vocab import load_draft_vocab
 
-    out = tmp_path / "sample.safetensors"
-    proc = speculators_run(["-c", CONVERT, str(toy_store), str(DRAFT_VOCAB), str(out)])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = load_file(str(out))
+    got = load_file(str(finished(speculators_jobs, "sample.safetensors")))
     sample = next(iter_training_samples(open_store(toy_store)))
     T = sample.num_positions
     assert got["input_ids"].tolist() == sample.tokens_T.tolist()
@@ -175,26 +229,12 @@ def test_conversion_gives_speculators_peagle_samples_and_targets(toy_store, tmp_
 
 
 @needs_speculators
-def test_one_step_of_each_trainer_and_exports_peagle_reads(bench, toy_store, tiny_llama, tmp_path, run_peagle) -> None:
+def test_one_step_of_each_trainer_and_exports_peagle_reads(toy_store, tiny_llama, speculators_jobs) -> None:
     from peagle.model.speculators_format import load_export
-    from peagle.pipeline.store import read_settings
 
-    budget = replace(bench.Budget(), train_steps=1, token_budget=256, draft_vocab_size=DRAFT_VOCAB)
-    peagle_flags = bench.train_flags("muon-all-norms", budget, seed=0)
-    result = run_peagle("train", "--store", toy_store, "--target", tiny_llama, "--out", tmp_path / "peagle",
-                        "--num-workers", "0", *peagle_flags)
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "peagle" / "metrics.jsonl").read_text().splitlines()]
-    positions = [r for r in rows if r.get("kind") == "train"][-1]["tokens_seen"]
-    mask_token = read_settings(toy_store).mask_token_id
-    configs = {"speculators-defaults": (bench.speculators_defaults_flags(budget, 0), [], 8, "qwen3"),
-               "speculators-peagle": (bench.speculators_peagle_flags(peagle_flags, mask_token), ["--store-vocab"], 5,
-                                      "llama")}
-    for config, (flags, extra, depths, arch) in configs.items():
-        out = tmp_path / config
-        proc = speculators_run([str(BENCHMARKS / "peer_ab_speculators.py"), "--store", str(toy_store), "--target",
-                                str(tiny_llama), "--out", str(out), "--tokens", str(positions), *extra, "--", *flags])
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    positions = speculators_jobs["positions"]
+    for config, (depths, arch) in speculators_jobs["configs"].items():
+        out = finished(speculators_jobs, config)
         run = json.loads((out / "run.json").read_text())
         assert run["global_step"] == run["steps"] >= 1 and run["positions"] >= positions
         assert run["draft_arch"] == arch and run["draft_vocab_size"] == DRAFT_VOCAB
@@ -204,28 +244,13 @@ def test_one_step_of_each_trainer_and_exports_peagle_reads(bench, toy_store, tin
         assert exported.speculative_tokens == depths and exported.draft.config.architecture == arch
         assert exported.verifier == str(tiny_llama) and exported.draft.config.draft_vocab_size == DRAFT_VOCAB
         assert not (out / "checkpoints").exists() and "speculator_type: peagle" in (out / "speculators_run.yaml").read_text()
-    assert json.loads((tmp_path / "speculators-peagle" / "run.json").read_text())["mask_token_id"] == mask_token
-
-
-NEWTON_SCHULZ = """
-import torch
-from torch.optim import _muon
-import peer_ab_speculators as trainer
-for shape in ((48, 96), (96, 48)):
-    grad = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
-    ours = trainer.fp32_newton_schulz(grad, (3.4445, -4.7750, 2.0315), 5, 1e-7)
-    torch_bf16 = _muon._zeropower_via_newtonschulz(grad, (3.4445, -4.7750, 2.0315), 5, 1e-7)
-    assert ours.dtype == torch.float32 and ours.shape == torch_bf16.shape, (ours.shape, torch_bf16.shape)
-    error = (ours - torch_bf16.float()).abs().max() / torch_bf16.float().abs().max()
-    assert error < 0.05, error  # bf16 rounding apart
-    print(float(error))
-"""
+    mask_token = json.loads((finished(speculators_jobs, "speculators-peagle") / "run.json").read_text())["mask_token_id"]
+    assert mask_token == speculators_jobs["mask_token"]
 
 
 @needs_speculators
-def test_fp32_newton_schulz_is_torch_muons_iteration() -> None:
+def test_fp32_newton_schulz_is_torch_muons_iteration(speculators_jobs) -> None:
     """The CPU shim computes torch.optim.Muon's orthogonalisation, in fp32: equal to torch's own up to
     bf16 rounding."""
-    proc = speculators_run(["-c", NEWTON_SCHULZ])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert all(0 < float(line) < 0.05 for line in proc.stdout.split())
+    errors = json.loads(finished(speculators_jobs, "newton_schulz.json").read_text())
+    assert len(errors) == 2 and all(0 < error < 0.05 for error in errors), errors  # bf16 rounding apart

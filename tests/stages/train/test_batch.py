@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -152,22 +154,43 @@ def test_to_and_pin_memory_keep_every_field(tiny_store):
 def test_chain_targets_name_each_complete_chain_and_reject_where_no_target(tiny_store):
     """``chain_target_idx_CK`` against the definition, element by element: one row per anchor with a
     depth-(K−1) element and a supervised depth-0 element, column d its depth-d element's target, E
-    (a rejection) where that element was dropped for having no draft-vocab id."""
+    (a rejection) where that element was dropped for having no draft-vocab id.
+
+    Which chains reject is made certain, not left to the data: in a draft vocab of every 8th id, the
+    first chain's targets each get an id in it and the last chain's deepest target none (the COD draw,
+    and so the chains, depend on the sample ids and loss masks alone, not on the top-k rows)."""
     raws = supervised_samples(tiny_store, 4)
-    v = tiny_store.vocab_size
+    v, K = tiny_store.vocab_size, 3
     selected = torch.arange(0, v, 8)  # a small draft vocab: some chain elements have no target
     t2d = torch.full((v,), -1, dtype=torch.long)
     t2d[selected] = torch.arange(selected.numel())
-    cod = CodSettings(num_depths=3, down_sample_ratio=0.9, down_sample_ratio_min=0.5)
+    cod = CodSettings(num_depths=K, down_sample_ratio=0.9, down_sample_ratio_min=0.5)
+    drawn = collate([item_of(r, cod=cod) for r in raws], target_to_draft_V=t2d)
+    chains = sorted(int(a) for a, d in zip(drawn.anchor_N, drawn.depth_N) if d == K - 1 and bool(drawn.supervised_T[a]))
+    assert len(chains) >= 2
+    starts = drawn.doc_starts_D.tolist()
+
+    def raw_row(anchor: int, depth: int) -> tuple[int, int]:
+        """(sample, raw top-k row) of the target of element (anchor, depth): reference position + 1."""
+        doc = max(j for j, s in enumerate(starts) if s <= anchor)
+        return doc, anchor - starts[doc] + depth + 1
+
+    topk = [r.topk_ids_nk.clone() for r in raws]
+    for doc, row in (raw_row(chains[0], d) for d in range(K)):  # the first chain: each target in the vocab
+        ids = topk[doc][row]
+        ids[0] = next(int(i) for i in selected if int(i) not in ids.tolist())
+    doc, row = raw_row(chains[-1], K - 1)  # the last chain's deepest target: no id in the vocab
+    topk[doc][row] = torch.arange(1, v, 8)[: topk[doc].shape[1]]
+    raws = [replace(r, topk_ids_nk=ids) for r, ids in zip(raws, topk)]
     batch = collate([item_of(r, cod=cod) for r in raws], target_to_draft_V=t2d)
-    E, K = batch.num_supervised, 3
+    E = batch.num_supervised
     target_of = {int(i): e for e, i in enumerate(batch.supervised_idx_E)}
     element_of = {(int(a), int(d)): i for i, (a, d) in enumerate(zip(batch.anchor_N, batch.depth_N))}
     want = [[target_of.get(element_of[(a, d)], E) for d in range(K)]
             for (a, depth) in sorted(element_of, key=lambda ad: (ad[1], ad[0]))
             if depth == K - 1 and bool(batch.supervised_T[a])]
-    assert batch.chain_target_idx_CK.tolist() == want and len(want) > 0
-    assert any(E in row for row in want) and any(E not in row for row in want)
+    assert batch.chain_target_idx_CK.tolist() == want and len(want) == len(chains)
+    assert E not in want[0] and want[-1][K - 1] == E
     # A supervised element without a target is what breaks a chain here: nothing else maps to E.
     dropped = {element_of[(a, d)] for a, d in element_of if bool(batch.supervised_T[a + d])} - set(target_of)
     assert len(dropped) == batch.num_no_target
