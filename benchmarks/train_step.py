@@ -49,6 +49,7 @@ import signal
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -320,6 +321,8 @@ def run_config(args, d, device: torch.device, rec: dict, num_layers: int, seq_le
         raise
     except Exception as err:  # noqa: BLE001 - record and go on (OOM ends this length sweep)
         rec.update(status="oom" if is_oom(err) else "error", error=f"{type(err).__name__}: {str(err)[:500]}")
+        if not is_oom(err):  # the JSON keeps one line; the log gets where it came from
+            traceback.print_exc(file=sys.stderr)
         record_memory(rec, device)
     emit(args.out, rec)
     trainer = draft = None

@@ -16,7 +16,9 @@ Three modes (``--compile``):
 
 A compile failure of a layer is not the end of a run: :meth:`DraftCompiler.fall_back` uncompiles the
 layers, logs one line with the reason, and the step reruns the unit with flex compiled alone (whose
-own failures :class:`FlexRunner` handles). Backward graphs are lowered together with the forward
+own failures :class:`FlexRunner` handles). A failure while the compiled layers' backward runs does
+the same, and the step is redone from its start (one process only; under DDP/FSDP2 the ranks'
+gradient hooks have already fired, so it is raised). Backward graphs are lowered together with the forward
 ones (``eager_backward_lowering``, entered by the step around each forward), so a failure to compile
 a backward surfaces there too, not inside ``loss.backward()``.
 """
@@ -44,6 +46,14 @@ def resolve_compile_mode(mode: str, device: torch.device) -> str:
     return mode
 
 
+INDUCTOR_OPTIONS = {"triton.mix_order_reduction": False}
+"""Inductor options of every graph this module compiles. Mix-order reduction (torch 2.11's fused
+row-and-column reductions, e.g. RMSNorm's backward) is off: with ``dynamic=True`` its generated
+code slices its workspace without parentheses around the symbolic split count
+(``ws[0*1 + (s//16)*4096 : 1*1 + (s//16)*4096].view(1 + s//16, 4096)``), and the backward dies with
+``shape '[513, 4096]' is invalid for input of size 1`` at 8k-token rows on an H100 (2k rows choose
+another kernel and pass). benchmarks/results/gpu has the run; drop this once torch fixes it."""
+
 COMPILED_METHODS = ("forward", "step")
 """The layer methods a run calls: ``forward`` (P-EAGLE's one forward) and ``step`` (EAGLE-3's
 sequential steps over a key/value cache). Each compiles on its first call only, so a run compiles
@@ -59,7 +69,7 @@ def compile_layers(layers: nn.ModuleList, compile_fn: Callable[..., Any] = torch
     """
     for layer in layers:
         for name in COMPILED_METHODS:
-            setattr(layer, name, compile_fn(getattr(layer, name), dynamic=True))
+            setattr(layer, name, compile_fn(getattr(layer, name), dynamic=True, options=INDUCTOR_OPTIONS))
 
 
 def uncompile_layers(layers: nn.ModuleList) -> None:
@@ -97,7 +107,7 @@ class DraftCompiler:
             compile_layers(self.layers, self.compile_fn)
             self.flex = (functools.partial(flex_attention, kernel_options=self.kernel_options)
                          if flex_wanted else None)
-            self.loss_chunk = (self.compile_fn(self._eager_loss_chunk, dynamic=True)
+            self.loss_chunk = (self.compile_fn(self._eager_loss_chunk, dynamic=True, options=INDUCTOR_OPTIONS)
                                if self._eager_loss_chunk is not None else None)
         else:
             self.flex = (FlexRunner(compile=self.mode == "flex", compile_fn=self.compile_fn,
@@ -111,20 +121,31 @@ class DraftCompiler:
             what = "flex attention compiled alone"
         if self.kernel_options:
             what += f", flex kernel options {self.kernel_options}"
-        return what + (f" (layers failed to compile: {self.fallback_reason})" if self.fallback_reason else "")
+        return what + (f" (compiled layers failed: {self.fallback_reason})" if self.fallback_reason else "")
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         """Entered around each forward: backward graphs compile with the forward ones."""
         return eager_backward_lowering() if self.mode == "layers" else contextlib.nullcontext()
 
-    def fall_back(self, err: BaseException) -> bool:
-        """After ``err`` in a forward: True (and flex compiled alone from now on) when it is a compile
-        failure of the compiled layers; False when the caller must raise it."""
-        if self.mode != "layers" or not is_compile_failure(err):
+    def fall_back(self, err: BaseException, *, in_backward: bool = False) -> bool:
+        """After ``err``: True (and flex compiled alone from now on) when the compiled layers are to blame;
+        False when the caller must raise it.
+
+        In a forward only a compile failure qualifies. In a backward (``in_backward``) any error but
+        out-of-memory does: the compiled layers' backward runs Inductor-generated code, whose failures
+        are run-time errors, not compile errors (torch 2.11's mix-order reduction bug, see
+        ``INDUCTOR_OPTIONS``, raised a plain ``RuntimeError`` there). The caller redoes the step
+        eagerly, so an error that is not the compiler's is raised again from eager code.
+        """
+        if self.mode != "layers":
+            return False
+        oom = isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+        if not (is_compile_failure(err) or (in_backward and not oom)):
             return False
         uncompile_layers(self.layers)
         self.mode, self.fallback_reason = "flex", first_line(err)
         self._apply()
-        logger.warning("torch.compile of the decoder layers failed (%s); training on with flex attention "
-                       "compiled alone (--compile flex)", self.fallback_reason)
+        logger.warning("the compiled decoder layers failed%s (%s); training on with flex attention "
+                       "compiled alone (--compile flex)", " in the backward" if in_backward else " to compile",
+                       self.fallback_reason)
         return True

@@ -226,7 +226,8 @@ class TrainStep:
         """Steps 1-2: one global count, then every unit's forward+backward.
 
         Returns this rank's summed stats (detached, on the device) and the global (supervised,
-        tokens, no-target) counts.
+        tokens, no-target) counts. A step whose compiled backward failed is redone from no gradients
+        (``_backward``): callers start a step from zeroed gradients, as ``__call__`` does.
         """
         counts = [float(sum(b.num_supervised for b in micro_batches)), float(sum(b.num_tokens for b in micro_batches)),
                   float(sum(b.num_no_target for b in micro_batches))]
@@ -234,18 +235,40 @@ class TrainStep:
         num_supervised, num_tokens, num_no_target = sum_counts_over_ranks(counts, self.world_size, self.cpu_group)
         loss_scale = self.world_size / max(num_supervised, 1.0)
         batches = self.to_device(micro_batches)
+        try:
+            total = self._units_forward_backward(batches, loss_scale)
+        except _CompiledBackwardFailed:  # logged by the compiler; this step's gradients are partial
+            for p in self.draft.parameters():
+                p.grad = None
+            total = self._units_forward_backward(batches, loss_scale)
+        return total, (num_supervised, num_tokens, num_no_target)
+
+    def _units_forward_backward(self, batches: list[TrainBatch], loss_scale: float) -> LossStats:
         units = [(j, plan) for j, batch in enumerate(batches) for plan in batch.units]
         correct: list[list[Tensor]] = [[] for _ in batches]
         total = LossStats.zeros(self.config.num_depths, self.device)
         for i, (j, plan) in enumerate(units):
             with self._gradient_sync(i == len(units) - 1):
                 stats, correct_e = self._unit_forward(batches[j], plan)
-                _backward(stats.loss_sum * loss_scale)
+                self._backward(stats.loss_sum * loss_scale)
             total = total + stats.detach()
             correct[j].append(correct_e)
         for batch, correct_per_unit in zip(batches, correct):
             total = total + batch_chain_stats(batch, correct_per_unit)
-        return total, (num_supervised, num_tokens, num_no_target)
+        return total
+
+    def _backward(self, loss: Tensor) -> None:
+        """``loss.backward()``. A failure of the compiled layers' backward falls back to flex compiled
+        alone and redoes the step (one process); a compile failure otherwise is one line."""
+        try:
+            loss.backward()
+        except Exception as err:  # noqa: BLE001 - only the compiler's failures are handled
+            if self.world_size == 1 and self.compiler.fall_back(err, in_backward=True):
+                raise _CompiledBackwardFailed from err
+            if not is_compile_failure(err):
+                raise
+            raise UserError(f"torch.compile failed while compiling the backward ({type(err).__name__}: "
+                            f"{' '.join(str(err).split())[:240]}); train with --attention sdpa") from err
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[TrainBatch]) -> tuple[LossStats, int]:
@@ -292,15 +315,8 @@ class TrainStep:
         return contextlib.nullcontext() if sync else self.model.no_sync()
 
 
-def _backward(loss: Tensor) -> None:
-    """``loss.backward()``; a compile failure surfacing here (a backward graph compiled late) is one line."""
-    try:
-        loss.backward()
-    except Exception as err:  # noqa: BLE001 - only compile failures are rewritten
-        if not is_compile_failure(err):
-            raise
-        raise UserError(f"torch.compile failed while compiling the backward ({type(err).__name__}: "
-                        f"{' '.join(str(err).split())[:240]}); train with --attention sdpa") from err
+class _CompiledBackwardFailed(Exception):
+    """The compiled layers' backward failed and the compiler fell back: the step starts over."""
 
 
 def all_reduce_stats(stats: LossStats) -> LossStats:

@@ -27,7 +27,7 @@ from transformers import AutoConfig
 
 from peagle.model.draft import build_draft_from_target
 from peagle.model.flex import FlexRunner
-from peagle.model.regional_compile import DraftCompiler, uncompile_layers
+from peagle.model.regional_compile import DraftCompiler, compile_layers, uncompile_layers
 from peagle.model.mask import block_mask_from_indices, peagle_mask_mod
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.errors import UserError
@@ -142,6 +142,48 @@ def _failing_compile(error: Exception):
             raise error
         return compiled
     return compile_fn
+
+
+class _BackwardFails(torch.autograd.Function):
+    """Identity forward; a backward that fails as torch 2.11's compiled RMSNorm backward did on an H100."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("shape '[513, 4096]' is invalid for input of size 1")
+
+
+def _compiled_with_a_failing_backward(fn, **kwargs):
+    def compiled(*args, **kw):
+        return _BackwardFails.apply(fn(*args, **kw))
+    return compiled
+
+
+def test_a_failing_backward_of_the_compiled_layers_falls_back_and_redoes_the_step(tiny_store, caplog):
+    """The first GPU run of ``--compile layers`` died in the backward with a run-time error of
+    Inductor's code (not a compile error). Such a step is redone with the layers eager (flex compiled
+    alone): its loss and gradients are exactly the eager trainer's, none counted twice."""
+    config = LoaderConfig(stores=(StoreSpec(str(tiny_store.root)),), token_budget=160, attention="sdpa",
+                          block_size=32, cod=CodSettings(num_depths=4), num_workers=1)
+    batch = next(iter(TrainLoader(config).batches(0)))
+    eager, compiled = _trainer(tiny_store, "off"), _trainer(tiny_store, "layers")
+    compiler = compiled.step_fn.compiler
+    uncompile_layers(compiler.layers)
+    compile_layers(compiler.layers, _compiled_with_a_failing_backward)
+    compiler.loss_chunk = None
+    with caplog.at_level(logging.WARNING, logger="peagle.model.regional_compile"):
+        got, (count, _, _) = compiled.step_fn.forward_backward([batch])
+    want, (want_count, _, _) = eager.step_fn.forward_backward([batch])
+    assert "failed in the backward" in caplog.text and "[513, 4096]" in compiled.step_fn.describe()
+    assert compiler.mode == "flex" and count == want_count
+    torch.testing.assert_close(got.loss_sum, want.loss_sum, rtol=0, atol=0)
+    for (name, p), q in zip(compiled.draft.named_parameters(), eager.draft.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
 
 
 def _qkv_and_mask(num_elements: int, num_heads: int = 4):
