@@ -4,7 +4,11 @@ chosen with no flag), vocab, train, export, and vLLM serving the export with par
 
 The draft trains a few steps only: what this proves is that a real tokenizer, template and model go
 through every stage and reach vLLM intact, with greedy output unchanged. What a draft for it
-accepts is measured by the demo and benchmarks/quality.py (README "Draft quality").
+accepts is measured by the demo and benchmarks/quality.py (README "Draft quality"). Our own loop
+(``--mode online``) is not run here: it is the same code for every Llama-architecture target, and its
+greedy output equal to plain decoding is tests/stages/eval/test_online.py's and
+tests/stages/eval/test_run.py's (the command), its acceptance equal to vLLM's
+tests/stages/eval/test_vllm_eval.py's and test_vllm_eagle3.py's (on SmolLM2 it cost ~15 s of CPU).
 """
 
 from __future__ import annotations
@@ -49,9 +53,8 @@ def test_smollm2_extract_train_export_serve(smollm2_target, tmp_path, run_peagle
     ok("export", run, "--out", export)
     config = json.loads((export / "config.json").read_text())
     assert (config["mask_token_id"], config["draft_vocab_size"]) == (16, 256)
-    ok("eval", export, "--target", smollm2_target, "--prompts", prompts, "--mode", "vllm,online",
+    ok("eval", export, "--target", smollm2_target, "--prompts", prompts, "--mode", "vllm",
        "--max-prompts", "2", "--max-new-tokens", "12", "--num-depths", K, "--quiet", "--out", report)
-    result = json.loads((report / "report.json").read_text())
-    served, own = result["vllm"], result["online"]
+    served = json.loads((report / "report.json").read_text())["vllm"]
     assert served["parallel_drafting"] and served["num_depths"] == K and served["num_steps"] > 0
-    assert served["greedy_output_matches_target_only"] and own["greedy_output_matches_plain"]
+    assert served["greedy_output_matches_target_only"]
