@@ -95,7 +95,7 @@ TOY = Budget(target="toy", num_draft_chats=2000, num_heldout_chats=200, num_prom
              max_anchors=None, eval_modes=("offline", "online", "vllm"))
 """The earlier benchmark's budget (results/cpu/quality_toy.json)."""
 
-SMOKE = replace(TOY, num_draft_chats=48, num_heldout_chats=8, num_prompts=3, regen_tokens=24, max_new_tokens=16,
+SMOKE = replace(TOY, num_draft_chats=16, num_heldout_chats=8, num_prompts=3, regen_tokens=24, max_new_tokens=16,
                 train_steps=4, token_budget=512, draft_vocab_size=256, extract_backend="hf",
                 toy=QualityTargetSpec(max_steps=10, batch_size=4, seq_len=128, max_target_chats=300))
 
