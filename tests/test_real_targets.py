@@ -8,12 +8,6 @@ chain and serves the result (in the vLLM test process, scripts/test.sh); without
 alone is tested here. The drafts train for three steps: this proves every family's tokens, mask
 token and export reach vLLM intact; that vLLM's parallel drafting computes what our own loop does
 (acceptance equal) is tests/stages/eval/test_vllm_eval.py's job, on a draft fitted until it accepts.
-
-The serving step is `peagle eval`'s own function (``run_eval``, what the command runs once its flags
-are parsed) called in the test process, which imports vLLM once for all three families: a `peagle
-eval` subprocess per family imports torch and vLLM again (~15 s of CPU each). The command itself,
-flags to report, runs as a subprocess in tests/stages/eval/test_run.py, tests/test_real_model.py
-and tests/test_cli_fp8.py.
 """
 
 from __future__ import annotations
@@ -24,8 +18,6 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from peagle.schemas.eval_config import EvalConfig
-from peagle.stages.eval.run import run_eval
 from peagle.stages.eval.vllm_eval import vllm_available
 from peagle.testing.chat_data import write_agentic_jsonl
 
@@ -97,13 +89,14 @@ def test_pipeline_on_real_family_targets(chains, family):
 @pytest.mark.vllm
 @pytest.mark.skipif(not vllm_available(), reason="vllm is not importable here")
 @pytest.mark.parametrize("family", FAMILIES)
-def test_vllm_serves_each_family_with_parallel_drafting(chains, family):
+def test_vllm_serves_each_family_with_parallel_drafting(chains, family, run_peagle):
     chain = chains(family)
     check_chain(family, chain)
     report_dir = chain["root"] / "report"
-    run_eval(EvalConfig(source=str(chain["export"]), target=str(chain["target"]), store=str(chain["store"]),
-                        mode=("vllm",), max_prompts=2, max_new_tokens=12, ignore_eos=True, quiet=True,
-                        out=str(report_dir)), echo=lambda line: None)
+    proc = run_peagle("eval", chain["export"], "--target", chain["target"], "--store", chain["store"],
+                      "--mode", "vllm", "--max-prompts", "2", "--max-new-tokens", "12", "--ignore-eos",
+                      "--quiet", "--out", report_dir)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     served = json.loads((report_dir / "report.json").read_text())["vllm"]
     assert served["parallel_drafting"] and served["num_depths"] == K and served["num_steps"] > 0
     assert served["greedy_output_matches_target_only"]  # speculative decoding never changes greedy output
