@@ -2,6 +2,10 @@
 the store layout of docs/store.md, n workers == 1 worker byte for byte, refused re-runs, one-line
 errors, appending.
 
+The baseline extraction and `extract --help` run the `peagle` console script in a fresh interpreter;
+the other commands are children of the fault suite's warm fork server (tests/faults/faultkit.py): each
+a real process running the real entry point, without paying ~4 s of imports per command.
+
 Kills, disk full, bad input and damage are the fault suite's (tests/faults, docs/reliability.md): resume after
 kill -9 at every named failpoint, in turn and alone, and at random moments (test_fault_extract.py), a
 file-size limit mid-run (test_fault_diskfull.py), --strict and an input of only bad lines
@@ -19,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "faults"))  # the fault suite's runner, any import mode
+from faultkit import Result, Runner  # noqa: E402
 from peagle.schemas import extract_config as X
 from peagle.schemas import store as S
 from peagle.schemas.fields import field_docs
@@ -46,17 +52,25 @@ def run_peagle(*args, env: dict[str, str] | None = None, **kw) -> subprocess.Com
                           timeout=600, **kw)
 
 
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory) -> Runner:
+    """Starts `peagle ...` commands as children of a warm fork server (torch and peagle imported once)."""
+    r = Runner(tmp_path_factory.mktemp("cli-extract-logs"))
+    yield r
+    r.close()
+
+
 def _args(data: dict[str, Path], target: Path, out: Path, *extra: str, files=("a",)) -> list[str]:
     return ["extract", *[a for f in files for a in ("--data", str(data[f]))], "--target", str(target),
             "--out", str(out), *COMMON, *extra]
 
 
-def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+def _ok(proc: subprocess.CompletedProcess | Result) -> subprocess.CompletedProcess | Result:
     assert proc.returncode == 0, f"rc {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return proc
 
 
-def _one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
+def _one_line_error(proc: subprocess.CompletedProcess | Result, *needles: str) -> str:
     assert proc.returncode == 2, f"rc {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     assert "Traceback" not in proc.stderr
     *progress, last = proc.stderr.strip().splitlines()  # progress lines of finished work may come first
@@ -95,7 +109,7 @@ def test_help_explains_every_config_field():
         assert f"--{name.replace('_', '-')}" in proc.stdout
 
 
-def test_store_layout_matches_design(baseline):
+def test_store_layout_matches_design(baseline, runner):
     files = set(_snapshot(baseline))
     indices = [f"{i:05d}" for i in range(5)]
     expected = {S.MANIFEST_FILE, S.STORE_SETTINGS_FILE} | {f"shards/{i}.parquet" for i in indices} \
@@ -115,66 +129,62 @@ def test_store_layout_matches_design(baseline):
         "skipped", "num_truncated", "backend", "stats", "token_counts", "num_supervised_turns"}
     stats = manifest["shards"][0]["stats"]  # content statistics, one entry per aux layer (peagle store check)
     assert len(stats["layers"]) == 3 and stats["layers"][0]["zero_rows"] == 0 and stats["topk"]["non_finite_rows"] == 0
-    info = _ok(run_peagle("store", "info", "--store", baseline)).stdout
+    info = _ok(runner.run("store", "info", "--store", baseline)).stdout
     assert "shards       5 of 5 committed (backend hf)" in info
     assert f"tokens       {manifest['num_tokens']:,}" in info and "malformed_json 1" in info
     assert "on disk vs 816 raw tensor bytes" in info
-    assert "verify ok: 5 committed shards" in _ok(run_peagle("store", "verify", "--store", baseline)).stdout
+    assert "verify ok: 5 committed shards" in _ok(runner.run("store", "verify", "--store", baseline)).stdout
 
 
-def test_two_concurrent_workers_write_the_same_bytes_as_one(baseline, data, tiny_llama, tmp_path):
+def test_two_concurrent_workers_write_the_same_bytes_as_one(baseline, data, tiny_llama, tmp_path, runner):
     out = tmp_path / "two"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([*peagle_bin(), *_args(data, tiny_llama, out, "--shard-index", str(i),
-                                                     "--num-shards", "2")],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for i in (0, 1)]
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=300)
-        assert p.returncode == 0, stderr
+    jobs = [runner.start(*_args(data, tiny_llama, out, "--shard-index", str(i), "--num-shards", "2")) for i in (0, 1)]
+    for job in jobs:
+        _ok(job.wait(300))
     assert _snapshot(out) == _snapshot(baseline)
 
 
-def test_rerun_skips_committed_shards(baseline, data, tiny_llama):
+def test_rerun_skips_committed_shards(baseline, data, tiny_llama, runner):
     """Nothing is rewritten: every file keeps its bytes (so `store info` and `store verify` say what
     test_store_layout_matches_design saw them say of these bytes) and the shards their mtimes."""
     before = _snapshot(baseline)
     mtimes = {p: p.stat().st_mtime_ns for p in (baseline / S.SHARDS_DIR).iterdir()}
-    proc = _ok(run_peagle(*_args(data, tiny_llama, baseline)))
+    proc = _ok(runner.run(*_args(data, tiny_llama, baseline)))
     assert "5 already committed, 0 to do" in proc.stdout and "nothing to do" in proc.stdout
     assert _snapshot(baseline) == before
     assert {p: p.stat().st_mtime_ns for p in (baseline / S.SHARDS_DIR).iterdir()} == mtimes
 
 
-def test_rerun_with_other_settings_is_one_line_naming_both(baseline, data, tiny_llama):
-    proc = run_peagle(*_args(data, tiny_llama, baseline, "--aux-layers", "1,4,5"))
+def test_rerun_with_other_settings_is_one_line_naming_both(baseline, data, tiny_llama, runner):
+    proc = runner.run(*_args(data, tiny_llama, baseline, "--aux-layers", "1,4,5"))
     _one_line_error(proc, "aux_layer_ids=[2, 4, 5]", "aux_layer_ids=[1, 4, 5]")
 
 
-def test_missing_model_dir_and_unreadable_data_are_one_line(data, tiny_llama, tmp_path):
-    _one_line_error(run_peagle(*_args(data, tmp_path / "no-model", tmp_path / "s")), "no-model does not exist")
+def test_missing_model_dir_and_unreadable_data_are_one_line(data, tiny_llama, tmp_path, runner):
+    _one_line_error(runner.run(*_args(data, tmp_path / "no-model", tmp_path / "s")), "no-model does not exist")
     (tmp_path / "dir.jsonl").mkdir()
-    proc = run_peagle("extract", "--data", tmp_path / "dir.jsonl", "--target", tiny_llama, "--out", tmp_path / "s")
+    proc = runner.run("extract", "--data", tmp_path / "dir.jsonl", "--target", tiny_llama, "--out", tmp_path / "s")
     _one_line_error(proc, "dir.jsonl is not a regular file")
-    _one_line_error(run_peagle(*_args(data, tiny_llama, tmp_path / "s", "--aux-layers", "4,2")), "strictly ascending")
+    _one_line_error(runner.run(*_args(data, tiny_llama, tmp_path / "s", "--aux-layers", "4,2")), "strictly ascending")
     assert not (tmp_path / "s").exists()
 
 
-def test_config_file_keys_are_the_flags(data, tiny_llama, tmp_path):
+def test_config_file_keys_are_the_flags(data, tiny_llama, tmp_path, runner):
     cfg = tmp_path / "extract.yaml"
     cfg.write_text(f"data: [{data['b']}]\ntarget: {tiny_llama}\nout: {tmp_path / 's'}\naux-layers: 1,3,6\n"
                    "topk: 4\ndry_run: true\n")
-    proc = _ok(run_peagle("extract", "--config", cfg, "--max-seq-len", "100"))
+    proc = _ok(runner.run("extract", "--config", cfg, "--max-seq-len", "100"))
     assert "aux layers 1,3,6, top-k 4 (float16), max len 100" in proc.stdout
     assert not (tmp_path / "s").exists()
     cfg.write_text("topk_typo: 3\n")
-    _one_line_error(run_peagle("extract", "--config", cfg), "unknown key 'topk_typo'")
+    _one_line_error(runner.run("extract", "--config", cfg), "unknown key 'topk_typo'")
 
 
-def test_appending_a_data_file_adds_new_shards(baseline, data, tiny_llama, tmp_path):
+def test_appending_a_data_file_adds_new_shards(baseline, data, tiny_llama, tmp_path, runner):
     out = tmp_path / "appended"
     shutil.copytree(baseline, out)
     before = _snapshot(out)
-    proc = _ok(run_peagle(*_args(data, tiny_llama, out, files=("a", "b"))))
+    proc = _ok(runner.run(*_args(data, tiny_llama, out, files=("a", "b"))))
     assert "5 already committed, 2 to do" in proc.stdout
     after = _snapshot(out)
     assert {k: v for k, v in after.items() if k in before and k != S.MANIFEST_FILE} == \
@@ -183,13 +193,13 @@ def test_appending_a_data_file_adds_new_shards(baseline, data, tiny_llama, tmp_p
     assert [(s["index"], s["input_file"]) for s in manifest["shards"]][-2:] == [(5, "b.jsonl"), (6, "b.jsonl")]
 
 
-def test_the_plan_of_a_regeneration_bounds_the_answers_it_has_not_written(tiny_llama, tmp_path):
+def test_the_plan_of_a_regeneration_bounds_the_answers_it_has_not_written(tiny_llama, tmp_path, runner):
     """Prompt-only records (`--regenerate`) have no answer to count yet: the plan must not print
     ~0 tokens and ~0 B, but an upper bound (prompts + --max-new-tokens per answer, capped)."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question {i} about rivers?"}]})
                                + "\n" for i in range(4)))
-    proc = _ok(run_peagle("extract", "--data", prompts, "--target", tiny_llama, "--out", tmp_path / "s", *COMMON,
+    proc = _ok(runner.run("extract", "--data", prompts, "--target", tiny_llama, "--out", tmp_path / "s", *COMMON,
                           "--regenerate", "--max-new-tokens", "40", "--max-seq-len", "256", "--dry-run"))
     line = next(ln for ln in proc.stdout.splitlines() if ln.strip().startswith("tokens"))
     assert "at most: answers not written yet, up to 40 tokens each" in line, line

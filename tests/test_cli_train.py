@@ -4,29 +4,37 @@ kill -9, resume, errors, a variant run and its export.
 A run killed with SIGKILL (failpoints mid-step and mid-checkpoint-write, docs/reliability.md) and started again
 with the same command must end with the same per-step losses and the same final weights as a run
 that was never interrupted.
+
+Each command is a child of the fault suite's warm fork server (the real entry point in its own process, as
+in every fault-suite trial); `peagle train` through the console script in a fresh interpreter is run by
+tests/cli/test_help.py (every help example, torchrun's too) and a cold fault-suite trial.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "faults"))  # the fault suite's runner, any import mode
+from faultkit import Result, Runner  # noqa: E402
+
 TIMING = ("tokens_per_s", "data_wait_share", "step_time_s")
 
 
-def peagle(*args, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """The real `peagle` console script in a subprocess (module-scoped fixtures use it too)."""
-    exe = Path(sys.executable).with_name("peagle")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "peagle"]
-    return subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+@pytest.fixture(scope="module")
+def peagle(tmp_path_factory) -> Iterator[Callable[..., Result]]:
+    """``peagle(*args, env=...)`` runs `peagle ARGS` to its end as a child of the fault suite's warm fork
+    server (tests/faults/faultkit.py): the real entry point in a process of its own, which a failpoint
+    kills as it would the console script, without ~4 s of imports per command."""
+    runner = Runner(tmp_path_factory.mktemp("cli-train-logs"))
+    yield lambda *args, env=None: runner.run(*args, env=env, timeout=600)
+    runner.close()
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +72,7 @@ def final_weights(out) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def straight(store, tiny_llama, tmp_path_factory):
+def straight(store, tiny_llama, tmp_path_factory, peagle):
     out = tmp_path_factory.mktemp("straight") / "run"
     proc = peagle(*train_args(store, tiny_llama, out))
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -82,7 +90,7 @@ def test_train_writes_metrics_and_checkpoints(straight):
 
 
 @pytest.mark.slow
-def test_kill_9_then_the_same_command_gives_the_same_run(store, tiny_llama, straight, tmp_path):
+def test_kill_9_then_the_same_command_gives_the_same_run(store, tiny_llama, straight, tmp_path, peagle):
     """Killed inside a checkpoint write, then (the same command, resumed) killed mid-step: the same
     command a third time ends with the uninterrupted run's metrics, eval included, and weights.
 
@@ -114,7 +122,7 @@ def test_kill_9_then_the_same_command_gives_the_same_run(store, tiny_llama, stra
     (["--epochs", "1"], "--max-steps 6 and --epochs 1.0 are exclusive"),
     (["--draft-vocab-size", "300"], "has no draft vocab of size 300; build it with `peagle vocab"),
 ])
-def test_user_errors_are_one_line(extra, message, store, tiny_llama, tmp_path):
+def test_user_errors_are_one_line(extra, message, store, tiny_llama, tmp_path, peagle):
     proc = peagle(*train_args(store, tiny_llama, tmp_path / "run", *extra))
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
@@ -122,7 +130,7 @@ def test_user_errors_are_one_line(extra, message, store, tiny_llama, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_store_from_another_target_is_refused(store, tiny_qwen3, tmp_path):
+def test_a_store_from_another_target_is_refused(store, tiny_qwen3, tmp_path, peagle):
     proc = peagle(*train_args(store, tiny_qwen3, tmp_path / "run"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "was extracted from a target with architecture LlamaForCausalLM, --target has architecture " \
@@ -130,7 +138,7 @@ def test_a_store_from_another_target_is_refused(store, tiny_qwen3, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_variant_run_trains_exports_and_resumes_only_as_itself(store, tiny_llama, tmp_path):
+def test_a_variant_run_trains_exports_and_resumes_only_as_itself(store, tiny_llama, tmp_path, peagle):
     """The issue-13 variants through the real CLI at once: a Qwen3-style draft with every norm option,
     Muon and the TV loss trains, its export reads back as the same variant, and a resume that turns a
     variant off is refused in one line (the checkpoint would not fit another architecture)."""
