@@ -8,7 +8,11 @@ of that were baked into the graph, each new shape would recompile (the reference
 20-40 s per new COD length on an H100). Here the compiled flex *forward* (Inductor's CPU lowering;
 flex has no CPU backward) runs the draft over real loader batches of a real store, with the
 BlockMasks built from the indices the loader workers ship, and Dynamo's own counters must show at
-most two compiles (the first graph, and at most one re-trace that marks sizes dynamic).
+most two compiles (the first graph, and at most one re-trace that marks sizes dynamic). Every
+output must equal the eager draft's with SDPA on the dense mask (the reference implementation of
+the rule), norms non-trivial so that a swapped or skipped norm would show: for ``--compile layers``
+this is the check that flex attention traced inside a compiled decoder layer computes what eager
+layers do (tests/model/test_regional_compile.py checks the compiled layers' training graphs).
 
 The compiled layers are also trained here, through the real step over real loader batches: SDPA
 on a dense mask (flex has no CPU backward), bf16 autocast as on the GPU, and the step's loss and
@@ -28,7 +32,7 @@ from transformers import AutoConfig
 from peagle.model.draft import build_draft_from_target
 from peagle.model.flex import FlexRunner
 from peagle.model.regional_compile import DraftCompiler, compile_layers, uncompile_layers
-from peagle.model.mask import block_mask_from_indices, peagle_mask_mod
+from peagle.model.mask import block_mask_from_indices, dense_mask, peagle_mask_mod
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.errors import UserError
 from peagle.schemas.train_config import StoreSpec, TrainConfig
@@ -68,12 +72,22 @@ def _draft(tiny_store):
     hf_config = AutoConfig.from_pretrained(tiny_store.target_dir)
     config = DraftConfig.from_target_config(hf_config, num_layers=2, mask_token_id=tiny_store.mask_token_id)
     torch.manual_seed(0)
-    return build_draft_from_target(tiny_store.target_dir, config).eval()
+    draft = build_draft_from_target(tiny_store.target_dir, config).eval()
+    with torch.no_grad():  # non-trivial norms: a swapped or skipped norm would show
+        for name, param in draft.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    return draft
 
 
 def _forward(draft, batch, flex):
+    """The draft's output on ``batch``: flex attention through ``flex`` on the BlockMask of the shipped
+    indices, or (``flex`` None) the eager reference, SDPA on the dense mask."""
     (unit,) = batch.units
-    mask = block_mask_from_indices(unit.block_indices, peagle_mask_mod(batch.anchor_N, batch.depth_N, batch.doc_N))
+    if flex is None:
+        mask = dense_mask(batch.anchor_N, batch.depth_N, batch.doc_N)
+    else:
+        mask = block_mask_from_indices(unit.block_indices, peagle_mask_mod(batch.anchor_N, batch.depth_N, batch.doc_N))
     return draft(batch.tokens_T, batch.aux_TAH, batch.position_ids_N, mask, flex)
 
 
@@ -81,7 +95,8 @@ def _forward(draft, batch, flex):
 @pytest.mark.parametrize("mode", ["flex", "layers"])
 def test_compiled_flex_forward_compiles_at_most_twice_over_real_batches(tiny_store, flex_batches, mode):
     """``flex``: flex compiled alone (one region); ``layers``: both decoder layers compiled whole with
-    the BlockMask passed in and flex traced inside (two regions: layer 0 and the other layer)."""
+    the BlockMask passed in and flex traced inside (two regions: layer 0 and the other layer). Each
+    output equals the eager layers' with SDPA on the dense mask."""
     draft = _draft(tiny_store)
     torch._dynamo.reset()  # nothing compiled by earlier tests may serve these calls
     compiler = DraftCompiler(draft.layers, mode=mode, attention="flex")
@@ -90,13 +105,13 @@ def test_compiled_flex_forward_compiles_at_most_twice_over_real_batches(tiny_sto
         outputs = [_forward(draft, batch, compiler.flex) for batch in flex_batches]
     compiles = compiled_graph_count() - before
     uncompile_layers(draft.layers)
-    with torch.no_grad():  # (eager flex traces with Dynamo too, so it is counted apart)
-        eager = [_forward(draft, batch, None) for batch in flex_batches[:3]]
+    with torch.no_grad():
+        eager = [_forward(draft, batch, None) for batch in flex_batches]
     if mode == "flex":
         assert compiler.flex.compiled and compiler.flex.compile_error is None
     regions = 1 if mode == "flex" else 2
     assert 1 <= compiles <= 2 * regions, f"{compiles} graphs compiled over {len(flex_batches)} COD lengths"
-    for got, want in zip(outputs, eager):  # and the compiled kernel computes what eager flex does
+    for got, want in zip(outputs, eager, strict=True):  # and the compiled code computes what eager layers do
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
