@@ -310,8 +310,8 @@ def prepare_target(budget: Budget, cache_dir: Path, splits: dict[str, list[dict]
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--variants", default=None, help="comma list of names in VARIANTS (default: the README "
-                    "table's, DEFAULT_VARIANTS, or TOY_VARIANTS with --target toy; baseline is always added: every "
-                    "other variant is compared with it)")
+                    "table's, DEFAULT_VARIANTS, or TOY_VARIANTS with --target toy; each runs next to the variant it is "
+                    "compared with; baseline, always added, runs last and every variant is compared with it)")
     ap.add_argument("--seeds", default="0,1,2", help="comma list of training seeds")
     ap.add_argument("--target", choices=("smollm2", "toy"), default="smollm2", help="smollm2: the real model "
                     "(default); toy: the tiny target trained here on stdlib text (the earlier benchmark)")
@@ -336,8 +336,10 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{name:<10} {' '.join(part for k, v in flags.items() for part in render(k, v)) or '(base flags)'}")
         return {}
     names = args.variants or ",".join(TOY_VARIANTS if args.target == "toy" or args.smoke else DEFAULT_VARIANTS)
-    variants = ["baseline"] + [v for v in names.split(",") if v and v != "baseline"]
-    variants = list(dict.fromkeys(variants + [REFERENCE[v] for v in variants if v in REFERENCE]))  # once each
+    # Each variant next to the one it is compared with, baseline last (once each): a run cut short
+    # (--report-only) then holds whole pairs, and each later run makes one more comparison.
+    asked = [v for v in names.split(",") if v and v != "baseline"]
+    variants = list(dict.fromkeys([w for v in asked for w in (v, REFERENCE.get(v)) if w] + ["baseline"]))
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
