@@ -68,6 +68,37 @@ def test_fp8_layers_stay_within_fp8_error_of_bf16_with_gradients(compiled):
         assert _relative(got_grads[name], grad) < 0.15, name
 
 
+def test_every_fp8_matmul_gets_sizes_cuda_accepts_whatever_the_row_count(monkeypatch):
+    """CUDA's fp8 matmul needs every size to be a multiple of 16, the token count included (the
+    first H100 run stopped at 27,618 COD rows); the CPU kernel does not, so the sizes are checked
+    here at the call, for a row count that is not a multiple of 16, and the padding changes nothing."""
+    pytest.importorskip("torchao.float8", reason="torchao is not installed (pip install 'peagle[fp8]')")
+    shapes = []
+    scaled_mm = torch._scaled_mm
+
+    def recording_scaled_mm(a, b, *args, **kwargs):
+        shapes.append((tuple(a.shape), tuple(b.shape)))
+        return scaled_mm(a, b, *args, **kwargs)
+
+    draft = random_draft(small_config(num_layers=1))
+    convert_to_fp8_matmuls(draft)
+    inputs = _inputs()
+    assert inputs[0].numel() % 16, "the row count must not already be a multiple of 16"
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "_scaled_mm", recording_scaled_mm)
+        out, grads = _run(draft, inputs)
+    assert len(shapes) == 3 * len(FP8_MODULES)  # forward, grad input, grad weight of each projection
+    assert all(size % 16 == 0 for a, b in shapes for size in a + b), shapes
+    assert out.shape[0] == inputs[0].numel() and all(g.isfinite().all() for g in grads.values())
+    linear = draft.layers[0].mlp.down_proj
+    x = torch.randn(2, 21, linear.in_features)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        padded_rows = linear(x)
+        one_by_one = torch.cat([linear(x[:, i:i + 1]) for i in range(21)], dim=1)
+    assert padded_rows.shape == (2, 21, linear.out_features)
+    torch.testing.assert_close(padded_rows, one_by_one)  # rowwise scaling: a row's output is its own
+
+
 def test_fp8_refuses_odd_sizes_and_a_missing_torchao_in_one_line(monkeypatch):
     if importlib.util.find_spec("torchao") is not None:
         draft = random_draft(small_config(num_layers=1, intermediate_size=100))
