@@ -28,11 +28,12 @@ H hidden size, V target vocab, K top-k.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -70,6 +71,31 @@ def _environ_kept() -> Iterator[None]:
         if dict(os.environ) != saved:
             os.environ.clear()
             os.environ.update(saved)
+
+
+_CPU_STEP_TIMEOUT_S = "3600"
+"""``VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS`` on a CPU unless the environment sets it. vLLM's 300 s
+default killed a regeneration on a busy 2-core box: one step of 32 prompts of 1,024 tokens ran
+longer than that under load, and the engine died with a traceback instead of being slow."""
+
+
+def _engine_death_in_one_line(method: Callable[..., Any]) -> Callable[..., Any]:
+    """vLLM's engine process dying (killed, out of memory, a step over its time limit) ends in one
+    line: the shards committed so far are on disk and the same command resumes after them. The dead
+    engine is let go, so a later call on the same backend starts another."""
+    @functools.wraps(method)
+    def wrapped(self: "VllmBackend", *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as err:
+            if not any(cls.__name__ == "EngineDeadError" for cls in type(err).__mro__):
+                raise
+            self._let_dead_engine_go()
+            timeout = os.environ.get("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "its default")
+            raise UserError(f"vLLM's engine stopped ({' '.join(str(err).split())[:200] or type(err).__name__}); "
+                            f"the shards committed so far are kept: run the same command again to resume (a "
+                            f"step slower than VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, {timeout}, also stops it)") from err
+    return wrapped
 
 
 class TargetHead:
@@ -198,7 +224,7 @@ class VllmBackend:
         self._head_device = torch.device(head_device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self._head: TargetHead | None = None
 
-        on_cpu = current_platform.is_cpu()
+        on_cpu = self._on_cpu = current_platform.is_cpu()
         self._common_kwargs: dict[str, Any] = dict(
             model=str(self.target_dir),
             dtype=dtype,
@@ -219,6 +245,7 @@ class VllmBackend:
         self._reaper: Any = None
 
     @_environ_kept()
+    @_engine_death_in_one_line
     def run(self, token_ids: list[list[int]]) -> list[TargetOutput]:
         """One ``TargetOutput`` per sample, in order (aux in the engine dtype, top-k on the CPU)."""
         for ids in token_ids:
@@ -233,6 +260,7 @@ class VllmBackend:
         return outputs
 
     @_environ_kept()
+    @_engine_death_in_one_line
     def generate(
         self,
         prompts_token_ids: list[list[int]],
@@ -307,12 +335,23 @@ class VllmBackend:
         from peagle.stages.extract.vllm_reaper import EngineReaper
 
         self._reaper = EngineReaper()  # before the engine starts: a kill mid-start must not orphan it
+        if self._on_cpu:  # read by the engine's processes; os.environ is restored after run/generate
+            os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", _CPU_STEP_TIMEOUT_S)
         self._llm = self._vllm.LLM(**kwargs)
         self._llm_kind = kind
         if self._head is None and kind == "extract":
             dtype = self._llm.llm_engine.model_config.dtype
             self._head = TargetHead(self.target_dir, dtype=dtype, device=self._head_device)
         return self._llm
+
+    def _let_dead_engine_go(self) -> None:
+        try:
+            self._shutdown_engine()
+        except Exception:  # noqa: BLE001 - its processes are gone or going; the reaper ends the rest
+            self._llm = self._llm_kind = None
+            if self._reaper is not None:
+                self._reaper.close()
+                self._reaper = None
 
     def _shutdown_engine(self) -> None:
         if self._llm is not None:
