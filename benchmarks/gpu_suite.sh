@@ -197,7 +197,9 @@ else
     --variants auto rows-safe tma bwd64x64-w4-s3 pad128-static bwd32x128-w4-s3 fwd128x128-w8-s2 bwd64x128-w8-s2 flash \
     --out $OUT/parts/attention.jsonl; $ATTN_REF"
   # A cold compile cache: the first step is what a user's first `peagle train` pays.
-  TORCHINDUCTOR_CACHE_DIR="$WORK/inductor-cold-$(date +%s)" run_part train_run 55 "$PY" benchmarks/train_run.py \
+  # TORCH_LOGS=recompiles: the first H100 run's step 2 ran past the part's limit (a recompile is the
+  # suspect; the CPU tests see none over 12 lengths), so the log says why if it happens again.
+  TORCH_LOGS=recompiles TORCHINDUCTOR_CACHE_DIR="$WORK/inductor-cold-$(date +%s)" run_part train_run 55 "$PY" benchmarks/train_run.py \
     --steps 20 --work "$WORK/train_run" --out "$OUT/parts/train_run.json"
   # Only the files that hold cuda-marked tests: collecting the whole tree costs seconds the part has not.
   mapfile -t CUDA_FILES < <(grep -rlE "mark\.cuda|pytest\.mark\.cuda" tests --include="test_*.py" | sort)

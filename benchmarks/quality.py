@@ -43,6 +43,7 @@ unchanged (a killed benchmark resumes).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -371,7 +372,7 @@ def main(argv: list[str] | None = None) -> dict:
                                 "load_average_start": os.getloadavg()}}
     if not args.no_variety:
         prompts = [json.loads(line)["messages"] for line in paths["prompts"].read_text().splitlines()]
-        result["target"]["variety"] = text_variety(target, prompts, budget.max_new_tokens)
+        result["target"]["variety"] = cached_variety(work, target, prompts, budget.max_new_tokens)
         result["demo_reference"] = demo_reference()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for seed in seeds:  # seed-major: a run cut short still compares every variant on the seeds it finished
@@ -387,6 +388,18 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(result["summary"])
     print(f"results: {args.out}")
     return result
+
+
+def cached_variety(work: Path, target: Path, prompts: list, max_new_tokens: int) -> dict:
+    """``text_variety`` once per target, prompts and length in --work: greedy generation with
+    transformers over the prompts costs minutes on 2 cores, and every re-run would pay it again."""
+    key = hashlib.sha256(json.dumps([str(target), prompts, max_new_tokens]).encode()).hexdigest()[:16]
+    path = work / f"variety-{key}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    variety = text_variety(target, prompts, max_new_tokens)
+    atomic_write_json(path, variety)
+    return variety
 
 
 NOISE_WORD = {True: "(beyond noise)", False: "(noise)", None: "(n<2)"}
