@@ -17,7 +17,8 @@ if [ "${PEAGLE_WITH_SPECULATORS:-1}" = "1" ]; then
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false
 status=0
-.venv/bin/python -m pytest -q -p no:cacheprovider -m "not vllm" \
+# --durations: CI's log names the slowest tests, which is where CI time is won or lost.
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 -m "not vllm" \
   --ignore=tests/stages/extract/test_backend_vllm.py "$@" || status=$?
-.venv/bin/python -m pytest -q -p no:cacheprovider -m vllm "$@" || { rc=$?; [ "$rc" = 5 ] || status=$rc; }
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 -m vllm "$@" || { rc=$?; [ "$rc" = 5 ] || status=$rc; }
 exit "$status"
