@@ -14,6 +14,7 @@ Three modes (``--compile``):
   when compiling a layer fails, and the A/B baseline.
 * ``off``: nothing compiled (the default off CUDA; flex, if asked for, runs eager).
 
+Every graph compiles with :func:`inductor_options` (one Inductor feature off, for a torch bug).
 A compile failure of a layer is not the end of a run: :meth:`DraftCompiler.fall_back` uncompiles the
 layers, logs one line with the reason, and the step reruns the unit with flex compiled alone (whose
 own failures :class:`FlexRunner` handles). A failure while the compiled layers' backward runs does
@@ -46,13 +47,23 @@ def resolve_compile_mode(mode: str, device: torch.device) -> str:
     return mode
 
 
-INDUCTOR_OPTIONS = {"triton.mix_order_reduction": False}
+WANTED_INDUCTOR_OPTIONS = {"triton.mix_order_reduction": False}
 """Inductor options of every graph this module compiles. Mix-order reduction (torch 2.11's fused
 row-and-column reductions, e.g. RMSNorm's backward) is off: with ``dynamic=True`` its generated
 code slices its workspace without parentheses around the symbolic split count
 (``ws[0*1 + (s//16)*4096 : 1*1 + (s//16)*4096].view(1 + s//16, 4096)``), and the backward dies with
 ``shape '[513, 4096]' is invalid for input of size 1`` at 8k-token rows on an H100 (2k rows choose
-another kernel and pass). benchmarks/results/gpu has the run; drop this once torch fixes it."""
+another kernel and pass). benchmarks/results/gpu/NOTES.md has the run; drop this once torch fixes it."""
+
+
+def inductor_options() -> dict[str, Any]:
+    """``WANTED_INDUCTOR_OPTIONS`` that this torch knows: ``torch.compile`` refuses an unknown option
+    outright, and a torch without mix-order reduction has nothing to turn off."""
+    import torch._inductor.config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    return {key: value for key, value in WANTED_INDUCTOR_OPTIONS.items() if key in known}
+
 
 COMPILED_METHODS = ("forward", "step")
 """The layer methods a run calls: ``forward`` (P-EAGLE's one forward) and ``step`` (EAGLE-3's
@@ -69,7 +80,7 @@ def compile_layers(layers: nn.ModuleList, compile_fn: Callable[..., Any] = torch
     """
     for layer in layers:
         for name in COMPILED_METHODS:
-            setattr(layer, name, compile_fn(getattr(layer, name), dynamic=True, options=INDUCTOR_OPTIONS))
+            setattr(layer, name, compile_fn(getattr(layer, name), dynamic=True, options=inductor_options()))
 
 
 def uncompile_layers(layers: nn.ModuleList) -> None:
@@ -107,7 +118,7 @@ class DraftCompiler:
             compile_layers(self.layers, self.compile_fn)
             self.flex = (functools.partial(flex_attention, kernel_options=self.kernel_options)
                          if flex_wanted else None)
-            self.loss_chunk = (self.compile_fn(self._eager_loss_chunk, dynamic=True, options=INDUCTOR_OPTIONS)
+            self.loss_chunk = (self.compile_fn(self._eager_loss_chunk, dynamic=True, options=inductor_options())
                                if self._eager_loss_chunk is not None else None)
         else:
             self.flex = (FlexRunner(compile=self.mode == "flex", compile_fn=self.compile_fn,
@@ -134,7 +145,7 @@ class DraftCompiler:
         In a forward only a compile failure qualifies. In a backward (``in_backward``) any error but
         out-of-memory does: the compiled layers' backward runs Inductor-generated code, whose failures
         are run-time errors, not compile errors (torch 2.11's mix-order reduction bug, see
-        ``INDUCTOR_OPTIONS``, raised a plain ``RuntimeError`` there). The caller redoes the step
+        ``WANTED_INDUCTOR_OPTIONS``, raised a plain ``RuntimeError`` there). The caller redoes the step
         eagerly, so an error that is not the compiler's is raised again from eager code.
         """
         if self.mode != "layers":

@@ -111,6 +111,20 @@ def test_a_layer_compile_failure_falls_back_to_flex_compiled_alone(caplog):
     assert other.mode == "flex" and "[513, 4096]" in other.fallback_reason
 
 
+def test_inductor_options_turn_off_mix_order_reduction_and_only_name_options_this_torch_knows(monkeypatch):
+    """torch 2.11's mix-order reduction broke the compiled backward at 8k rows on an H100; a torch
+    without the option must not be handed it (torch.compile refuses unknown options outright)."""
+    from peagle.model import regional_compile
+
+    assert regional_compile.inductor_options() == {"triton.mix_order_reduction": False}
+    monkeypatch.setitem(regional_compile.WANTED_INDUCTOR_OPTIONS, "triton.no_such_option", True)
+    options = regional_compile.inductor_options()
+    assert options == {"triton.mix_order_reduction": False}
+    torch.compile(lambda x: x + 1, options=options)  # accepted (an unknown key raises here)
+    with pytest.raises(RuntimeError, match="Unexpected optimization option"):
+        torch.compile(lambda x: x + 1, options=dict(regional_compile.WANTED_INDUCTOR_OPTIONS))
+
+
 def test_compile_mode_choices_need_no_gpu():
     assert resolve_compile_mode("auto", torch.device("cuda", 0)) == "layers"
     assert resolve_compile_mode("auto", torch.device("cpu")) == "off"
