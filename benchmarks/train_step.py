@@ -55,6 +55,7 @@ from pathlib import Path
 import torch
 
 from peagle.model.draft import PEagleDraft
+from peagle.model.flex import is_out_of_memory as is_oom
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.train_config import TrainConfig
 from peagle.pipeline.store_reader import training_sample
@@ -143,10 +144,6 @@ def compile_counters() -> dict:
                 "recompiles": int(sum(counters["recompiles"].values())) if "recompiles" in counters else 0}
     except Exception:  # noqa: BLE001 - counters are diagnostics only
         return {}
-
-
-def is_oom(err: BaseException) -> bool:
-    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
 
 
 class Terminated(BaseException):

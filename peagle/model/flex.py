@@ -64,9 +64,14 @@ def compile_failure_types() -> tuple[type[BaseException], ...]:
     return tuple(types)
 
 
+def is_out_of_memory(err: BaseException) -> bool:
+    """An allocator's out-of-memory, also where a compiled kernel's launch re-raised it as another type."""
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
 def is_compile_failure(err: BaseException) -> bool:
     """True for a Dynamo/Inductor compile error, False for an out-of-memory or any other error."""
-    if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower():
+    if is_out_of_memory(err):
         return False
     return isinstance(err, compile_failure_types())
 

@@ -35,7 +35,8 @@ import torch
 from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
-from peagle.model.flex import FlexFn, FlexRunner, eager_backward_lowering, first_line, is_compile_failure
+from peagle.model.flex import (FlexFn, FlexRunner, eager_backward_lowering, first_line, is_compile_failure,
+                               is_out_of_memory)
 
 logger = logging.getLogger(__name__)
 
@@ -150,8 +151,7 @@ class DraftCompiler:
         """
         if self.mode != "layers":
             return False
-        oom = isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
-        if not (is_compile_failure(err) or (in_backward and not oom)):
+        if not (is_compile_failure(err) or (in_backward and not is_out_of_memory(err))):
             return False
         uncompile_layers(self.layers)
         self.mode, self.fallback_reason = "flex", first_line(err)

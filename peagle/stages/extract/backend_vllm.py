@@ -90,7 +90,8 @@ def _engine_death_in_one_line(method: Callable[..., Any]) -> Callable[..., Any]:
         except Exception as err:
             if not any(cls.__name__ == "EngineDeadError" for cls in type(err).__mro__):
                 raise
-            self._let_dead_engine_go()
+            with contextlib.suppress(Exception):  # its processes are gone or going; the reaper ends the rest
+                self._shutdown_engine()
             timeout = os.environ.get("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "its default")
             raise UserError(f"vLLM's engine stopped ({' '.join(str(err).split())[:200] or type(err).__name__}); "
                             f"the shards committed so far are kept: run the same command again to resume (a "
@@ -344,24 +345,17 @@ class VllmBackend:
             self._head = TargetHead(self.target_dir, dtype=dtype, device=self._head_device)
         return self._llm
 
-    def _let_dead_engine_go(self) -> None:
-        try:
-            self._shutdown_engine()
-        except Exception:  # noqa: BLE001 - its processes are gone or going; the reaper ends the rest
-            self._llm = self._llm_kind = None
-            if self._reaper is not None:
-                self._reaper.close()
-                self._reaper = None
-
     def _shutdown_engine(self) -> None:
-        if self._llm is not None:
-            # vLLM waits 5 s for its worker before killing it; everything we need is read already.
-            self._llm.llm_engine.engine_core.shutdown(timeout=_SHUTDOWN_TIMEOUT_S)
-            self._llm = None
-            self._llm_kind = None
-        if self._reaper is not None:
-            self._reaper.close()
-            self._reaper = None
+        """Stop the engine; the backend forgets it and its reaper even if stopping it raises (a dead one)."""
+        llm, reaper = self._llm, self._reaper
+        self._llm = self._llm_kind = self._reaper = None
+        try:
+            if llm is not None:
+                # vLLM waits 5 s for its worker before killing it; everything we need is read already.
+                llm.llm_engine.engine_core.shutdown(timeout=_SHUTDOWN_TIMEOUT_S)
+        finally:
+            if reaper is not None:
+                reaper.close()
 
     def _groups_that_fit(self, token_ids: list[list[int]]) -> list[list[list[int]]]:
         """Split a call so that one group's dumps use at most half the staging space left."""
