@@ -41,6 +41,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from peagle.model.flex import FLEX_KERNEL_OPTIONS
 from peagle.model.mask import dense_mask, peagle_mask_mod
+from peagle.schemas.errors import one_line
 from peagle.stages.train.device import resolve_device
 from train_step import build_draft, dims, make_batch
 
@@ -240,7 +241,7 @@ def main() -> None:
                 emit(args.out, {**rec, "status": "timeout", "error": "SIGTERM: the part's time ran out"})
                 raise
             except Exception as err:  # noqa: BLE001 - a variant that fails is a finding, not the end
-                rec.update(status="error", error=f"{type(err).__name__}: {' '.join(str(err).split())[:400]}")
+                rec.update(status="error", error=one_line(err, 400))
             emit(args.out, rec)
             torch._dynamo.reset()  # each variant compiles on its own
     except Terminated:

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from peagle.schemas.errors import UserError
+from peagle.schemas.errors import UserError, one_line
 
 logger = logging.getLogger(__name__)
 
@@ -85,11 +85,6 @@ def eager_backward_lowering() -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def first_line(err: BaseException, limit: int = 240) -> str:
-    text = " ".join(str(err).split()) or "no message"
-    return f"{type(err).__name__}: {text[:limit]}"
-
-
 class FlexRunner:
     """Runs flex_attention for one owner, compiled (``compile=True``) or eager.
 
@@ -118,7 +113,7 @@ class FlexRunner:
             except Exception as err:  # noqa: BLE001 - sorted below: only compile failures are handled
                 if not is_compile_failure(err):
                     raise
-                self._compiled, self.compile_error = None, first_line(err)
+                self._compiled, self.compile_error = None, one_line(err)
                 self._check_eager_fits(q, err)
                 logger.warning("flex attention: torch.compile failed on %s (%s); eager flex_attention from now "
                                "on, for rows whose scores fit %.1f GiB", q.device.type, self.compile_error,

@@ -35,8 +35,9 @@ import torch
 from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
-from peagle.model.flex import (FlexFn, FlexRunner, eager_backward_lowering, first_line, is_compile_failure,
+from peagle.model.flex import (FlexFn, FlexRunner, eager_backward_lowering, is_compile_failure,
                                is_out_of_memory)
+from peagle.schemas.errors import one_line
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ class DraftCompiler:
         if not (is_compile_failure(err) or (in_backward and not is_out_of_memory(err))):
             return False
         uncompile_layers(self.layers)
-        self.mode, self.fallback_reason = "flex", first_line(err)
+        self.mode, self.fallback_reason = "flex", one_line(err)
         self._apply()
         logger.warning("the compiled decoder layers failed%s (%s); training on with flex attention "
                        "compiled alone (--compile flex)", " in the backward" if in_backward else " to compile",

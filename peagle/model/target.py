@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from peagle.schemas import store as S
-from peagle.schemas.errors import UserError
+from peagle.schemas.errors import UserError, one_line
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -97,7 +97,7 @@ def load_config(path: str | os.PathLike) -> Any:
     try:
         config = AutoConfig.from_pretrained(root)
     except (OSError, ValueError, KeyError) as err:
-        raise UserError(f"cannot load the config of target {root}: {_first_line(err)}") from err
+        raise UserError(f"cannot load the config of target {root}: {one_line(err, with_type=False)}") from err
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if not getattr(text, "architectures", None):
         text.architectures = getattr(config, "architectures", None)
@@ -117,7 +117,7 @@ def load_tokenizer(path: str | os.PathLike, *, gguf_file: str | None = None) -> 
     try:
         return AutoTokenizer.from_pretrained(path, **({"gguf_file": gguf_file} if gguf_file else {}))
     except (OSError, ValueError, KeyError) as err:
-        raise UserError(f"cannot load target {path}: {_first_line(err)}") from err
+        raise UserError(f"cannot load target {path}: {one_line(err, with_type=False)}") from err
 
 
 def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype, device: torch.device | str, *,
@@ -134,13 +134,8 @@ def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype, device: torch.de
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **({"gguf_file": gguf_file} if gguf_file else {}))
     except (OSError, ValueError, KeyError, SafetensorError) as err:  # the last: a damaged weights file
-        raise UserError(f"cannot load target model from {path}: {_first_line(err)}") from err
+        raise UserError(f"cannot load target model from {path}: {one_line(err, with_type=False)}") from err
     return model.to(device).eval()
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else repr(err)
 
 
 def architecture(config: Any) -> str:

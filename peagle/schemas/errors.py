@@ -7,3 +7,13 @@ class UserError(Exception):
     Raise it with a message that names the thing and both values where two disagree, e.g.
     ``UserError("store hidden_size 4096 does not match target hidden_size 128 (store: /data/s)")``.
     """
+
+
+def one_line(err: BaseException, limit: int = 240, with_type: bool = True) -> str:
+    """``err`` as one line of at most ``limit`` characters of message, for a UserError or a record.
+
+    Library errors (Inductor, vLLM, transformers) often span pages; a user-facing line keeps the
+    start, where they name what failed, with every run of whitespace (newlines included) made one space.
+    """
+    text = " ".join(str(err).split())[:limit] or "no message"
+    return f"{type(err).__name__}: {text}" if with_type else text

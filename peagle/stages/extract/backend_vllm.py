@@ -39,7 +39,7 @@ import torch
 
 from peagle.model.target import TargetWeights, text_config_dict
 from peagle.pipeline.progress import library_bars_enabled
-from peagle.schemas.errors import UserError
+from peagle.schemas.errors import UserError, one_line
 from peagle.model.target_backend import TargetOutput
 
 # The staging dir holds the dumps of one engine call at a time; a call is split so that its dumps
@@ -93,7 +93,7 @@ def _engine_death_in_one_line(method: Callable[..., Any]) -> Callable[..., Any]:
             with contextlib.suppress(Exception):  # its processes are gone or going; the reaper ends the rest
                 self._shutdown_engine()
             timeout = os.environ.get("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "its default")
-            raise UserError(f"vLLM's engine stopped ({' '.join(str(err).split())[:200] or type(err).__name__}); "
+            raise UserError(f"vLLM's engine stopped ({one_line(err, 200)}); "
                             f"the shards committed so far are kept: run the same command again to resume (a "
                             f"step slower than VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, {timeout}, also stops it)") from err
     return wrapped

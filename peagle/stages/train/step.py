@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from peagle.model.draft import PEagleDraft
 from peagle.model.flex import FLEX_KERNEL_OPTIONS, is_compile_failure
 from peagle.model.regional_compile import DraftCompiler, resolve_compile_mode
-from peagle.schemas.errors import UserError
+from peagle.schemas.errors import UserError, one_line
 from peagle.schemas.train_config import TrainConfig
 from peagle.stages.train.batch import TrainBatch
 from peagle.stages.train.device import default_compute_dtype, resolve_device
@@ -267,8 +267,8 @@ class TrainStep:
                 raise _CompiledBackwardFailed from err
             if not is_compile_failure(err):
                 raise
-            raise UserError(f"torch.compile failed while compiling the backward ({type(err).__name__}: "
-                            f"{' '.join(str(err).split())[:240]}); train with --attention sdpa") from err
+            raise UserError(f"torch.compile failed while compiling the backward ({one_line(err)}); "
+                            f"train with --attention sdpa") from err
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[TrainBatch]) -> tuple[LossStats, int]:
