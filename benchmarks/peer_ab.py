@@ -53,7 +53,8 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from quality import EVAL_K, NOISE_WORD, Budget, Stages, continuation_stats, train_flags
+from quality import EVAL_K, Budget, Stages, continuation_stats, train_flags
+from quality_report import NOISE_WORD
 
 from peagle.pipeline.atomic import atomic_write_json
 from peagle.pipeline.store import open_store

@@ -43,7 +43,6 @@ unchanged (a killed benchmark resumes).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import platform
@@ -56,12 +55,12 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from quality_report import print_table, summarise
 from quality_variants import (BASE_TRAIN, DEFAULT_VARIANTS, REFERENCE, TOY_VARIANTS, VARIANTS, method_of, render,
                               variant_flags)
 
 from peagle.pipeline.atomic import atomic_write_json
-from peagle.testing.quality_target import QualityTargetSpec, build_quality_target, quality_chats, text_variety
-from peagle.testing.seed_statistics import describe_groups, welch
+from peagle.testing.quality_target import QualityTargetSpec, build_quality_target, cached_text_variety, quality_chats
 
 EVAL_K = 5
 """Acceptance is always measured at K = 5 draft tokens, whatever K a variant trains."""
@@ -107,31 +106,6 @@ def train_flags(variant: str, budget: Budget, seed: int) -> list[str]:
         "--max-steps": str(budget.train_steps), "--token-budget": str(budget.token_budget),
         "--draft-vocab-size": str(budget.draft_vocab_size), "--seed": str(seed),
         **({"--max-anchors": str(budget.max_anchors)} if budget.max_anchors else {})})
-
-
-def versus(records: list[dict], other: list[dict]) -> dict:
-    """Welch's test of one variant's records against another's, on AL in vLLM and teacher-forced."""
-    return {key: welch([r[key] for r in records], [r[key] for r in other]) for key in ("al_vllm", "al_offline")}
-
-
-def summarise(records: list[dict]) -> dict:
-    """Per variant: mean/std/se of every AL over seeds, mean per-depth acceptance, Welch vs baseline."""
-    groups = describe_groups(records, "variant", ("al_vllm", "al_own", "al_offline"))
-    by_variant = {name: recs for name, (recs, _) in groups.items()}
-    out = {}
-    for name, (recs, entry) in groups.items():
-        entry["method"] = recs[0].get("method", "peagle")  # records from before EAGLE-3 are P-EAGLE's
-        entry["per_depth"] = [statistics.fmean(depths) for depths in zip(*(r["per_depth"] for r in recs))]
-        entry["train_seconds"] = statistics.fmean(r["train_seconds"] for r in recs)
-        cpu = [r["cpu_seconds"]["train"] for r in recs if "cpu_seconds" in r]
-        entry["train_cpu_seconds"] = statistics.fmean(cpu) if cpu else None
-        if name != "baseline" and "baseline" in by_variant:
-            entry["vs_baseline"] = versus(recs, by_variant["baseline"])
-        reference = REFERENCE.get(name)
-        if reference in by_variant:
-            entry["vs_reference"] = {"variant": reference, **versus(recs, by_variant[reference])}
-        out[name] = entry
-    return out
 
 
 class Stages:
@@ -372,7 +346,7 @@ def main(argv: list[str] | None = None) -> dict:
                                 "load_average_start": os.getloadavg()}}
     if not args.no_variety:
         prompts = [json.loads(line)["messages"] for line in paths["prompts"].read_text().splitlines()]
-        result["target"]["variety"] = cached_variety(work, target, prompts, budget.max_new_tokens)
+        result["target"]["variety"] = cached_text_variety(work, target, prompts, budget.max_new_tokens)
         result["demo_reference"] = demo_reference()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for seed in seeds:  # seed-major: a run cut short still compares every variant on the seeds it finished
@@ -388,38 +362,6 @@ def main(argv: list[str] | None = None) -> dict:
     print_table(result["summary"])
     print(f"results: {args.out}")
     return result
-
-
-def cached_variety(work: Path, target: Path, prompts: list, max_new_tokens: int) -> dict:
-    """``text_variety`` once per target, prompts and length in --work: greedy generation with
-    transformers over the prompts costs minutes on 2 cores, and every re-run would pay it again."""
-    key = hashlib.sha256(json.dumps([str(target), prompts, max_new_tokens]).encode()).hexdigest()[:16]
-    path = work / f"variety-{key}.json"
-    if path.exists():
-        return json.loads(path.read_text())
-    variety = text_variety(target, prompts, max_new_tokens)
-    atomic_write_json(path, variety)
-    return variety
-
-
-NOISE_WORD = {True: "(beyond noise)", False: "(noise)", None: "(n<2)"}
-
-
-def print_table(summary: dict) -> None:
-    def fmt(d: dict | None) -> str:
-        if d is None:
-            return "-"
-        return f"{d['mean']:.3f}" + (f" ± {d['se']:.3f}" if d["se"] is not None else "")
-
-    print(f"{'variant':<10} {'AL vLLM':>15} {'AL own':>15} {'AL offline':>15}  per-depth (vLLM)   vs baseline (vLLM)")
-    for name, entry in summary.items():
-        vs = (entry.get("vs_baseline") or {}).get("al_vllm")
-        verdict = "" if vs is None else f"{vs['diff']:+.3f} " + NOISE_WORD[vs["beyond_noise"]]
-        ref = entry.get("vs_reference")
-        if ref is not None:
-            verdict += f"; vs {ref['variant']} {ref['al_vllm']['diff']:+.3f} " + NOISE_WORD[ref["al_vllm"]["beyond_noise"]]
-        print(f"{name:<10} {fmt(entry['al_vllm']):>15} {fmt(entry['al_own']):>15} {fmt(entry['al_offline']):>15}  "
-              + " ".join(f"{a:.2f}" for a in entry["per_depth"]) + f"   {verdict}")
 
 
 if __name__ == "__main__":

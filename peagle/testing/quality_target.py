@@ -36,6 +36,7 @@ import textwrap
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from peagle.pipeline.atomic import atomic_write_json
 from peagle.testing.target_training import LmTraining, cached_model_dir, chat_token_windows, train_lm
 from peagle.testing.tiny_target import TinyTargetSpec, build_tiny_target
 
@@ -283,3 +284,15 @@ def text_variety(target: Path, prompts: list[list[dict]], max_new_tokens: int) -
             "distinct_4gram_pooled": len(set(pooled)) / len(pooled) if pooled else None,
             "looping_share": sum(w < 0.5 for w in within) / len(within) if within else None,
             "example": tokenizer.decode(continuations[0]) if continuations else None}
+
+
+def cached_text_variety(work: Path, target: Path, prompts: list, max_new_tokens: int) -> dict:
+    """``text_variety`` once per target, prompts and length in --work: greedy generation with
+    transformers over the prompts costs minutes on 2 cores, and every re-run would pay it again."""
+    key = hashlib.sha256(json.dumps([str(target), prompts, max_new_tokens]).encode()).hexdigest()[:16]
+    path = work / f"variety-{key}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    variety = text_variety(target, prompts, max_new_tokens)
+    atomic_write_json(path, variety)
+    return variety
