@@ -48,18 +48,16 @@ import math
 import os
 import platform
 import shutil
-import statistics
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
 from quality import EVAL_K, Budget, Stages, continuation_stats, train_flags
-from quality_report import NOISE_WORD
+from quality_report import print_peer_table, summarise_peers
 
 from peagle.pipeline.atomic import atomic_write_json
 from peagle.pipeline.store import open_store
 from peagle.schemas.train_config import TrainConfig
-from peagle.testing.seed_statistics import describe_groups, welch
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECULATORS_VENV = ROOT / ".venv-speculators"
@@ -270,43 +268,6 @@ def eval_settings(budget: Budget, modes: list[str]) -> dict:
             "max_samples": budget.num_heldout_chats}
 
 
-def summarise(records: list[dict]) -> dict:
-    """Per configuration: mean/std/se of every AL over seeds, per-depth means, seconds, Welch vs peagle."""
-    groups = describe_groups(records, "config", ("al_vllm", "al_own", "al_offline"))
-    by_config = {name: recs for name, (recs, _) in groups.items()}
-    out = {}
-    for name, (recs, entry) in groups.items():
-        entry["per_depth"] = [statistics.fmean(d) for d in zip(*(r["per_depth"] for r in recs))]
-        entry["positions"] = statistics.fmean(r["positions"] for r in recs)
-        entry["train_seconds"] = statistics.fmean(r["seconds"]["train"] for r in recs)
-        entry["train_cpu_seconds"] = statistics.fmean(r["cpu_seconds"]["train"] for r in recs)
-        entry["greedy_equal_everywhere"] = all(r["vllm_greedy_matches_target"] and r["greedy_output_matches_plain"]
-                                               is not False for r in recs)
-        if name != "peagle" and "peagle" in by_config:
-            peagle = by_config["peagle"]
-            entry["vs_peagle"] = {key: welch([r[key] for r in recs], [r[key] for r in peagle])
-                                  for key in ("al_vllm", "al_own", "al_offline")
-                                  if entry[key] is not None and all(r[key] is not None for r in peagle)}
-        out[name] = entry
-    return out
-
-
-def print_table(summary: dict) -> None:
-    def fmt(d: dict | None) -> str:
-        if d is None:
-            return "-"
-        return f"{d['mean']:.3f}" + (f" ± {d['se']:.3f}" if d["se"] is not None else "")
-
-    print(f"{'configuration':<21} {'n':>2} {'AL vLLM':>15} {'AL own':>15} {'AL offline':>15}  per-depth (vLLM)"
-          f"          train s   vs peagle (vLLM)")
-    for name, entry in summary.items():
-        vs = (entry.get("vs_peagle") or {}).get("al_vllm")
-        verdict = "" if vs is None else f"{vs['diff']:+.3f} " + NOISE_WORD[vs["beyond_noise"]]
-        depths = " ".join(f"{a:.2f}" for a in entry["per_depth"])
-        print(f"{name:<21} {entry['al_vllm']['n']:>2} {fmt(entry['al_vllm']):>15} {fmt(entry['al_own']):>15} "
-              f"{fmt(entry['al_offline']):>15}  {depths:<25} {entry['train_seconds']:>7.0f}   {verdict}")
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--store", type=Path, help="training store (the quality benchmark's WORK/store)")
@@ -393,13 +354,13 @@ def main(argv: list[str] | None = None) -> dict:
             if config == "peagle":
                 positions = rec["positions"]
             result["records"].append(rec)
-            result["summary"] = summarise(result["records"])
+            result["summary"] = summarise_peers(result["records"])
             atomic_write_json(args.out, result)  # partial results stay readable while later runs go on
     result["machine"]["load_average_end"] = os.getloadavg()
     result["wall_seconds"] = time.monotonic() - started
-    result["summary"] = summarise(result["records"]) if result["records"] else {}
+    result["summary"] = summarise_peers(result["records"]) if result["records"] else {}
     atomic_write_json(args.out, result)
-    print_table(result["summary"])
+    print_peer_table(result["summary"])
     print(f"results: {args.out} ({result['wall_seconds']:.0f} s)")
     return result
 

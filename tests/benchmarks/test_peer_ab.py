@@ -90,7 +90,7 @@ def test_summary_compares_each_speculators_configuration_with_peagle(bench) -> N
 
     records = ([record("peagle", s, 2.0 + 0.01 * s) for s in range(3)]
                + [record("speculators-defaults", s, 1.5 + 0.01 * s) for s in range(3)])
-    summary = bench.summarise(records)
+    summary = bench.summarise_peers(records)
     assert "vs_peagle" not in summary["peagle"] and summary["peagle"]["al_vllm"]["n"] == 3
     vs = summary["speculators-defaults"]["vs_peagle"]["al_vllm"]
     assert vs["diff"] == pytest.approx(-0.5) and vs["beyond_noise"]
@@ -98,7 +98,7 @@ def test_summary_compares_each_speculators_configuration_with_peagle(bench) -> N
     # --eval-modes without online: no AL of our own loop, compared on what was measured
     for rec in records:
         rec["al_own"], rec["greedy_output_matches_plain"] = None, None
-    summary = bench.summarise(records)
+    summary = bench.summarise_peers(records)
     assert summary["peagle"]["al_own"] is None and set(summary["speculators-defaults"]["vs_peagle"]) == {
         "al_vllm", "al_offline"}
 
