@@ -102,7 +102,7 @@ def test_seed_example_mask() -> None:
     assert dense.tolist() == brute_force_mask(SEED_ANCHOR, SEED_DEPTH, [6], 6)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40)
 @given(seed=st.integers(0, 2**32 - 1))
 def test_mask_mod_and_dense_match_brute_force(seed: int) -> None:
     anchor, depth, lengths, total = random_flat_row(seed)
@@ -113,7 +113,7 @@ def test_mask_mod_and_dense_match_brute_force(seed: int) -> None:
     assert torch.equal(dense_peagle_mask(anchor, depth, lengths, total), evaluated)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40)
 @given(seed=st.integers(0, 2**32 - 1), block_size=st.sampled_from([1, 2, 3, 4, 8, 16]))
 def test_block_mask_equals_create_block_mask(seed: int, block_size: int) -> None:
     anchor, depth, lengths, total = random_flat_row(seed)
@@ -179,7 +179,7 @@ def test_block_mask_default_block_size_on_a_long_packed_row() -> None:
     torch.testing.assert_close(flex_out[:, :, real], sdpa_out[:, :, real], atol=1e-5, rtol=1e-5)
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=8)
 @given(seed=st.integers(0, 2**32 - 1), block_size=st.sampled_from([16, 32]))
 def test_flex_forward_equals_sdpa_with_dense_mask(seed: int, block_size: int) -> None:
     anchor, depth, lengths, total = random_flat_row(seed)
@@ -211,7 +211,7 @@ def depth_groups(depth: torch.Tensor) -> list[slice]:
     return [slice(a, b) for a, b in zip(starts, starts[1:]) if b > a]
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40)
 @given(seed=st.integers(0, 2**32 - 1), block_size=st.sampled_from([1, 2, 3, 4, 8, 16]))
 def test_one_depth_over_the_elements_before_it_in_every_form(seed: int, block_size: int) -> None:
     """Sequential drafting's mask (``rows``): one depth group's queries over every element up to it, as
@@ -240,7 +240,7 @@ def test_one_depth_over_the_elements_before_it_in_every_form(seed: int, block_si
         assert_same_blocks(expected, block_mask_from_indices(indices, mask_mod))
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=8)
 @given(seed=st.integers(0, 2**32 - 1))
 def test_flex_forward_over_one_depth_equals_sdpa(seed: int) -> None:
     from peagle.model.mask import dense_mask, document_ids, peagle_mask_mod

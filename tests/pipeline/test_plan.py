@@ -55,7 +55,7 @@ def test_the_same_content_twice_is_planned_once():
     assert [s.index for s in P.plan_shards([_file("a", 5), _file("a", 5)], regs)] == [0, 1, 2]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(counts=st.lists(st.integers(0, 40), min_size=1, max_size=5), per_shard=st.integers(1, 9),
        num_shards=st.integers(1, 6))
 def test_workers_partition_the_shards_exactly(counts, per_shard, num_shards):

@@ -41,7 +41,7 @@ def test_raw_samples_are_the_rows_as_written(raw_store):
     assert [sid for _, sid in seen] == raw_store.order
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=50)
 @given(st.lists(st.integers(1, 7), min_size=1, max_size=6), st.integers(0, 3), st.integers(0, 2**16))
 def test_a_ragged_shard_splits_into_exactly_its_samples_rows(lengths, gap, seed):
     """Samples at any token offsets (``gap`` unused rows in front and between) read back as exactly their

@@ -26,7 +26,7 @@ def shifted_by_definition(ids: list[int], mask: list[int]) -> dict[str, list]:
             "supervised": [bool(mask[p + 2]) if p + 2 < n else False for p in range(n - 1)]}
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(st.lists(st.lists(st.tuples(st.integers(0, 50), st.booleans()), min_size=1, max_size=9), max_size=6))
 def test_shift_columns_is_design_section_3_for_every_sample(samples):
     ids = [t for s in samples for t, _ in s]
@@ -62,7 +62,7 @@ def assert_is_raw_shifted(sample: R.TrainingSample, raw: RawSample) -> None:
     assert torch.equal(sample.topk_logprobs_Tk, raw.topk_logprobs_nk[1:])
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=50)
 @given(st.lists(st.tuples(st.integers(0, 50), st.booleans()), min_size=2, max_size=12), st.integers(0, 2**16))
 def test_shift_sample_is_docs_indexing_for_any_raw_sample(tokens, seed):
     g = torch.Generator().manual_seed(seed)

@@ -343,7 +343,7 @@ _RECORD = st.one_of(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(raw=_RECORD, loss_on=st.sampled_from(["all", "last", "per_turn"]),
        max_seq_len=st.integers(2, 64) | st.just(2048))
 def test_junk_records_never_raise(tokenizers, raw, loss_on, max_seq_len):
@@ -354,7 +354,7 @@ def test_junk_records_never_raise(tokenizers, raw, loss_on, max_seq_len):
     _check_prepared(prepared, max_seq_len, forbidden)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(line=st.binary(max_size=40) | _RECORD.map(lambda r: json.dumps(r).encode()))
 def test_junk_lines_never_raise(tokenizers, line):
     tok = tokenizers["qwen3"]

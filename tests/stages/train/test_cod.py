@@ -55,7 +55,7 @@ def test_seed_worked_example() -> None:
     assert anchor.dtype == depth.dtype == torch.int64
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150)
 @given(cod_inputs())
 def test_cod_properties(kwargs) -> None:
     seq_length, m = kwargs["seq_length"], kwargs["loss_mask"].tolist()
@@ -119,7 +119,7 @@ def check_chain_cap(anchor: torch.Tensor, depth: torch.Tensor, seq_length: int, 
     return len(chains)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(capped_inputs())
 def test_max_anchors_caps_chains_per_sample(kwargs) -> None:
     anchor, depth = generate_cod_sample_indices(**kwargs)
@@ -135,7 +135,7 @@ def test_max_anchors_caps_chains_per_sample(kwargs) -> None:
         assert num_chains == 0
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40)
 @given(st.lists(capped_inputs(max_length=120), min_size=1, max_size=4), st.integers(0, 12), st.integers(2, 8))
 def test_max_anchors_is_per_sample_in_a_packed_row(samples, max_anchors: int, num_depths: int) -> None:
     """Packed samples keep their own caps: the row may hold M chains per sample, never more in any one."""
@@ -152,7 +152,7 @@ def test_max_anchors_is_per_sample_in_a_packed_row(samples, max_anchors: int, nu
         check_chain_cap(anchor[mine] - first, depth[mine], kwargs["seq_length"], max_anchors, num_depths)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=30)
 @given(cod_inputs(), st.integers(0, 2**31))
 def test_same_generator_seed_same_draw(kwargs, seed: int) -> None:
     first = generate_cod_sample_indices(**{**kwargs, "generator": torch.Generator().manual_seed(seed)})
@@ -195,7 +195,7 @@ def test_rejects_bad_inputs() -> None:
     assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=30)
 @given(st.lists(cod_inputs(), min_size=1, max_size=3), st.integers(0, 5))
 def test_pack_cod(samples, gap: int) -> None:
     """Packing = per-sample draws offset into the row, in (depth, anchor) order; the packed row's

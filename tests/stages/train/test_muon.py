@@ -40,7 +40,7 @@ def svd_reference(matrix: torch.Tensor, steps: int, coefficients, eps: float = 1
     return u @ torch.diag(s) @ vh
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(st.integers(1, 24), st.integers(1, 24), st.integers(0, 2**31), st.sampled_from([1, 3, 5]),
        st.sampled_from([QUINTIC, CUBIC]))
 def test_newton_schulz_equals_svd_reference(rows: int, cols: int, seed: int, steps: int, coefficients) -> None:

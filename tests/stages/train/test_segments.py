@@ -31,7 +31,7 @@ def packed_rows(draw):
     return anchor, depth, starts, lengths, start + draw(st.integers(0, 4)), draw(st.integers(1, 6))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(st.integers(0, 50), st.integers(0, 5), st.integers(1, 60), st.integers(1, 8))
 def test_assign_matches_brute_force(anchor: int, depth: int, seq_length: int, num_segments: int) -> None:
     # Segment of position p: the largest s with boundary s*L/S <= p (exact rational), capped at S-1.
@@ -53,7 +53,7 @@ def test_seed_example_two_segments() -> None:
     assert second.owned.tolist() == [False] * 3 + [True] * 6
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(packed_rows())
 def test_plan_segments_properties(row) -> None:
     anchor, depth, starts, lengths, total, num_segments = row
@@ -94,7 +94,7 @@ def test_plan_segments_properties(row) -> None:
         assert set(sample[context].tolist()) <= owned_samples
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=10)
 @given(packed_rows())
 def test_segment_attention_equals_flat_attention(row) -> None:
     """Two attention layers: owned outputs of each segment == the flat forward's, so losses add up."""
