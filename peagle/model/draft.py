@@ -54,10 +54,30 @@ class PEagleDraft(nn.Module):
     """
 
     def __init__(self, config: DraftConfig, *, train_lm_head: bool = False, train_embeddings: bool = True,
-                 activation_checkpointing: bool = False):
+                 activation_checkpointing: bool = False, device: torch.device | str | None = None,
+                 init_vocab_weights: bool = True):
+        """``device``: where the weights are made and drawn (default CPU); a trainer passes its own, so
+        that an 8B-shaped draft's ~1B parameters are not drawn on the host and copied over.
+        ``init_vocab_weights=False`` leaves ``embed_tokens`` and ``lm_head`` uninitialised, for a caller
+        that fills them from the target (:func:`build_draft_from_target`)."""
         super().__init__()
         self.config = config
         self.activation_checkpointing = activation_checkpointing
+        device = torch.device(device or "cpu")
+        # The modules are made on the meta device: their constructors' own init (kaiming for every
+        # nn.Linear, N(0, 1) for nn.Embedding) would be drawn and then thrown away by reset_parameters.
+        with torch.device("meta"):
+            self._make_modules(config)
+        self.to_empty(device=device)
+        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long, device=device))
+        self.register_buffer("t2d", torch.zeros(config.target_vocab_size, dtype=torch.bool, device=device))
+        self.register_buffer("inv_freq", rope_inv_freq(config).to(device), persistent=False)
+        self.reset_parameters(vocab_weights=init_vocab_weights)
+        self.set_vocab_map(torch.arange(config.draft_vocab_size) if not config.has_vocab_map else None)
+        self.lm_head.weight.requires_grad_(train_lm_head)
+        self.embed_tokens.weight.requires_grad_(train_embeddings)
+
+    def _make_modules(self, config: DraftConfig) -> None:
         self.embed_tokens = nn.Embedding(config.target_vocab_size, config.hidden_size)
         self.fc = nn.Linear(config.num_aux * config.target_hidden_size, config.hidden_size, bias=False)
         self.input_norm = (RMSNorm(config.num_aux * config.target_hidden_size, config.rms_norm_eps)
@@ -71,25 +91,30 @@ class PEagleDraft(nn.Module):
         # P-EAGLE's learned stand-in for the target state of a mask slot; an EAGLE-3 draft has none.
         self.mask_hidden = (nn.Parameter(torch.empty(1, 1, config.num_aux * config.target_hidden_size))
                             if config.method == "peagle" else None)
-        self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(config.target_vocab_size, dtype=torch.bool))
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
-        self.reset_parameters()
-        self.set_vocab_map(torch.arange(config.draft_vocab_size) if not config.has_vocab_map else None)
-        self.lm_head.weight.requires_grad_(train_lm_head)
-        self.embed_tokens.weight.requires_grad_(train_embeddings)
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
+    def reset_parameters(self, *, vocab_weights: bool = True) -> None:
         """Random init: N(0, 0.02) linears and embeddings (HF's initializer_range), unit norms, and a
-        unit-variance ``mask_hidden`` (the scale of a raw aux state is O(1) per feature or larger)."""
+        unit-variance ``mask_hidden`` (the scale of a raw aux state is O(1) per feature or larger).
+        ``vocab_weights=False`` skips ``embed_tokens`` and ``lm_head`` (the caller copies the target's)."""
+        skipped = () if vocab_weights else (self.embed_tokens, self.lm_head)
+        drawn = {id(p) for m in skipped for p in m.parameters()}
         for module in self.modules():
+            if any(module is s for s in skipped):
+                continue
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 module.weight.normal_(0.0, 0.02)
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+            else:
+                continue
+            drawn.add(id(module.weight))
         if self.mask_hidden is not None:
             self.mask_hidden.normal_(0.0, 1.0)
+            drawn.add(id(self.mask_hidden))
+        # The modules were made on the meta device: a parameter this method does not set holds garbage.
+        missed = [name for name, p in self.named_parameters() if id(p) not in drawn]
+        assert not missed, f"reset_parameters does not initialise {missed}"
 
     @torch.no_grad()
     def set_vocab_map(self, draft_token_ids: Tensor | None) -> None:
@@ -100,7 +125,7 @@ class PEagleDraft(nn.Module):
         check_draft_token_ids(ids, self.config)
         self.d2t.copy_(ids - torch.arange(ids.numel()))
         self.t2d.zero_()
-        self.t2d[ids] = True
+        self.t2d[ids.to(self.t2d.device)] = True
 
     def draft_to_target(self, draft_ids: Tensor) -> Tensor:
         """Map draft-vocab indices to target token ids (vLLM: ``target = draft + d2t[draft]``)."""
@@ -212,7 +237,7 @@ def build_draft_from_target(target_dir: str | Path, config: DraftConfig, draft_t
     ids = torch.as_tensor(draft_token_ids, dtype=torch.long).flatten()
     check_draft_token_ids(ids, config)
 
-    draft = PEagleDraft(config, **draft_kwargs)
+    draft = PEagleDraft(config, init_vocab_weights=False, **draft_kwargs)
     with torch.no_grad():
         draft.embed_tokens.weight.copy_(embed_VH.float())
         draft.lm_head.weight.copy_((embed_VH if head_key == embed_key else weights.read(head_key)).float()[ids])

@@ -220,6 +220,35 @@ def test_build_draft_from_target_copies_embeddings_and_head_rows(tiny_target):
     assert torch.equal(full.lm_head.weight, head) and full.d2t.abs().sum() == 0 and bool(full.t2d.all())
 
 
+@pytest.mark.parametrize("variant", [{}, {"architecture": "qwen3", "norm_before_fc": True, "fc_norm": True},
+                                     {"method": "eagle3", "mask_token_id": None}])
+def test_every_weight_is_drawn_once_from_the_seed(variant):
+    """The modules are made on the meta device and every weight is drawn once by reset_parameters:
+    the same seed gives the same draft, every weight has its init's statistics (none is left as the
+    uninitialised memory ``to_empty`` hands out), and no constructor init runs first."""
+    config = small_config(num_layers=2, **variant)
+    drafts = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        drafts.append(PEagleDraft(config))
+    for (name, a), b in zip(drafts[0].named_parameters(), drafts[1].parameters()):
+        assert torch.equal(a, b), name
+        if "norm" in name:
+            assert bool((a == 1).all()), name
+        elif name != "mask_hidden":
+            assert abs(float(a.detach().std()) - 0.02) < 0.005 and bool(a.isfinite().all()), name
+    torch.manual_seed(3)
+    first_draw = torch.empty(config.target_vocab_size, config.hidden_size).normal_(0.0, 0.02)
+    assert torch.equal(drafts[0].embed_tokens.weight, first_draw)  # nothing drew before reset_parameters
+
+
+def test_reset_parameters_refuses_a_weight_it_does_not_draw():
+    draft = PEagleDraft(small_config())
+    draft.extra = torch.nn.Parameter(torch.empty(3))
+    with pytest.raises(AssertionError, match="extra"):
+        draft.reset_parameters()
+
+
 def test_build_draft_from_target_user_errors(tiny_target, tmp_path):
     hf_config = AutoConfig.from_pretrained(tiny_target)
     config = DraftConfig.from_target_config(hf_config, draft_vocab_size=10, mask_token_id=5)

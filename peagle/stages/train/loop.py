@@ -119,7 +119,7 @@ class Trainer:
         torch.manual_seed(c.seed)  # the same initial draft on every rank and in every run
         draft = build_draft_from_target(c.target, self.draft_config, None if vocab is None else vocab.selected_ids_N,
                                         train_lm_head=c.train_lm_head, train_embeddings=c.train_embeddings,
-                                        activation_checkpointing=c.activation_checkpointing)
+                                        activation_checkpointing=c.activation_checkpointing, device=self.device)
         if c.init_from:
             self._say(load_weights_into(draft, c.init_from))
         self.build_step(draft, total_steps)
