@@ -55,7 +55,8 @@ row-and-column reductions, e.g. RMSNorm's backward) is off: with ``dynamic=True`
 code slices its workspace without parentheses around the symbolic split count
 (``ws[0*1 + (s//16)*4096 : 1*1 + (s//16)*4096].view(1 + s//16, 4096)``), and the backward dies with
 ``shape '[513, 4096]' is invalid for input of size 1`` at 8k-token rows on an H100 (2k rows choose
-another kernel and pass). benchmarks/results/gpu/NOTES.md has the run; drop this once torch fixes it."""
+another kernel and pass). benchmarks/results/gpu/2026-11-26-h100/NOTES.md has the failure, 2026-11-27-h200/ the
+workaround working at L = 8192; drop this once torch fixes it."""
 
 
 def inductor_options() -> dict[str, Any]:
