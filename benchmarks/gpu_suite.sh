@@ -10,8 +10,8 @@
 # (about 30 s start + 490 s + 300 s with the installs and summaries: under the 900 s of a lease; the
 # second call completes the first's summary; --call N is --parts and --budget of that call.) Parts,
 # in this order, each with its own time budget (seconds, cut to what is left of --budget, 480 by
-# default). A part that fails or runs out writes
-# what it measured so far and is null in the summary with the reason; the others still run:
+# default). A part that fails or runs out writes what it measured so far and is null in the summary
+# with the reason; the others still run:
 #   env              device, date, torch                                             (gpu_summary.py env)
 #   train_step  120  peagle's train step, 1 and 4 layers at L = 8192, profiled       (train_step.py)
 #   speculators 210  the reference harness, 1 and 4 layers in one call, same shapes   (ANCHOR/bench.py;
@@ -123,6 +123,11 @@ status() {  # status NAME STATUS SECONDS BUDGET REASON
 
 selected() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
+capped() {  # capped SECONDS: SECONDS, or what is left of the suite's --budget if that is less
+  local left=$(( DEADLINE - $(date +%s) ))
+  if [ "$1" -gt "$left" ]; then echo "$left"; else echo "$1"; fi
+}
+
 run_part() {  # [SIG=INT] run_part NAME BUDGET_SECONDS CMD...: CMD under timeout (SIGTERM, or $SIG), logged
   local name=$1 budget=$2; shift 2
   selected "$name" || return 0
@@ -131,7 +136,7 @@ run_part() {  # [SIG=INT] run_part NAME BUDGET_SECONDS CMD...: CMD under timeout
     status "$name" skipped 0 "$budget" "the suite's --budget ($BUDGET s) was spent before this part"
     echo "== $name: skipped (suite budget spent)"; return 0
   fi
-  [ "$budget" -gt "$left" ] && budget=$left
+  budget=$(capped "$budget")
   echo "== $name (budget ${budget}s, ${left}s left)"
   local t0 rc
   t0=$(date +%s)
@@ -199,10 +204,10 @@ else
   run_part train_step 120 "$PY" benchmarks/train_step.py --layers 1 4 --seqlens 8192 --partitions 1 \
     --attention flex --warmup 2 --iters 5 --profile --fp8-layers 4 --deadline 90 --out "$OUT/parts/train_step.jsonl"
   if [ -n "$ANCHOR" ]; then
-    SPEC_BUDGET=$(( DEADLINE - $(date +%s) )); [ "$SPEC_BUDGET" -gt 210 ] && SPEC_BUDGET=210
+    # Its own deadline 5 s inside the part's, so that it writes its records before the timeout.
     run_part speculators 210 "$PY" "$ANCHOR/bench.py" --mode model --layers 1 4 --seqlens 8192 --warmup 2 \
       --iters 5 --patch-autotune-configs --variant compiled+configs-copy-patch \
-      --deadline-epoch $(( $(date +%s) + SPEC_BUDGET - 5 )) --min-left 40 --out "$OUT/parts/speculators.jsonl"
+      --deadline-epoch $(( $(date +%s) + $(capped 210) - 5 )) --min-left 40 --out "$OUT/parts/speculators.jsonl"
   else
     skip_part speculators "no --speculators-anchor given"
   fi
