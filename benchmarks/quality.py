@@ -35,8 +35,9 @@ JSON (``--out``): ``records`` (one per variant and seed: ``variant``, ``method``
 d)), plus offline AL, conditional acceptance, final loss, stage seconds), ``summary`` (per variant:
 mean, sample std and standard error over seeds, and the difference from baseline with Welch's
 t-test: "differs beyond noise" when |t| exceeds the two-sided 95% Student-t critical value at
-Welch's degrees of freedom), ``target`` (its settings and how varied its greedy text is) and
-``settings``. A re-run reuses every finished (variant, seed) record in ``--work`` whose flags are
+Welch's degrees of freedom), ``target`` (its settings and how varied its greedy text is), ``extract``
+(stage seconds; the draft vocab's coverage of the store and of the held-out store, at its size and
+at others: ``peagle vocab --heldout-store``) and ``settings``. A re-run reuses every finished (variant, seed) record in ``--work`` whose flags are
 unchanged (a killed benchmark resumes).
 """
 
@@ -211,9 +212,12 @@ def extract_once(stages: Stages, work: Path, target: Path, paths: dict[str, Path
     seconds["extract_heldout"] = stages.run("extract-heldout", ["extract", "--data", str(paths["heldout"]), "--out",
                                                                  str(work / "heldout-store"), "--temperature", "0", *common])
     seconds["vocab"] = stages.run("vocab", ["vocab", "--store", str(work / "store"), "--draft-vocab-size",
-                                            str(budget.draft_vocab_size), "--quiet"])
+                                            str(budget.draft_vocab_size), "--heldout-store", str(work / "heldout-store"),
+                                            "--quiet"])
+    vocab = json.loads((work / "store" / "vocab" / f"draft-{budget.draft_vocab_size}.json").read_text())
     return {"backend": backend, "seconds": seconds, "cpu_seconds": {k: stages.cpu_seconds[k.replace("_", "-")]
-                                                                   for k in seconds}}
+                                                                   for k in seconds},
+            "vocab": {"coverage": vocab["coverage"], "heldout": vocab["heldout"]}}
 
 
 def run_dir(work: Path, budget: Budget, variant: str, seed: int) -> Path:

@@ -63,3 +63,22 @@ def test_the_positional_store_still_works_for_a_release_with_a_deprecation_line(
     neither = run_peagle("vocab", "--draft-vocab-size", "62")
     assert neither.returncode == 2 and neither.stderr.strip() == (
         "peagle: error: missing option --store STORE. See `peagle vocab --help`.")
+
+
+def test_heldout_store_adds_its_coverage_by_size(store, tmp_path_factory, tiny_llama, run_peagle):
+    from peagle.schemas.extract_config import ExtractConfig
+    from peagle.stages.extract.run import run_extract
+
+    root = tmp_path_factory.mktemp("cli_vocab_heldout")
+    data = write_chat_jsonl(root / "chat.jsonl", 4, seed=9)
+    run_extract(ExtractConfig(data=(str(data),), target=str(tiny_llama), out=str(root / "heldout"), backend="hf",
+                              topk=4, samples_per_shard=4, device="cpu"), echo=lambda _: None, progress=False)
+    result = run_peagle("vocab", "--store", store, "--draft-vocab-size", "64", "--heldout-store", root / "heldout",
+                        "--quiet")
+    assert result.returncode == 0, result.stderr
+    heldout = json.loads((store / "vocab" / "draft-64.json").read_text())["heldout"]
+    assert [n for n, _ in heldout["coverage_by_size"]] == [16, 32, 64, 128, 256, 512]
+    assert f"held-out coverage {heldout['coverage']:.4f} of {heldout['num_supervised_tokens']:,}" in result.stdout
+    assert "512: " in result.stdout
+    missing = run_peagle("vocab", "--store", store, "--draft-vocab-size", "64", "--heldout-store", root / "none")
+    assert missing.returncode == 2 and missing.stderr.count("\n") == 1 and "Traceback" not in missing.stderr

@@ -19,6 +19,12 @@ class VocabConfig:
     """Number of target tokens the draft's lm_head covers: the most frequent supervised tokens of the
     store (ties: lower id). Equal to the target vocab means no mapping."""
 
+    heldout_store: str | None = None
+    """A store of held-out text from the same target (e.g. the one `peagle train --eval-store` evaluates
+    on): also report and record how much of its supervised tokens the vocab covers, at this size and
+    at N/4 to 8N. The share of unseen tokens the draft can propose at all bounds its acceptance; the
+    store's own coverage flatters a small vocab."""
+
     allow_incomplete: bool = False
     """Count an incomplete store (some planned shards not committed yet, `peagle store info` names them),
     saying how much is missing; by default such a store is refused. The vocab records the shards it

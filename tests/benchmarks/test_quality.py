@@ -124,6 +124,8 @@ def test_smoke_run_writes_a_record_and_resumes(tmp_path) -> None:
         assert rec["al_vllm"] == pytest.approx(rec["al_own"], rel=0.05)  # vLLM and our loop agree
     assert set(result["summary"]) == {"baseline"} and result["summary"]["baseline"]["al_vllm"]["n"] == 1
     assert result["target"]["variety"]["num_prompts"] == 3 and result["records"][0]["continuations"]["num_prompts"] == 3
+    heldout = result["extract"]["vocab"]["heldout"]  # the vocab's coverage of the held-out text, by size
+    assert 0 < heldout["coverage"] <= 1 and [256, heldout["coverage"]] in heldout["coverage_by_size"]
     # A re-run reuses the finished records instead of training again.
     again = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--variants", "baseline", "--seeds", "0",
                             "--work", str(tmp_path / "work"), "--cache-dir", str(tmp_path / "cache"), "--out",

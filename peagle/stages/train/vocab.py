@@ -13,6 +13,11 @@ reader (docs/indexing.md):
 * ``d2t[i] = target_id_i - i`` (int64 offsets) and ``t2d`` (bool over the target vocab) are the
   buffers vLLM reads; ``coverage`` is the share of counted tokens whose id is in the draft vocab.
 
+With a held-out store (``peagle vocab --heldout-store``, the same tokenizer), the vocab also records
+how much of *unseen* text it covers, and what other sizes would (ids ranked by this store's counts):
+the share of held-out tokens the draft can propose at all, an upper bound on acceptance at every
+depth. A store's own coverage flatters a small vocab; held-out text shows the tail it misses.
+
 ``N == target vocab`` is the identity: no mapping at all (export omits ``d2t``/``t2d``, vLLM refuses a
 ``d2t`` then), recorded as ``identity: true``. The mask token is part of that vocab, like every id.
 
@@ -79,6 +84,7 @@ class DraftVocab:
     mask_token_id: int | None
     manifest_hash: str
     shards: str | None = None  # the shards counted ("0-7"); None in vocabs built before it was recorded
+    heldout: dict[str, Any] | None = None  # heldout_coverage()'s record, when a held-out store was given
 
     def identity_record(self) -> dict[str, Any]:
         """What a run records of its vocab (run.json, checkpoints): a resumed run must find the same one."""
@@ -124,13 +130,64 @@ def select_draft_ids(counts_V: np.ndarray, draft_vocab_size: int, mask_token_id:
     return np.sort(ids[order[:draft_vocab_size]])
 
 
+def coverage_sizes(draft_vocab_size: int, target_vocab_size: int) -> list[int]:
+    """The sizes a coverage table compares: N/4 .. 8N by doublings, within (0, V)."""
+    sizes = {draft_vocab_size * 2 ** e // 4 for e in range(6)} | {draft_vocab_size}
+    return sorted(n for n in sizes if 0 < n < target_vocab_size or n == draft_vocab_size)
+
+
+def open_heldout_store(store: Store, heldout_root: str | Path) -> Store:
+    """The held-out store whose coverage a vocab of ``store`` is measured on, checked before any counting.
+
+    Raises:
+        UserError: it is unreadable, or was tokenized by another tokenizer (its ids would mean other tokens).
+    """
+    try:
+        heldout = open_store(heldout_root)
+    except UserError as err:
+        raise UserError(f"--heldout-store: {err}") from err
+    ours, theirs = store.settings, heldout.settings
+    if (theirs.tokenizer_fingerprint, theirs.target.vocab_size) != (ours.tokenizer_fingerprint, ours.target.vocab_size):
+        raise UserError(f"--heldout-store {heldout.root} was tokenized by another tokenizer than store {store.root} "
+                        f"(vocab {theirs.target.vocab_size} against {ours.target.vocab_size}, or another "
+                        "fingerprint): its token ids cannot be compared")
+    return heldout
+
+
+def heldout_coverage(store: Store, counts_V: np.ndarray, draft_vocab_size: int, heldout: Store, *,
+                     progress: bool = False) -> dict[str, Any]:
+    """How much of another store's supervised tokens a vocab chosen from ``counts_V`` covers, at
+    ``draft_vocab_size`` and at the neighbouring sizes of :func:`coverage_sizes`.
+
+    Raises:
+        UserError: the held-out store holds no supervised token.
+    """
+    ours = store.settings
+    heldout_V = count_supervised_tokens(heldout, progress=progress)
+    total = int(heldout_V.sum())
+    if total == 0:
+        raise UserError(f"--heldout-store {heldout.root} holds no supervised token: nothing to measure coverage on")
+    vocab_size = ours.target.vocab_size
+    by_size = []  # [size, coverage] pairs, ascending (a list: canonical json sorts the keys of a dict)
+    for n in coverage_sizes(draft_vocab_size, vocab_size):
+        ids = (np.arange(vocab_size) if n == vocab_size else
+               select_draft_ids(counts_V, n, ours.mask_token_id))
+        by_size.append([n, int(heldout_V[ids].sum()) / total])
+    return {"store": str(heldout.root), "manifest_hash": manifest_hash(heldout.root), "num_supervised_tokens": total,
+            "coverage": dict(by_size)[draft_vocab_size], "coverage_by_size": by_size}
+
+
 def build_draft_vocab(store_root: str | Path, draft_vocab_size: int, *, progress: bool = False,
-                      allow_incomplete: bool = False, echo: Callable[[str], None] = print) -> DraftVocab:
+                      allow_incomplete: bool = False, heldout_store: str | Path | None = None,
+                      echo: Callable[[str], None] = print) -> DraftVocab:
     """Count, select, and write ``STORE/vocab/draft-N.{safetensors,json}``; returns the vocab.
+    With ``heldout_store``, its coverage of that store's supervised tokens is measured and recorded
+    too (:func:`heldout_coverage`).
 
     Raises:
         UserError: when ``draft_vocab_size`` is not in ``[1, target vocab]``, the store is unreadable,
-            incomplete (without ``allow_incomplete``) or holds no supervised token.
+            incomplete (without ``allow_incomplete``) or holds no supervised token, or the held-out
+            store cannot be compared with it.
     """
     store = open_store(store_root)
     completeness = store_completeness(store.root, (r.index for r in store.shards))
@@ -145,6 +202,7 @@ def build_draft_vocab(store_root: str | Path, draft_vocab_size: int, *, progress
     if draft_vocab_size > vocab_size:
         raise UserError(f"--draft-vocab-size {draft_vocab_size} is larger than the target vocab "
                         f"{vocab_size} (store {store.root})")
+    heldout_of = None if heldout_store is None else open_heldout_store(store, heldout_store)
     counts_V = count_supervised_tokens(store, progress=progress)
     if not counts_V.any():
         raise UserError(f"store {store.root} holds no supervised token in its {len(store.shards)} committed shards "
@@ -156,6 +214,8 @@ def build_draft_vocab(store_root: str | Path, draft_vocab_size: int, *, progress
     total = int(counts_V.sum())
     in_vocab = int(counts_V[selected_N].sum())
     coverage = in_vocab / total if total else 0.0
+    heldout = (None if heldout_store is None else
+               heldout_coverage(store, counts_V, draft_vocab_size, heldout_of, progress=progress))
 
     tensors = {"selected_ids": torch.from_numpy(selected_N), "counts": torch.from_numpy(counts_V)}
     d2t_N = t2d_V = None
@@ -181,6 +241,7 @@ def build_draft_vocab(store_root: str | Path, draft_vocab_size: int, *, progress
         "complete": completeness.complete,
         "num_samples": store.num_samples,
         "tensors": f"draft-{draft_vocab_size}.safetensors",
+        **({"heldout": heldout} if heldout else {}),
     }
     from safetensors.torch import save
 
@@ -191,6 +252,7 @@ def build_draft_vocab(store_root: str | Path, draft_vocab_size: int, *, progress
         draft_vocab_size=draft_vocab_size, target_vocab_size=vocab_size, identity=identity,
         selected_ids_N=tensors["selected_ids"], counts_V=tensors["counts"], d2t_N=d2t_N, t2d_V=t2d_V,
         coverage=coverage, num_supervised_tokens=total, mask_token_id=mask_token_id, manifest_hash=digest,
+        heldout=heldout,
     )
 
 
@@ -264,7 +326,7 @@ def load_draft_vocab(store_root: str | Path, draft_vocab_size: int, *, growing: 
         identity=info["identity"], selected_ids_N=tensors["selected_ids"], counts_V=tensors["counts"],
         d2t_N=tensors.get("d2t"), t2d_V=tensors.get("t2d"), coverage=info["coverage"],
         num_supervised_tokens=info["num_supervised_tokens"], mask_token_id=info["mask_token_id"],
-        manifest_hash=info["manifest_hash"], shards=info.get("shards"),
+        manifest_hash=info["manifest_hash"], shards=info.get("shards"), heldout=info.get("heldout"),
     )
 
 

@@ -111,3 +111,53 @@ def test_train_uses_the_one_built_vocab_and_asks_when_there_are_several(tiny_sto
     assert built_draft_vocab_sizes(root) == [48, 64]
     with pytest.raises(UserError, match="has draft vocabs of sizes 48, 64; pass --draft-vocab-size"):
         choose_draft_vocab_size(root, None, v, default=32000)
+
+
+def _written_store(root, token_rows: list[list[int]], fingerprint: str = "t"):
+    """A store written by the real shard writer with exactly these token rows (every token supervised)."""
+    from peagle.model.target_backend import TargetOutput
+    from peagle.pipeline.store import init_store
+    from peagle.schemas import store as S
+    from peagle.stages.extract.template import TokenizedSample
+    from peagle.stages.extract.writer import ShardContent, write_and_commit
+
+    target = S.TargetIdentity(path="/m", architecture="LlamaForCausalLM", num_hidden_layers=8, hidden_size=16,
+                              vocab_size=64, dtype="float32", content_hash="c" * 64)
+    settings = S.StoreSettings(target=target, tokenizer_fingerprint=fingerprint, chat_template_hash="h",
+                               aux_layer_ids=(2, 4, 5), topk=4, max_seq_len=64, logprob_dtype="float16", loss_on="all")
+    init_store(root, settings)
+    samples = [TokenizedSample(sample_id=f"s{i}", source=f"a.jsonl:{i}", input_ids=ids, loss_mask=[1] * len(ids))
+               for i, ids in enumerate(token_rows)]
+    outputs = [TargetOutput(aux_TAH=torch.ones(len(ids), 3, 16, dtype=torch.bfloat16),
+                            topk_ids_TK=torch.zeros(len(ids), 4, dtype=torch.int32),
+                            topk_logprobs_TK=torch.zeros(len(ids), 4)) for ids in token_rows]
+    write_and_commit(root, ShardContent(index=0, input_name="a.jsonl", first_record=0, end_record=len(token_rows),
+                                        samples=samples, outputs=outputs, skipped={}, num_truncated=0, backend="hf"),
+                     settings)
+    return root
+
+
+def test_heldout_coverage_ranks_by_the_store_and_counts_the_heldout_text(tmp_path):
+    # Charged tokens (position >= 2): the store has 5 x3, 6 x2, 7 x1; the held-out text 5, 6, 8, 8.
+    store = _written_store(tmp_path / "a", [[1, 1, 5, 5, 5, 6, 6, 7]])
+    heldout = _written_store(tmp_path / "h", [[1, 1, 5, 6, 8, 8]])
+    vocab = build_draft_vocab(store, 2, heldout_store=heldout)
+    assert vocab.coverage == pytest.approx(5 / 6)
+    h = vocab.heldout
+    assert h["num_supervised_tokens"] == 4 and h["coverage"] == pytest.approx(0.5)
+    # Sizes N/4..8N within the vocab: 1 -> {5}; 2 -> {5, 6}; 4 and 8 add 7 and the lowest unseen ids
+    # (0, 1, ...), never 8; 16 reaches it.
+    assert h["coverage_by_size"] == [[1, 0.25], [2, 0.5], [4, 0.5], [8, 0.5], [16, 1.0]]
+    info = json.loads((store / "vocab" / "draft-2.json").read_text())
+    assert info["heldout"] == h
+    assert load_draft_vocab(store, 2).heldout == h
+    build_draft_vocab(store, 3)  # without a held-out store, nothing is recorded of one
+    assert "heldout" not in json.loads((store / "vocab" / "draft-3.json").read_text())
+
+
+def test_heldout_store_of_another_tokenizer_is_refused_before_anything_is_written(tmp_path):
+    store = _written_store(tmp_path / "a", [[1, 1, 5, 5, 6]])
+    other = _written_store(tmp_path / "o", [[1, 1, 5, 6]], fingerprint="another")
+    with pytest.raises(UserError, match="another tokenizer"):
+        build_draft_vocab(store, 2, heldout_store=other)
+    assert not (store / "vocab" / "draft-2.json").exists()
