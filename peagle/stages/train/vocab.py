@@ -202,7 +202,7 @@ def build_draft_vocab(store_root: str | Path, draft_vocab_size: int, *, progress
     if draft_vocab_size > vocab_size:
         raise UserError(f"--draft-vocab-size {draft_vocab_size} is larger than the target vocab "
                         f"{vocab_size} (store {store.root})")
-    heldout_of = None if heldout_store is None else open_heldout_store(store, heldout_store)
+    heldout_opened = None if heldout_store is None else open_heldout_store(store, heldout_store)  # refuse early
     counts_V = count_supervised_tokens(store, progress=progress)
     if not counts_V.any():
         raise UserError(f"store {store.root} holds no supervised token in its {len(store.shards)} committed shards "
@@ -214,8 +214,8 @@ def build_draft_vocab(store_root: str | Path, draft_vocab_size: int, *, progress
     total = int(counts_V.sum())
     in_vocab = int(counts_V[selected_N].sum())
     coverage = in_vocab / total if total else 0.0
-    heldout = (None if heldout_store is None else
-               heldout_coverage(store, counts_V, draft_vocab_size, heldout_of, progress=progress))
+    heldout = (None if heldout_opened is None else
+               heldout_coverage(store, counts_V, draft_vocab_size, heldout_opened, progress=progress))
 
     tensors = {"selected_ids": torch.from_numpy(selected_N), "counts": torch.from_numpy(counts_V)}
     d2t_N = t2d_V = None
