@@ -37,8 +37,8 @@ mean, sample std and standard error over seeds, and the difference from baseline
 t-test: "differs beyond noise" when |t| exceeds the two-sided 95% Student-t critical value at
 Welch's degrees of freedom), ``target`` (its settings and how varied its greedy text is), ``extract``
 (stage seconds; the draft vocab's coverage of the store and of the held-out store, at its size and
-at others: ``peagle vocab --heldout-store``) and ``settings``. A re-run reuses every finished (variant, seed) record in ``--work`` whose flags are
-unchanged (a killed benchmark resumes).
+at others: ``peagle vocab --heldout-store``) and ``settings``. A re-run reuses every finished
+(variant, seed) record in ``--work`` whose flags are unchanged (a killed benchmark resumes).
 """
 
 from __future__ import annotations
