@@ -130,6 +130,14 @@ def select_draft_ids(counts_V: np.ndarray, draft_vocab_size: int, mask_token_id:
     return np.sort(ids[order[:draft_vocab_size]])
 
 
+def vocab_ids(counts_V: np.ndarray, draft_vocab_size: int, mask_token_id: int | None) -> np.ndarray:
+    """The target ids a draft vocab of this size holds: every id for the identity vocab (N == V),
+    else :func:`select_draft_ids`."""
+    if draft_vocab_size == counts_V.size:
+        return np.arange(counts_V.size, dtype=np.int64)
+    return select_draft_ids(counts_V, draft_vocab_size, mask_token_id)
+
+
 def coverage_sizes(draft_vocab_size: int, target_vocab_size: int) -> list[int]:
     """The sizes a coverage table compares: N/4 .. 8N by doublings, within (0, V)."""
     sizes = {draft_vocab_size * 2 ** e // 4 for e in range(6)} | {draft_vocab_size}
@@ -167,12 +175,9 @@ def heldout_coverage(store: Store, counts_V: np.ndarray, draft_vocab_size: int, 
     total = int(heldout_V.sum())
     if total == 0:
         raise UserError(f"--heldout-store {heldout.root} holds no supervised token: nothing to measure coverage on")
-    vocab_size = ours.target.vocab_size
     by_size = []  # [size, coverage] pairs, ascending (a list: canonical json sorts the keys of a dict)
-    for n in coverage_sizes(draft_vocab_size, vocab_size):
-        ids = (np.arange(vocab_size) if n == vocab_size else
-               select_draft_ids(counts_V, n, ours.mask_token_id))
-        by_size.append([n, int(heldout_V[ids].sum()) / total])
+    for n in coverage_sizes(draft_vocab_size, ours.target.vocab_size):
+        by_size.append([n, int(heldout_V[vocab_ids(counts_V, n, ours.mask_token_id)].sum()) / total])
     return {"store": str(heldout.root), "manifest_hash": manifest_hash(heldout.root), "num_supervised_tokens": total,
             "coverage": dict(by_size)[draft_vocab_size], "coverage_by_size": by_size}
 
@@ -209,8 +214,7 @@ def build_draft_vocab(store_root: str | Path, draft_vocab_size: int, *, progress
                         f"({store.num_samples} samples): nothing to build a vocab from or to train on; "
                         f"`peagle store info --store {store.root}` shows what extraction skipped")
     identity = draft_vocab_size == vocab_size
-    selected_N = np.arange(vocab_size, dtype=np.int64) if identity else select_draft_ids(
-        counts_V, draft_vocab_size, mask_token_id)
+    selected_N = vocab_ids(counts_V, draft_vocab_size, mask_token_id)
     total = int(counts_V.sum())
     in_vocab = int(counts_V[selected_N].sum())
     coverage = in_vocab / total if total else 0.0
