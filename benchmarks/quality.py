@@ -220,6 +220,14 @@ def extract_once(stages: Stages, work: Path, target: Path, paths: dict[str, Path
             "vocab": {"coverage": vocab["coverage"], "heldout": vocab["heldout"]}}
 
 
+def ensure_vocab(stages: Stages, work: Path, size: int) -> None:
+    """Build the draft vocab of ``size`` on the draft store unless it is there (a variant may train
+    another size than the budget's, which :func:`extract_once` built)."""
+    if not (work / "store" / "vocab" / f"draft-{size}.json").exists():
+        stages.run(f"vocab-{size}", ["vocab", "--store", str(work / "store"), "--draft-vocab-size", str(size),
+                                     "--heldout-store", str(work / "heldout-store"), "--quiet"])
+
+
 def run_dir(work: Path, budget: Budget, variant: str, seed: int) -> Path:
     return work / "runs" / f"{budget.train_steps}steps" / variant / f"seed{seed}"
 
@@ -238,6 +246,7 @@ def run_one(stages: Stages, work: Path, target: Path, paths: dict[str, Path], bu
     if report_only:
         raise SystemExit(f"--report-only: {record_path} was trained with other flags than {variant!r} has now")
     tag = f"{variant}-seed{seed}"
+    ensure_vocab(stages, work, int(flags[flags.index("--draft-vocab-size") + 1]))
     seconds = {"train": stages.run(f"train-{tag}", ["train", "--store", str(work / "store"), "--target", str(target),
                                                    "--out", str(run), "--eval-store", str(work / "heldout-store"),
                                                    *flags])}

@@ -1,7 +1,8 @@
 """Recipe curves: how held-out acceptance grows with training steps, per recipe, on the real model.
 
-    python benchmarks/recipe_curves.py --target DIR --heldout-store HELD \\
-        --store small=STORE_128_CHATS --store large=STORE_512_CHATS --work WORK
+    python benchmarks/recipe_curves.py --target DIR --heldout-store HELD --work WORK \\
+        --store small=STORE_128_CHATS --store large=STORE_512_CHATS --store sampled=STORE_512_SAMPLED \\
+        --recipes 4x-data,4x-data+sampled --serve 4x-data,4x-data+sampled --prompts PROMPTS
 
 ``benchmarks/quality.py`` ranks variants by the acceptance of the *finished* draft, over seeds, in
 vLLM. This benchmark answers the question that comes before it on a real target, where a CPU can
@@ -14,10 +15,19 @@ greedy verification accepts, so the estimate follows the AL vLLM measures; it is
 (it reads deep depths on COD-sampled chains): ``--serve`` exports a recipe's final draft and measures
 it in vLLM on held-out prompts, and the JSON keeps both.
 
-A recipe is a store name plus extra ``peagle train`` flags (:data:`RECIPES`); the budget is
-:data:`BASE` (1-layer draft, K = 5, vocab 2,048, 2,048 tokens per step, 300 steps, at most 16
-chains per sample). A finished run in ``--work`` (its last eval line at the last step) is reused,
-so a cut-short benchmark resumes. JSON out (``--out``): per recipe its command and the curve.
+A recipe is one or more named stores (mixed by ``peagle train``'s repeated ``--store``), extra
+``peagle train`` flags and a step count (:data:`RECIPES`); the budget is :data:`BASE` (1-layer
+draft, K = 5, vocab 2,048 built on the recipe's first store, 2,048 tokens per step, at most 16
+chains per sample). The stores the recipes name:
+
+* ``small``: 128 training prompts answered greedily (``peagle extract --regenerate --temperature 0``);
+* ``large``: 512 training prompts answered greedily (quality.py's draft store);
+* ``sampled``: the same 512 prompts answered again, sampled (``--temperature 0.7 --seed 1``): twice
+  the data for the generation cost of ``large``, as varied as the target's own sampling makes it.
+
+A finished run in ``--work`` (its last eval line at its last step) is reused, so a cut-short
+benchmark resumes. JSON out (``--out``): per recipe its command and the curve; the records of
+recipes not run this time are kept from the file already there.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import json
 import shlex
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from peagle.pipeline.atomic import atomic_write_json
@@ -35,34 +46,65 @@ STEPS = 300
 EVAL_EVERY = 25
 VOCAB = 2048
 BASE = ["--num-layers", "1", "--num-depths", "5", "--draft-vocab-size", str(VOCAB), "--token-budget", "2048",
-        "--lr", "3e-3", "--warmup-steps", "30", "--max-steps", str(STEPS), "--eval-every", str(EVAL_EVERY),
+        "--lr", "3e-3", "--warmup-steps", "30", "--eval-every", str(EVAL_EVERY),
         "--save-every", "0", "--seed", "0", "--num-workers", "1", "--max-anchors", "16"]
 """Today's defaults otherwise (Muon, the EAGLE-3.1 norms, forward KL)."""
 
-RECIPES: dict[str, tuple[str, list[str]]] = {
-    "base": ("small", []),
-    "frozen-embeddings": ("small", ["--no-train-embeddings"]),
-    "4x-data": ("large", []),
+
+@dataclass(frozen=True)
+class Recipe:
+    stores: tuple[str, ...]
+    """Store names (``--store NAME=DIR``), mixed by ``peagle train``; the draft vocab is the first's."""
+    flags: tuple[str, ...] = ()
+    steps: int = STEPS
+
+
+RECIPES: dict[str, Recipe] = {
+    "base": Recipe(("small",)),
+    "frozen-embeddings": Recipe(("small",), ("--no-train-embeddings",)),
+    "4x-data": Recipe(("large",)),
+    "4x-data-600": Recipe(("large",), steps=600),  # more steps on the same data: still rising at 300?
+    "4x-data+sampled": Recipe(("large", "sampled")),  # twice the answers at the same steps
+    "4x-data+sampled-600": Recipe(("large", "sampled"), steps=600),
 }
-"""name -> (store name, extra flags)."""
 
 
-def run_recipe(name: str, store: Path, extra: list[str], *, target: Path, heldout: Path, work: Path) -> dict:
+def train_command(name: str, recipe: Recipe, stores: dict[str, Path], *, target: Path, heldout: Path,
+                  work: Path) -> list[str]:
+    """The `peagle train` arguments of one recipe (without the interpreter)."""
+    missing = [s for s in recipe.stores if s not in stores]
+    if missing:
+        raise SystemExit(f"recipe {name} needs --store {missing[0]}=DIR")
+    store_flags = [part for s in recipe.stores for part in ("--store", str(stores[s]))]
+    return ["train", *store_flags, "--target", str(target), "--out", str(work / name), *BASE,
+            "--max-steps", str(recipe.steps), "--eval-store", str(heldout), *recipe.flags]
+
+
+def run_recipe(name: str, recipe: Recipe, stores: dict[str, Path], *, target: Path, heldout: Path,
+               work: Path) -> dict:
     run = work / name
-    args = [sys.executable, "-m", "peagle", "train", "--store", str(store), "--target", str(target), "--out", str(run),
-            *BASE, "--eval-store", str(heldout), *extra]
+    args = train_command(name, recipe, stores, target=target, heldout=heldout, work=work)
     curve = read_curve(run)
-    if not curve or curve[-1]["step"] != STEPS:
-        vocab = [sys.executable, "-m", "peagle", "vocab", "--store", str(store), "--draft-vocab-size", str(VOCAB),
-                 "--quiet"]
-        if not (store / "vocab" / f"draft-{VOCAB}.json").exists():
-            subprocess.run(vocab, check=True)
+    if not curve or curve[-1]["step"] != recipe.steps:
+        first = stores[recipe.stores[0]]
+        if not (first / "vocab" / f"draft-{VOCAB}.json").exists():
+            subprocess.run([sys.executable, "-m", "peagle", "vocab", "--store", str(first), "--draft-vocab-size",
+                            str(VOCAB), "--quiet"], check=True)
         subprocess.run(["rm", "-rf", str(run)], check=True)
-        print(f"$ {shlex.join(args[2:])}", flush=True)
-        subprocess.run(args, check=True)
+        print(f"$ peagle {shlex.join(args)}", flush=True)
+        subprocess.run([sys.executable, "-m", "peagle", *args], check=True)
         curve = read_curve(run)
-    return {"recipe": name, "store": str(store), "command": shlex.join(["peagle", *args[3:]]), "curve": curve,
+    return {"recipe": name, "stores": [str(stores[s]) for s in recipe.stores], "steps": recipe.steps,
+            "command": shlex.join(["peagle", *args]), "curve": curve,
             "best": max(curve, key=lambda c: c["al_estimate"]) if curve else None}
+
+
+def merged_records(old: list[dict], new: list[dict]) -> list[dict]:
+    """``old`` with each recipe run now replaced (in place) or appended: a run of some recipes keeps
+    the others' figures."""
+    fresh = {r["recipe"]: r for r in new}
+    kept = [fresh.pop(r["recipe"], r) for r in old]
+    return kept + [r for r in new if r["recipe"] in fresh]
 
 
 def serve_in_vllm(run: Path, *, target: Path, prompts: Path) -> dict:
@@ -104,19 +146,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=Path, help="held-out prompts (JSONL, user turns) for --serve")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu/recipe_curves.json"))
     args = parser.parse_args(argv)
-    stores = dict(s.split("=", 1) for s in args.store)
+    stores = {name: Path(path) for name, path in (s.split("=", 1) for s in args.store)}
+    unknown = [name for name in args.recipes.split(",") if name not in RECIPES]
+    if unknown:
+        raise SystemExit(f"unknown recipe {unknown[0]!r}; known: {', '.join(RECIPES)}")
     records = []
     for name in args.recipes.split(","):
-        store_name, extra = RECIPES[name]
-        records.append(run_recipe(name, Path(stores[store_name]), extra, target=args.target,
-                                  heldout=args.heldout_store, work=args.work))
+        records.append(run_recipe(name, RECIPES[name], stores, target=args.target, heldout=args.heldout_store,
+                                  work=args.work))
         if name in args.serve.split(","):
             records[-1]["vllm"] = serve_in_vllm(args.work / name, target=args.target, prompts=args.prompts)
         best = records[-1]["best"]
         print(f"{name}: best held-out AL estimate {best['al_estimate']:.3f} at step {best['step']}", flush=True)
-    atomic_write_json(args.out, {"steps": STEPS, "eval_every": EVAL_EVERY, "base_flags": BASE,
-                                 "stores": {name: describe_store(Path(path)) for name, path in stores.items()},
-                                 "heldout_store": describe_store(args.heldout_store), "records": records})
+    old = json.loads(args.out.read_text()) if args.out.exists() else {}
+    described = {name: describe_store(path) for name, path in stores.items()}
+    atomic_write_json(args.out, {"eval_every": EVAL_EVERY, "base_flags": BASE,
+                                 "stores": {**old.get("stores", {}), **described},
+                                 "heldout_store": describe_store(args.heldout_store),
+                                 "records": merged_records(old.get("records", []), records)})
 
 
 def describe_store(store: Path) -> dict:

@@ -1,0 +1,55 @@
+"""benchmarks/recipe_curves.py: every recipe is a `peagle train` command that parses, and a run of
+some recipes keeps the others' records."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from peagle.cli import _register, app
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "recipe_curves.py"
+
+
+@pytest.fixture(scope="module")
+def curves():
+    spec = importlib.util.spec_from_file_location("recipe_curves_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module's annotations through sys.modules
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def test_every_recipe_is_a_valid_train_command(curves, tmp_path) -> None:
+    """Parsed by `peagle train` itself (which validates): its stores mixed, its steps, its flags."""
+    _register()
+    train = importlib.import_module("peagle.cli.train").COMMAND
+    stores = {name: tmp_path / name for name in ("small", "large", "sampled")}
+    for name, recipe in curves.RECIPES.items():
+        args = curves.train_command(name, recipe, stores, target=tmp_path / "t", heldout=tmp_path / "h",
+                                    work=tmp_path / "w")
+        config = train.parse(app, args[1:])
+        assert config.store == tuple(str(stores[s]) for s in recipe.stores), name
+        assert config.max_steps == recipe.steps and config.eval_store == str(tmp_path / "h"), name
+        assert config.out == str(tmp_path / "w" / name) and config.draft_vocab_size == curves.VOCAB, name
+    mixed = curves.RECIPES["4x-data+sampled"]
+    assert mixed.stores == ("large", "sampled") and mixed.steps == curves.RECIPES["4x-data"].steps
+
+
+def test_a_recipe_needs_its_stores(curves, tmp_path) -> None:
+    with pytest.raises(SystemExit, match="needs --store sampled=DIR"):
+        curves.train_command("4x-data+sampled", curves.RECIPES["4x-data+sampled"], {"large": tmp_path},
+                             target=tmp_path, heldout=tmp_path, work=tmp_path)
+
+
+def test_records_of_recipes_not_run_are_kept(curves) -> None:
+    old = [{"recipe": "base", "v": 1}, {"recipe": "4x-data", "v": 1}]
+    new = [{"recipe": "4x-data+sampled", "v": 2}, {"recipe": "base", "v": 2}]
+    assert curves.merged_records(old, new) == [{"recipe": "base", "v": 2}, {"recipe": "4x-data", "v": 1},
+                                               {"recipe": "4x-data+sampled", "v": 2}]
+    assert curves.merged_records([], new) == new
