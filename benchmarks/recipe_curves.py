@@ -66,6 +66,8 @@ RECIPES: dict[str, Recipe] = {
     "4x-data-600": Recipe(("large",), steps=600),  # more steps on the same data: still rising at 300?
     "4x-data+sampled": Recipe(("large", "sampled")),  # twice the answers at the same steps
     "4x-data+sampled-600": Recipe(("large", "sampled"), steps=600),
+    "eagle3-4x-data": Recipe(("large",), ("--method", "eagle3")),  # the other method, quality.py's eagle3-k5
+    "eagle3-4x-data+sampled": Recipe(("large", "sampled"), ("--method", "eagle3")),
 }
 
 
@@ -76,7 +78,9 @@ def train_command(name: str, recipe: Recipe, stores: dict[str, Path], *, target:
     if missing:
         raise SystemExit(f"recipe {name} needs --store {missing[0]}=DIR")
     store_flags = [part for s in recipe.stores for part in ("--store", str(stores[s]))]
-    return ["train", *store_flags, "--target", str(target), "--out", str(work / name), *BASE,
+    base = BASE if "eagle3" not in recipe.flags else [  # EAGLE-3 trains every chain: no --max-anchors
+        word for i, word in enumerate(BASE) if word != "--max-anchors" and BASE[i - 1] != "--max-anchors"]
+    return ["train", *store_flags, "--target", str(target), "--out", str(work / name), *base,
             "--max-steps", str(recipe.steps), "--eval-store", str(heldout), *recipe.flags]
 
 

@@ -37,6 +37,7 @@ def test_every_recipe_is_a_valid_train_command(curves, tmp_path) -> None:
         assert config.store == tuple(str(stores[s]) for s in recipe.stores), name
         assert config.max_steps == recipe.steps and config.eval_store == str(tmp_path / "h"), name
         assert config.out == str(tmp_path / "w" / name) and config.draft_vocab_size == curves.VOCAB, name
+        assert (config.max_anchors is None) == (config.method == "eagle3"), name  # P-EAGLE's cap only
     mixed = curves.RECIPES["4x-data+sampled"]
     assert mixed.stores == ("large", "sampled") and mixed.steps == curves.RECIPES["4x-data"].steps
 
