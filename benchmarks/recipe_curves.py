@@ -158,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.recipes.split(","):
         records.append(run_recipe(name, RECIPES[name], stores, target=args.target, heldout=args.heldout_store,
                                   work=args.work))
+        records[-1]["heldout_store"] = describe_store(args.heldout_store)  # curves on other stores differ
         if name in args.serve.split(","):
             records[-1]["vllm"] = serve_in_vllm(args.work / name, target=args.target, prompts=args.prompts)
         best = records[-1]["best"]
