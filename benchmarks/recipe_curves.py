@@ -40,6 +40,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from quality_variants import PEAGLE_ONLY_FLAGS
+
 from peagle.pipeline.atomic import atomic_write_json
 
 STEPS = 300
@@ -57,6 +59,14 @@ class Recipe:
     """Store names (``--store NAME=DIR``), mixed by ``peagle train``; the draft vocab is the first's."""
     flags: tuple[str, ...] = ()
     steps: int = STEPS
+
+    def base_flags(self) -> list[str]:
+        """:data:`BASE`, without the flags only P-EAGLE takes when the recipe trains another method
+        (``--method``): EAGLE-3 trains every chain."""
+        if "--method" not in self.flags or self.flags[self.flags.index("--method") + 1] == "peagle":
+            return BASE
+        pairs = zip(BASE[::2], BASE[1::2])
+        return [word for flag, value in pairs if flag not in PEAGLE_ONLY_FLAGS for word in (flag, value)]
 
 
 RECIPES: dict[str, Recipe] = {
@@ -78,9 +88,7 @@ def train_command(name: str, recipe: Recipe, stores: dict[str, Path], *, target:
     if missing:
         raise SystemExit(f"recipe {name} needs --store {missing[0]}=DIR")
     store_flags = [part for s in recipe.stores for part in ("--store", str(stores[s]))]
-    base = BASE if "eagle3" not in recipe.flags else [  # EAGLE-3 trains every chain: no --max-anchors
-        word for i, word in enumerate(BASE) if word != "--max-anchors" and BASE[i - 1] != "--max-anchors"]
-    return ["train", *store_flags, "--target", str(target), "--out", str(work / name), *base,
+    return ["train", *store_flags, "--target", str(target), "--out", str(work / name), *recipe.base_flags(),
             "--max-steps", str(recipe.steps), "--eval-store", str(heldout), *recipe.flags]
 
 

@@ -3,25 +3,13 @@ holds a row per (method, K) and EAGLE-3's ratios; what it says about time is the
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "method_step.py"
-
-
-def test_a_toy_run_writes_one_row_per_method_and_depth(tmp_path) -> None:
-    spec = importlib.util.spec_from_file_location("method_step_benchmark", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    try:
-        spec.loader.exec_module(bench)
+def test_a_toy_run_writes_one_row_per_method_and_depth(tmp_path, load_benchmark) -> None:
+    with load_benchmark("method_step.py") as bench:
         out = tmp_path / "method_step.json"
         result = bench.main(["--shape", "tiny", "--depths", "2", "3", "--token-budget", "128", "--sample-tokens", "65",
                              "--warmup", "0", "--steps", "1", "--out", str(out)])
-    finally:
-        del sys.modules[spec.name]
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     rows = {(r["method"], r["num_depths"]): r for r in result["rows"]}
     assert set(rows) == {("peagle", 2), ("eagle3", 2), ("peagle", 3), ("eagle3", 3)}

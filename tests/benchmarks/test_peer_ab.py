@@ -8,7 +8,6 @@ They share one process of that environment (``speculators_jobs``): importing spe
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -33,17 +32,9 @@ needs_speculators = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(BENCHMARKS))  # peer_ab imports quality, its neighbour
-    try:
-        spec = importlib.util.spec_from_file_location("peer_ab_benchmark", BENCHMARKS / "peer_ab.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
+def bench(load_benchmark):
+    with load_benchmark("peer_ab.py") as module:  # peer_ab imports quality, its neighbour
         yield module
-        del sys.modules[spec.name]
-    finally:
-        sys.path.remove(str(BENCHMARKS))
 
 
 def value(flags: list[str], name: str) -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
@@ -19,15 +19,9 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "quality.py"
 
 
 @pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(SCRIPT.parent))  # quality imports quality_variants, its neighbour
-    spec = importlib.util.spec_from_file_location("quality_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module's annotations through sys.modules
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
-    sys.path.remove(str(SCRIPT.parent))
+def bench(load_benchmark):
+    with load_benchmark("quality.py") as module:  # quality imports quality_variants, its neighbour
+        yield module
 
 
 def test_every_variant_flag_is_a_train_flag(bench) -> None:

@@ -4,25 +4,15 @@ some recipes keeps the others' records."""
 from __future__ import annotations
 
 import importlib
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
 from peagle.cli import _register, app
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "recipe_curves.py"
-
-
 @pytest.fixture(scope="module")
-def curves():
-    spec = importlib.util.spec_from_file_location("recipe_curves_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module's annotations through sys.modules
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+def curves(load_benchmark):
+    with load_benchmark("recipe_curves.py") as module:  # recipe_curves imports quality_variants
+        yield module
 
 
 def test_every_recipe_is_a_valid_train_command(curves, tmp_path) -> None:
