@@ -127,8 +127,30 @@ def _pick(records: list[dict], layers: int, seq_len: int | None, label: str,
     return None, None
 
 
-def cuda_test_counts(parts: Path, log: Path) -> dict[str, int] | None:
-    """pytest's counts: from the junit file, else (a run stopped before writing it) from the ``-v`` log."""
+def cuda_test_failures(parts: Path) -> dict[str, str]:
+    """Each failed test's first error line (``E ...``), from the failure log tests/conftest.py writes
+    as tests fail (``PEAGLE_TEST_FAILURE_LOG``): there even when pytest was stopped at the limit."""
+    path = parts / "cuda_tests_failures.txt"
+    failures: dict[str, str] = {}
+    test = None
+    for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+        if line.startswith("=== "):
+            test = line[4:]
+            failures[test] = ""
+        elif test is not None and not failures[test] and line.startswith("E "):
+            failures[test] = line[1:].strip()[:300]
+    return failures
+
+
+def cuda_test_counts(parts: Path, log: Path) -> dict[str, Any] | None:
+    """pytest's counts: from the junit file, else (a run stopped before writing it) from the ``-v`` log;
+    with ``failures`` (test -> first error line) where a test failed."""
+    counts = _cuda_test_counts(parts, log)
+    failures = cuda_test_failures(parts)
+    return {**counts, "failures": failures} if counts is not None and failures else counts
+
+
+def _cuda_test_counts(parts: Path, log: Path) -> dict[str, Any] | None:
     junit = parts / "cuda_tests.xml"
     if junit.exists():
         suite = ET.parse(junit).getroot()

@@ -154,7 +154,7 @@ def test_summary_of_a_gpu_run_with_an_oom_a_timeout_and_failing_tests(tmp_path):
     assert goals["longest_context_4layer >= 131072 within 80 GiB"] is False and goals["first_step_s < 30"] is False
 
 
-def test_a_slower_step_names_its_top_kernels_and_a_killed_pytest_counts_from_its_log(tmp_path):
+def test_a_slower_step_names_its_top_kernels_and_a_killed_pytest_counts_from_its_logs(tmp_path):
     parts = tmp_path / "parts"
     parts.mkdir()
     (tmp_path / "logs").mkdir()
@@ -168,20 +168,26 @@ def test_a_slower_step_names_its_top_kernels_and_a_killed_pytest_counts_from_its
         "[gw0] [ 10%] PASSED tests/stages/train/test_cuda.py::test_a\n"
         "[gw1] [ 20%] FAILED tests/stages/train/test_cuda.py::test_b\n"
         "tests/stages/train/test_cuda.py::test_c PASSED\n!!!!!!! KeyboardInterrupt !!!!!!!\n")
+    (parts / "cuda_tests_failures.txt").write_text(  # what tests/conftest.py logs as a test fails
+        "=== tests/stages/train/test_cuda.py::test_b (call)\n[gw1] linux -- Python 3.12\n\n    def test_b():\n"
+        ">       assert error < 3e-2\nE       AssertionError: norm.weight: relative gradient difference 0.05\n"
+        "E       assert 0.05 < 0.03\n\n")
     for name in ("train_step", "speculators"):
         _status(parts, name, "ok")
     _status(parts, "cuda_tests", "timeout", "ran out of its 45s budget")
     summary = build_summary(tmp_path, smoke=False, suite_seconds=470)
     assert summary["slower_than_goal"] == {"4layer": {"ratio": round(18000 / 17000, 3), "goal": 1.3,
                                                       "top_kernels": kernels}}
-    assert summary["cuda_tests"] == {"passed": 2, "failed": 1, "errors": 0, "skipped": 0, "from_log": True}
+    assert summary["cuda_tests"] == {"passed": 2, "failed": 1, "errors": 0, "skipped": 0, "from_log": True,
+                                     "failures": {"tests/stages/train/test_cuda.py::test_b (call)":
+                                                  "AssertionError: norm.weight: relative gradient difference 0.05"}}
     assert summary["goals"]["cuda_tests all pass"] is False
 
 
 def test_the_gpu_parts_fit_a_lease_as_two_calls():
-    """Each call's parts fit its budget, every part is in exactly one call, and the two calls with the
-    machine's start (~30 s), the wheels' install and the summaries (~10 s each) fit the 900 s of a
-    lease, each under the 600 s a device command may run."""
+    """Each call's parts fit its budget, every part but the spare ones is in exactly one call, and the
+    two calls with the machine's start (~30-50 s), the wheels' install and the summaries (~10 s each)
+    fit the 900 s of a lease, each under the 600 s a device command may run."""
     import re
 
     text = SUITE.read_text()
@@ -191,7 +197,8 @@ def test_the_gpu_parts_fit_a_lease_as_two_calls():
                            "extract"]
     calls = [(re.search(rf'CALL{n}_PARTS="([^"]+)"', text).group(1).split(),
               int(re.search(rf"CALL{n}_BUDGET=(\d+)", text).group(1))) for n in (1, 2)]
-    assert sorted(p for names, _ in calls for p in names) == sorted(["env", *parts])
+    spare = re.search(r'SPARE_PARTS="([^"]*)"', text).group(1).split()  # measured, run only with --parts
+    assert sorted(p for names, _ in calls for p in names) == sorted(["env", *(p for p in parts if p not in spare)])
     for names, budget in calls:
         assert sum(parts.get(p, 0) for p in names) <= budget <= 600 - 30
-    assert 30 + sum(budget + 10 for _, budget in calls) <= 900 - 60  # a minute's margin for the gap between calls
+    assert 50 + sum(budget + 10 for _, budget in calls) <= 900 - 60  # a minute's margin for the gap between calls
