@@ -136,6 +136,33 @@ def test_stream_does_not_depend_on_num_workers_and_resumes_exactly(tiny_store, n
         assert head + tail == reference, f"cut at {cut}"
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+@pytest.mark.parametrize("followed", [False, True])
+def test_the_next_epochs_workers_start_when_this_epochs_have_built_their_last_batch(tiny_store, followed):
+    """Without a source the next epoch's DataLoader starts while the last ``batches_in_flight`` batches of
+    this one are handed out (its workers are idle then); a followed store decides an epoch's shards when
+    it begins, so its next epoch starts at the boundary. The stream is the same either way (above)."""
+    from peagle.stages.train import follow
+
+    source = follow.FollowSource([tiny_store.root], timeout_s=30, say=lambda _: None) if followed else None
+    loader = TrainLoader(config(tiny_store, num_workers=2, prefetch_factor=1), source=source)
+    n, ahead = loader.num_batches, loader.batches_in_flight
+    assert ahead == 2 and n > ahead + 1
+    started, handing_out = [], 0  # (epoch, the stream's batch being fetched when it started)
+    real_batches = loader.batches
+
+    def spy(epoch: int, start: int = 0):
+        started.append((epoch, handing_out))
+        return real_batches(epoch, start)
+
+    loader.batches = spy
+    stream = loader.stream()
+    for handing_out in range(2 * n + 1):
+        next(stream)
+    at = n if followed else n - 1 - ahead  # the batch of epoch 0 whose fetch started epoch 1
+    assert started == [(0, 0), (1, at), (2, n + at)]
+
+
 def test_state_counts_handed_out_batches_and_rolls_over_epochs(tiny_store):
     loader = TrainLoader(config(tiny_store))
     assert (loader.state_dict()["epoch"], loader.state_dict()["batch_in_epoch"]) == (0, 0)
