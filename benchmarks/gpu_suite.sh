@@ -24,7 +24,8 @@
 #   longest_context 100  4 layers, S = 4, activation checkpointing, 128k then 64k.. until one fits
 #                    80 GiB (train_step.py --longest-first --memory-cap-gib 80). In neither call: its
 #                    goal is met (2026-11-27 H200: 131,072 tokens in 61 GiB); --parts longest_context
-#   extract      60  HF extract vs a bare prefill, random 8B Llama                  (extract_throughput.py)
+#   extract      60  HF extract vs a bare prefill, random 8B Llama, 8 shards         (extract_throughput.py;
+#                    the last shard's writes overlap nothing: with 2 shards they were half of them)
 # Raw output of every part goes to OUT/parts, logs to OUT/logs, and OUT/summary.json gets the keys
 # (gpu_summary.py). OUT defaults to benchmarks/results/gpu (commit it with the results); --smoke
 # writes only under --out (default: a new temp dir) and refuses the committed results folder.
@@ -234,7 +235,7 @@ else
     --partitions 4 --attention flex --activation-checkpointing --longest-first --memory-cap-gib 80 --warmup 0 \
     --iters 1 --out "$OUT/parts/longest_context.jsonl"
   run_part extract 60 "$PY" benchmarks/extract_throughput.py --shape 8b --device cuda --records 64 \
-    --max-words 300 --repeats 1 --workdir "$WORK/extract" --out "$OUT/parts/extract.json"
+    --max-words 300 --repeats 1 --samples-per-shard 8 --workdir "$WORK/extract" --out "$OUT/parts/extract.json"
 fi
 
 SMOKE_FLAG=()

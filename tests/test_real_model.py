@@ -35,13 +35,14 @@ K = 5
 
 def assert_only_peagles_lines(extract: subprocess.CompletedProcess) -> None:
     """`peagle extract --backend vllm --regenerate` of the 6 chats through the real console script:
-    the plan and the commit line on stdout, the rounds of regeneration and progress on stderr, and
+    the plan, where the time went and the commit line on stdout, the rounds of regeneration and progress on stderr, and
     nothing else (none of vLLM's INFO/WARNING lines from its processes, torch's warnings or vLLM's
     weight-loading bar); no carriage returns when the output is not a terminal."""
     out, err = extract.stdout.splitlines(), extract.stderr.splitlines()
     assert "\r" not in extract.stdout + extract.stderr
     assert out[0].startswith("peagle extract plan") and out[-1].startswith("committed 1 shards")
-    assert all(line.startswith("  ") for line in out[1:-1]), extract.stdout  # the plan's own lines
+    assert all(line.startswith("  ") for line in out[1:-1]), extract.stdout  # the plan's own lines, the time's
+    assert out[-2].startswith("  time ") and "regenerating answers and templating" in out[-2]
     rounds = [line for line in err if re.fullmatch(r"regenerated shard 0, round [12] of 2: .*", line)]
     progress = [line for line in err if re.fullmatch(r"extract: \d/6 rec \(\d+%\), .*", line)]
     assert len(rounds) == 2 and progress and len(rounds) + len(progress) == len(err), extract.stderr

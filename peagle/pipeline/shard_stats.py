@@ -55,17 +55,61 @@ class SampleRows:
         return usable
 
 
+NORM_CHUNK_ROWS = 4096  # states converted to float32 at a time (48 MiB at H = 4096)
+
+
+def state_norms(states_nAH: torch.Tensor, chunk_rows: int = NORM_CHUNK_ROWS) -> torch.Tensor:
+    """float32 L2 norm of each (row, layer) state, NaN/inf where a value is: the numbers of
+    ``vector_norm(states.float(), dim=-1)``, computed through a float32 buffer of a few thousand rows.
+
+    Converting a shard's bf16 states whole allocates twice their size, and with the whole-tensor
+    ``isfinite``/``== 0`` passes beside it this cost extract's writer 14 s per 0.6 GB shard of
+    8B-shaped states on 2 CPU cores, more than the target's forward on a GPU
+    (benchmarks/results/gpu/2026-11-27-h200-b/NOTES.md).
+    """
+    flat_RH = states_nAH.reshape(-1, states_nAH.shape[-1])
+    if flat_RH.dtype == torch.float32:
+        return torch.linalg.vector_norm(flat_RH, dim=-1).view(states_nAH.shape[:-1])
+    norms_R = torch.empty(flat_RH.shape[0], dtype=torch.float32)
+    buffer_CH = torch.empty(min(chunk_rows, flat_RH.shape[0]), flat_RH.shape[1], dtype=torch.float32)
+    for start in range(0, flat_RH.shape[0], chunk_rows):
+        chunk_CH = buffer_CH[:min(chunk_rows, flat_RH.shape[0] - start)]
+        chunk_CH.copy_(flat_RH[start:start + chunk_CH.shape[0]])
+        torch.linalg.vector_norm(chunk_CH, dim=-1, out=norms_R[start:start + chunk_CH.shape[0]])
+    return norms_R.view(states_nAH.shape[:-1])
+
+
+def zero_and_non_finite(states_nAH: torch.Tensor, norm_nA: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(every value exactly 0, some value NaN or inf) for each state, given its norm.
+
+    Exact, and value by value only where the norm leaves doubt: a non-finite value makes the norm
+    non-finite and an all-zero state makes it 0, but the squares of finite values can also overflow
+    float32 (norm inf) or underflow it (norm 0), so those rare states are looked at whole."""
+    non_finite_nA, zero_nA = ~torch.isfinite(norm_nA), norm_nA == 0
+    if non_finite_nA.any():
+        non_finite_nA[non_finite_nA.clone()] = ~torch.isfinite(states_nAH[non_finite_nA]).all(dim=-1)
+    if zero_nA.any():
+        zero_nA[zero_nA.clone()] = (states_nAH[zero_nA] == 0).all(dim=-1)
+    return zero_nA, non_finite_nA
+
+
+def all_finite(states_nAH: torch.Tensor) -> bool:
+    """No NaN or inf among the states (:func:`zero_and_non_finite`'s rule, without the zero test)."""
+    bad_nA = ~torch.isfinite(state_norms(states_nAH))
+    return not bad_nA.any() or bool(torch.isfinite(states_nAH[bad_nA]).all())
+
+
 def sample_rows(sample: RawSample) -> SampleRows:
     """The row facts of one sample's stored rows (its aux states as read back: fp8 dequantised)."""
-    states_nAH = sample.aux_nAH.float()
-    finite_nAH = torch.isfinite(states_nAH)
+    norm_nA = state_norms(sample.aux_nAH)
+    zero_nA, non_finite_nA = zero_and_non_finite(sample.aux_nAH, norm_nA)
     logprobs_nk = sample.topk_logprobs_nk.float()
     next_n1 = sample.next_tokens_n1.numpy()
     predicting_n1k = sample.topk_ids_nk[:-1].numpy()  # topk[i] for the rows i that have a next token
     return SampleRows(
-        norm_nA=torch.linalg.vector_norm(states_nAH, dim=-1).numpy(),
-        zero_nA=(states_nAH == 0).all(dim=-1).numpy(),
-        non_finite_nA=(~finite_nAH.all(dim=-1)).numpy(),
+        norm_nA=norm_nA.numpy(),
+        zero_nA=zero_nA.numpy(),
+        non_finite_nA=non_finite_nA.numpy(),
         mass_n=logprobs_nk.exp().sum(dim=-1).numpy(),
         topk_non_finite_n=(~torch.isfinite(logprobs_nk).all(dim=-1)).numpy(),
         agree_n1=predicting_n1k[:, 0] == next_n1,
@@ -126,4 +170,4 @@ def shard_stats(rows: list[SampleRows], settings: S.StoreSettings) -> S.ShardSta
     )
 
 
-__all__ = ["SampleRows", "mass_bounds", "sample_rows", "shard_stats"]
+__all__ = ["SampleRows", "all_finite", "mass_bounds", "sample_rows", "shard_stats", "state_norms"]

@@ -56,6 +56,8 @@ class ExtractSummary:
     plan: ExtractPlan
     records: list[S.ShardRecord] = field(default_factory=list)
     work_seconds: float = 0.0  # from the first shard to the last commit (no model load, no planning)
+    forward_seconds: float = 0.0  # the target's forwards, their outputs on the host (regeneration not counted)
+    writer_wait_seconds: float = 0.0  # the driver blocked on the shard writer (a full queue, the last commits)
 
     @property
     def num_tokens(self) -> int:
@@ -249,12 +251,16 @@ def run_extract(config: ExtractConfig, *, echo: Callable[[str], None] = print,
         for prepared in shards:
             shard = prepared.shard
             examples += prepared.examples[:NUM_EXAMPLES - len(examples)]
+            forward_started = time.perf_counter()
             outputs = run_forward(backend, prepared.samples, config)
+            submit_started = time.perf_counter()
+            summary.forward_seconds += submit_started - forward_started
             writer.submit(ShardContent(index=shard.index, input_name=shard.input_name,
                                        first_record=shard.first_record, end_record=shard.end_record,
                                        samples=prepared.samples, outputs=outputs, skipped=dict(prepared.skipped),
                                        num_truncated=prepared.num_truncated, backend=backend.name,
                                        num_rendered_per_turn=prepared.num_rendered_per_turn))
+            summary.writer_wait_seconds += time.perf_counter() - submit_started
             bar.update(shard.num_records)
     except BaseException:
         _close_quietly(writer)  # shards already handed over are complete: let them commit
@@ -263,12 +269,19 @@ def run_extract(config: ExtractConfig, *, echo: Callable[[str], None] = print,
         shards.close()
         bar.close()
         backend.close()
+    closing = time.perf_counter()
     summary.records = writer.close()
     summary.work_seconds = time.perf_counter() - started
+    summary.writer_wait_seconds += time.perf_counter() - closing
     skipped_total = Counter()
     for r in summary.records:
         skipped_total.update(r.skipped)
     supervised = sum(n for r in summary.records for k, n in r.token_counts.items() if k.startswith(S.SUPERVISED + "."))
+    if summary.records:  # where the time went: a writer that keeps the target waiting is a slow disk or CPU
+        rest = summary.work_seconds - summary.forward_seconds - summary.writer_wait_seconds
+        echo(f"  time       {summary.work_seconds:.1f} s: target forward {summary.forward_seconds:.1f} s, "
+             f"waiting for the shard writer {summary.writer_wait_seconds:.1f} s, "
+             f"{'regenerating answers and ' if config.regenerate else ''}templating {rest:.1f} s")
     echo(f"committed {len(summary.records)} shards, {summary.num_tokens:,} tokens ({supervised:,} supervised)"
          + (f"; skipped {words(skipped_total)}" if skipped_total else ""))
     if skipped_total.get(CONTAINS_MASK_TOKEN):

@@ -31,7 +31,7 @@ import torch
 
 from peagle.model.target_backend import TargetOutput
 from peagle.pipeline.raw_reader import raw_sample
-from peagle.pipeline.shard_stats import sample_rows, shard_stats
+from peagle.pipeline.shard_stats import all_finite, sample_rows, shard_stats
 from peagle.pipeline.shard_tensors import encode_sample, write_tensors
 from peagle.pipeline.store import commit_shard, write_shard_file
 from peagle.schemas import store as S
@@ -66,7 +66,7 @@ class ShardContent:
 def drop_non_finite(content: ShardContent) -> ShardContent:
     """Remove samples whose aux states or top-k log-probs hold NaN/inf (docs/reliability.md), counting them."""
     keep = [i for i, out in enumerate(content.outputs)
-            if bool(torch.isfinite(out.aux_TAH).all()) and bool(torch.isfinite(out.topk_logprobs_TK).all())]
+            if all_finite(out.aux_TAH) and bool(torch.isfinite(out.topk_logprobs_TK).all())]
     num_dropped = len(content.outputs) - len(keep)
     if not num_dropped:
         return content

@@ -71,6 +71,11 @@ def test_store_follows_design_and_index_conventions(data, tiny_qwen3, tmp_path):
     summary = _quiet(_config(data, tiny_qwen3, tmp_path / "s", aux_layers=(1, 3, 7), topk=8))
     store = open_store(tmp_path / "s", verify=True)
     assert [r.index for r in store.shards] == [0, 1, 2] == [r.index for r in summary.records]
+    # where the time went, said before the last line
+    assert 0 < summary.forward_seconds and 0 <= summary.writer_wait_seconds
+    assert summary.forward_seconds + summary.writer_wait_seconds <= summary.work_seconds
+    time_line = [ln for ln in summary.printed.splitlines() if ln.startswith("  time ")]  # type: ignore[attr-defined]
+    assert len(time_line) == 1 and "target forward" in time_line[0] and "waiting for the shard writer" in time_line[0]
     manifest = json.loads((tmp_path / "s" / S.MANIFEST_FILE).read_text())
     assert manifest["aux_layer_ids"] == [1, 3, 7] and manifest["topk"] == 8
     assert manifest["target"]["architecture"] == "Qwen3ForCausalLM" and manifest["target"]["dtype"] == "float32"
