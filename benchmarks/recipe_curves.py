@@ -23,7 +23,8 @@ chains per sample). The stores the recipes name:
 * ``small``: 128 training prompts answered greedily (``peagle extract --regenerate --temperature 0``);
 * ``large``: 512 training prompts answered greedily (quality.py's draft store);
 * ``sampled``: the same 512 prompts answered again, sampled (``--temperature 0.7 --seed 1``): twice
-  the data for the generation cost of ``large``, as varied as the target's own sampling makes it.
+  the data for the generation cost of ``large``, as varied as the target's own sampling makes it;
+* ``sampled2``, ``sampled3``: the same again with ``--seed 2`` and ``--seed 3`` (four times ``large``).
 
 A finished run in ``--work`` (its last eval line at its last step) is reused, so a cut-short
 benchmark resumes. JSON out (``--out``): per recipe its command and the curve; the records of
@@ -78,6 +79,9 @@ RECIPES: dict[str, Recipe] = {
     "4x-data+sampled-600": Recipe(("large", "sampled"), steps=600),
     "eagle3-4x-data": Recipe(("large",), ("--method", "eagle3")),  # the other method, quality.py's eagle3-k5
     "eagle3-4x-data+sampled": Recipe(("large", "sampled"), ("--method", "eagle3")),
+    # four answers to each of the 512 prompts: greedy, and sampled with three seeds
+    "4x-data+3sampled-600": Recipe(("large", "sampled", "sampled2", "sampled3"), steps=600),
+    "eagle3-4x-data+3sampled": Recipe(("large", "sampled", "sampled2", "sampled3"), ("--method", "eagle3")),
 }
 
 
