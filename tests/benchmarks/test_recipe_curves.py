@@ -19,7 +19,8 @@ def test_every_recipe_is_a_valid_train_command(curves, tmp_path) -> None:
     """Parsed by `peagle train` itself (which validates): its stores mixed, its steps, its flags."""
     _register()
     train = importlib.import_module("peagle.cli.train").COMMAND
-    stores = {name: tmp_path / name for name in ("small", "large", "sampled")}
+    stores = {name: tmp_path / name for recipe in curves.RECIPES.values() for name in recipe.stores}
+    assert {"small", "large", "sampled", "sampled2", "sampled3"} <= set(stores)
     for name, recipe in curves.RECIPES.items():
         args = curves.train_command(name, recipe, stores, target=tmp_path / "t", heldout=tmp_path / "h",
                                     work=tmp_path / "w")
