@@ -18,10 +18,8 @@ and compute segment plans and flex block indices. The trainer receives finished 
 (pinned when ``pin_memory``). Batches of an fp8 store keep their fp8 rows for the device
 (``dequantize_in_workers`` False) or are dequantised in the workers (CPU training).
 
-**A store whose commit statistics show broken rows is refused** (all-zero or non-finite aux rows,
-``ShardRecord.stats``), naming the shard and ``--allow-bad-aux-rows``; stores of different hidden
-encodings (bf16 + fp8) are refused in one line, with the conversion command; **an incomplete store**
-(planned shards not committed) is refused naming the missing shards, unless ``allow_incomplete``.
+**Which stores may train, and together** (complete, same target and encoding, no broken rows by
+their commit statistics) is ``training_stores.py``'s to say.
 
 **A growing store** (``--follow``) or a recorded consumption (``--epoch-shards``): a *source*
 (``follow.py``) decides which committed shards each epoch covers when it begins; the epoch is then
@@ -41,17 +39,16 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from peagle.pipeline.atomic import canonical_json
-from peagle.pipeline.plan import store_completeness
 from peagle.pipeline.split import is_heldout
 from peagle.pipeline.store import Store, check_shards, manifest_hash, open_store
 from peagle.pipeline.store_reader import ShardReader, read_num_positions
-from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 from peagle.schemas.loader_config import LoaderConfig
 from peagle.stages.train.batch import TrainBatch, collate, make_item
 from peagle.stages.train.epoch_plan import EpochPlan, PlanSettings, SampleIndex, plan_epoch, worker_batches
 from peagle.stages.train.follow import EpochShards, check_still_committed
 from peagle.stages.train.methods import training_method
+from peagle.stages.train.training_stores import check_commit_stats, open_training_stores
 from peagle.stages.train.vocab import DraftVocab
 
 log = logging.getLogger(__name__)
@@ -67,76 +64,6 @@ def plan_settings(config: LoaderConfig) -> PlanSettings:
 
 # --------------------------------------------------------------------------------------------------
 # Opening
-
-
-def open_training_stores(config: LoaderConfig, *, growing: bool = False) -> list[Store]:
-    """Open every store, check its aux layers against what the draft reads, every store against the
-    first (whether a store fits the target is ``peagle.model.target.check_store_matches_target``), and
-    that each is complete (unless ``allow_incomplete``, or ``growing``: a store followed as it grows).
-
-    Raises:
-        UserError: one line naming the store, the field and both values; or the missing shards.
-    """
-    stores = [open_store(spec.path, verify=config.verify) for spec in config.stores]
-    for store in stores:
-        completeness = store_completeness(store.root, (r.index for r in store.shards))
-        if not completeness.complete and not growing:
-            if not config.allow_incomplete:
-                raise UserError(completeness.refusal("train"))
-            log.warning("%s", completeness.warning("training"))
-    for store in stores:
-        held = tuple(store.settings.aux_layer_ids)
-        if config.aux_layer_ids is not None and held != tuple(config.aux_layer_ids):
-            raise UserError(f"store {store.root} has aux_layer_ids {_show(held)}, training asks for "
-                            f"aux_layer_ids {_show(config.aux_layer_ids)}")
-    first = _store_facts(stores[0])
-    for store in stores[1:]:
-        encodings = (store.settings.hidden_dtype, stores[0].settings.hidden_dtype)
-        if encodings[0] != encodings[1]:
-            raise UserError(f"store {store.root} holds {encodings[0]} hidden states but store {stores[0].root} holds "
-                            f"{encodings[1]}; one run reads one encoding: `peagle store convert --store {store.root} "
-                            f"--hidden-dtype {encodings[1]} --out NEW` and train on NEW")
-        held = _store_facts(store)
-        for name, value in first.items():
-            if held[name] != value:
-                raise UserError(f"store {store.root} has {name} {_show(held[name])} but store {stores[0].root} "
-                                f"has {_show(value)}; stores mixed in one run must come from one target")
-    if not config.allow_bad_aux_rows:
-        for store in stores:
-            check_commit_stats(store)
-    return stores
-
-
-def check_commit_stats(store: Store) -> None:
-    """Refuse a store whose commit statistics show all-zero or non-finite rows (records written before
-    statistics existed have none, and pass).
-
-    Raises:
-        UserError: one line naming the store, the shard, the counts and the flag that overrides it.
-    """
-    for record in store.shards:
-        stats = record.stats
-        if stats is None or not (stats.zero_rows or stats.non_finite_rows):
-            continue
-        layers = [f"layer {layer_id}: {ls.zero_rows} all-zero, {ls.non_finite_rows} non-finite"
-                  for layer_id, ls in zip(store.settings.aux_layer_ids, stats.layers)
-                  if ls.zero_rows or ls.non_finite_rows]
-        if stats.topk.non_finite_rows:
-            layers.append(f"top-k: {stats.topk.non_finite_rows} non-finite")
-        raise UserError(f"store {store.root} shard {S.shard_stem(record.index)} holds broken rows by its commit "
-                        f"statistics ({'; '.join(layers)}): a draft trained on them learns garbage; "
-                        f"`peagle store check --store {store.root}` names the samples, --allow-bad-aux-rows trains anyway")
-
-
-def _store_facts(store: Store) -> dict[str, Any]:
-    s = store.settings
-    return {"hidden_size": s.target.hidden_size, "aux_layer_ids": tuple(s.aux_layer_ids),
-            "vocab_size": s.target.vocab_size, "topk": s.topk, "mask_token_id": s.mask_token_id,
-            "tokenizer_fingerprint": s.tokenizer_fingerprint, "target_content_hash": s.target.content_hash}
-
-
-def _show(value: Any) -> str:
-    return ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
 
 
 # --------------------------------------------------------------------------------------------------

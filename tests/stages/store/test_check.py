@@ -27,7 +27,8 @@ from peagle.stages.store.info import verify_store
 from peagle.stages.extract.run import run_extract
 from peagle.stages.extract.template import TokenizedSample
 from peagle.stages.extract.writer import ShardContent, write_and_commit
-from peagle.stages.train.loader import LoaderConfig, open_training_stores
+from peagle.stages.train.loader import LoaderConfig
+from peagle.stages.train.training_stores import open_training_stores
 from peagle.testing import store_faults as F
 from peagle.testing.chat_data import write_chat_jsonl
 from peagle.testing.tiny_target import TinyTargetSpec, build_tiny_target

@@ -18,7 +18,8 @@ from peagle.schemas.extract_config import ExtractConfig
 from peagle.schemas.train_config import StoreSpec
 from peagle.stages.store.convert import convert_store
 from peagle.stages.extract.run import run_extract
-from peagle.stages.train.loader import LoaderConfig, open_training_stores
+from peagle.stages.train.loader import LoaderConfig
+from peagle.stages.train.training_stores import open_training_stores
 from peagle.testing.chat_data import write_chat_jsonl
 
 

@@ -15,7 +15,8 @@ from peagle.schemas.errors import UserError
 from peagle.schemas.train_config import StoreSpec
 from peagle.stages.train.epoch_plan import plan_epoch, worker_batches
 from peagle.schemas.loader_config import CodSettings, LoaderConfig
-from peagle.stages.train.loader import TrainLoader, build_sample_index, open_training_stores, plan_settings
+from peagle.stages.train.loader import TrainLoader, build_sample_index, plan_settings
+from peagle.stages.train.training_stores import open_training_stores
 
 COD = CodSettings(num_depths=4)
 BUDGET = 400  # training positions per batch: 2-3 tiny chat samples
