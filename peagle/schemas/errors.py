@@ -17,3 +17,11 @@ def one_line(err: BaseException, limit: int = 240, with_type: bool = True) -> st
     """
     text = " ".join(str(err).split())[:limit] or "no message"
     return f"{type(err).__name__}: {text}" if with_type else text
+
+
+def show_value(value: object) -> str:
+    """A setting's value as a user error names it: lists comma-joined (``2,15,27``, as flags take
+    them), strings quoted (so an empty or spaced value stays visible), anything else as ``str``."""
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value))
+    return repr(value) if isinstance(value, str) else str(value)

@@ -11,6 +11,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from peagle.schemas.errors import show_value
 from peagle.schemas.train_config import TrainConfig, parse_store_spec
 
 SAFE_TO_CHANGE = frozenset({
@@ -42,7 +43,7 @@ def config_mismatch(saved: dict[str, Any], current: TrainConfig) -> str | None:
         old = saved.get(name, ABSENT_MEANT.get(name, f.default))
         new = now[name]
         if _normalise(name, old) != _normalise(name, new):
-            return (f"--{name.replace('_', '-')} was {_show(old)} in the checkpointed run and is {_show(new)} "
+            return (f"--{name.replace('_', '-')} was {show_value(old)} in the checkpointed run and is {show_value(new)} "
                     f"now; resume with the same value or use a new --out")
     return None
 
@@ -63,7 +64,3 @@ def _normalise(name: str, value: Any) -> Any:
     return value
 
 
-def _show(value: Any) -> str:
-    if isinstance(value, (list, tuple)):
-        return ",".join(map(str, value))
-    return repr(value) if isinstance(value, str) else str(value)

@@ -16,7 +16,7 @@ from typing import Any
 from peagle.pipeline.plan import store_completeness
 from peagle.pipeline.store import Store, open_store
 from peagle.schemas import store as S
-from peagle.schemas.errors import UserError
+from peagle.schemas.errors import UserError, show_value
 from peagle.schemas.loader_config import LoaderConfig
 
 log = logging.getLogger(__name__)
@@ -40,8 +40,8 @@ def open_training_stores(config: LoaderConfig, *, growing: bool = False) -> list
     for store in stores:
         held = tuple(store.settings.aux_layer_ids)
         if config.aux_layer_ids is not None and held != tuple(config.aux_layer_ids):
-            raise UserError(f"store {store.root} has aux_layer_ids {_show(held)}, training asks for "
-                            f"aux_layer_ids {_show(config.aux_layer_ids)}")
+            raise UserError(f"store {store.root} has aux_layer_ids {show_value(held)}, training asks for "
+                            f"aux_layer_ids {show_value(config.aux_layer_ids)}")
     first = _store_facts(stores[0])
     for store in stores[1:]:
         encodings = (store.settings.hidden_dtype, stores[0].settings.hidden_dtype)
@@ -52,8 +52,8 @@ def open_training_stores(config: LoaderConfig, *, growing: bool = False) -> list
         held = _store_facts(store)
         for name, value in first.items():
             if held[name] != value:
-                raise UserError(f"store {store.root} has {name} {_show(held[name])} but store {stores[0].root} "
-                                f"has {_show(value)}; stores mixed in one run must come from one target")
+                raise UserError(f"store {store.root} has {name} {show_value(held[name])} but store {stores[0].root} "
+                                f"has {show_value(value)}; stores mixed in one run must come from one target")
     if not config.allow_bad_aux_rows:
         for store in stores:
             check_commit_stats(store)
@@ -88,5 +88,3 @@ def _store_facts(store: Store) -> dict[str, Any]:
             "tokenizer_fingerprint": s.tokenizer_fingerprint, "target_content_hash": s.target.content_hash}
 
 
-def _show(value: Any) -> str:
-    return ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
