@@ -24,7 +24,11 @@ chains per sample). The stores the recipes name:
 * ``large``: 512 training prompts answered greedily (quality.py's draft store);
 * ``sampled``: the same 512 prompts answered again, sampled (``--temperature 0.7 --seed 1``): twice
   the data for the generation cost of ``large``, as varied as the target's own sampling makes it;
-* ``sampled2``, ``sampled3``: the same again with ``--seed 2`` and ``--seed 3`` (four times ``large``).
+* ``sampled2``, ``sampled3``: the same again with ``--seed 2`` and ``--seed 3`` (four times ``large``);
+* ``docs``: teacher-forced text, not the target's answers: 2,000 passages of Python's own
+  documentation on this machine (pydoc topics, docstrings) as assistant turns (``peagle extract``
+  without ``--regenerate``; ``benchmarks/docs_chats.py`` writes them): a prefill per token instead of a
+  generated one, so several times cheaper to make, but text the target did not write.
 
 A finished run in ``--work`` (its last eval line at its last step) is reused, so a cut-short
 benchmark resumes. JSON out (``--out``): per recipe its command and the curve; the records of
@@ -82,6 +86,9 @@ RECIPES: dict[str, Recipe] = {
     # four answers to each of the 512 prompts: greedy, and sampled with three seeds
     "4x-data+3sampled-600": Recipe(("large", "sampled", "sampled2", "sampled3"), steps=600),
     "eagle3-4x-data+3sampled": Recipe(("large", "sampled", "sampled2", "sampled3"), ("--method", "eagle3")),
+    # teacher-forced documentation beside the greedy answers, mixed 1:1 like 4x-data+sampled's second store
+    "4x-data+docs": Recipe(("large", "docs")),
+    "4x-data+3sampled+docs-600": Recipe(("large", "sampled", "sampled2", "sampled3", "docs"), steps=600),
 }
 
 
