@@ -98,11 +98,6 @@ def zero_and_non_finite(states_nAH: torch.Tensor, norm_nA: torch.Tensor) -> tupl
     return zero_nA, non_finite_states(states_nAH, norm_nA)
 
 
-def all_finite(states_nAH: torch.Tensor) -> bool:
-    """No NaN or inf among the states."""
-    return not bool(non_finite_states(states_nAH, state_norms(states_nAH)).any())
-
-
 def sample_rows(sample: RawSample) -> SampleRows:
     """The row facts of one sample's stored rows (its aux states as read back: fp8 dequantised)."""
     norm_nA = state_norms(sample.aux_nAH)
@@ -174,4 +169,4 @@ def shard_stats(rows: list[SampleRows], settings: S.StoreSettings) -> S.ShardSta
     )
 
 
-__all__ = ["SampleRows", "all_finite", "mass_bounds", "sample_rows", "shard_stats", "state_norms"]
+__all__ = ["SampleRows", "mass_bounds", "sample_rows", "shard_stats", "state_norms"]

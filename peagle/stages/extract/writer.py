@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -31,7 +31,7 @@ import torch
 
 from peagle.model.target_backend import TargetOutput
 from peagle.pipeline.raw_reader import raw_sample
-from peagle.pipeline.shard_stats import all_finite, sample_rows, shard_stats
+from peagle.pipeline.shard_stats import sample_rows, shard_stats
 from peagle.pipeline.shard_tensors import encode_sample, write_tensors
 from peagle.pipeline.store import commit_shard, write_shard_file
 from peagle.schemas import store as S
@@ -63,22 +63,6 @@ class ShardContent:
     num_rendered_per_turn: int = 0
 
 
-def drop_non_finite(content: ShardContent) -> ShardContent:
-    """Remove samples whose aux states or top-k log-probs hold NaN/inf (docs/reliability.md), counting them."""
-    keep = [i for i, out in enumerate(content.outputs)
-            if all_finite(out.aux_TAH) and bool(torch.isfinite(out.topk_logprobs_TK).all())]
-    num_dropped = len(content.outputs) - len(keep)
-    if not num_dropped:
-        return content
-    skipped = dict(content.skipped)
-    skipped[S.NON_FINITE_TARGET] = skipped.get(S.NON_FINITE_TARGET, 0) + num_dropped
-    return ShardContent(index=content.index, input_name=content.input_name, first_record=content.first_record,
-                        end_record=content.end_record, samples=[content.samples[i] for i in keep],
-                        outputs=[content.outputs[i] for i in keep], skipped=skipped,
-                        num_truncated=content.num_truncated, backend=content.backend,
-                        num_rendered_per_turn=content.num_rendered_per_turn)
-
-
 def sum_token_counts(samples: list[TokenizedSample]) -> dict[str, int]:
     """The shard's token counts by kind and role (``token_kinds``), summed over its samples."""
     total: dict[str, int] = {}
@@ -108,22 +92,38 @@ def write_parquet(table: pa.Table, path: str | Path) -> None:
                    write_statistics=False, row_group_size=max(1, table.num_rows), data_page_version="2.0")
 
 
-def encoded_shard(samples: list[TokenizedSample], outputs: list[TargetOutput],
-                  settings: S.StoreSettings) -> tuple[list[dict[str, torch.Tensor]], S.ShardStats]:
-    """Every sample's stored tensors, and the shard's statistics computed from exactly those."""
-    encoded, rows = [], []
-    for sample, out in zip(samples, outputs, strict=True):
+def encoded_shard(content: ShardContent, settings: S.StoreSettings
+                  ) -> tuple[ShardContent, list[dict[str, torch.Tensor]], S.ShardStats]:
+    """Every sample's stored tensors, and the shard's statistics computed from exactly those.
+
+    A sample whose aux states as stored or whose top-k log-probs hold NaN/inf (docs/reliability.md) is
+    dropped and counted as ``non_finite_target``. The states are judged on the stored rows, so one
+    pass of row facts serves both the drop and the statistics, and a value that only overflows when
+    rounded to bf16 is caught too (it would be a non-finite row that `peagle train` refuses).
+    Returns the content that is written (the kept samples), their tensors and the statistics.
+    """
+    keep, encoded, rows = [], [], []
+    for i, (sample, out) in enumerate(zip(content.samples, content.outputs, strict=True)):
         parts = encode_sample(out.aux_TAH, out.topk_ids_TK, out.topk_logprobs_TK, settings)
+        facts = sample_rows(raw_sample(sample.sample_id, sample.input_ids, sample.loss_mask, parts))
+        if facts.non_finite_nA.any() or not bool(torch.isfinite(out.topk_logprobs_TK).all()):
+            continue  # (the stored log-probs are clamped to their dtype's range: the target's own say)
+        keep.append(i)
         encoded.append(parts)
-        rows.append(sample_rows(raw_sample(sample.sample_id, sample.input_ids, sample.loss_mask, parts)))
-    return encoded, shard_stats(rows, settings)
+        rows.append(facts)
+    num_dropped = len(content.samples) - len(keep)
+    if num_dropped:
+        skipped = dict(content.skipped)
+        skipped[S.NON_FINITE_TARGET] = skipped.get(S.NON_FINITE_TARGET, 0) + num_dropped
+        content = replace(content, samples=[content.samples[i] for i in keep],
+                          outputs=[content.outputs[i] for i in keep], skipped=skipped)
+    return content, encoded, shard_stats(rows, settings)
 
 
 def write_and_commit(root: Path, content: ShardContent, settings: S.StoreSettings) -> S.ShardRecord:
     """Write both files (atomically each), then the commit record: the shard exists from then on."""
-    content = drop_non_finite(content)
+    content, encoded, stats = encoded_shard(content, settings)
     table = parquet_table(content.samples)
-    encoded, stats = encoded_shard(content.samples, content.outputs, settings)
     parquet_bytes, parquet_sha = write_shard_file(root, S.parquet_name(content.index),
                                                   lambda tmp: write_parquet(table, tmp))
     try:

@@ -21,7 +21,7 @@ from peagle.stages.extract.template import TokenizedSample
 from peagle.stages.extract.writer import (
     ShardContent,
     ShardWriter,
-    drop_non_finite,
+    encoded_shard,
     parquet_table,
     write_and_commit,
     write_parquet,
@@ -102,12 +102,30 @@ def test_non_finite_samples_are_dropped_and_counted(tmp_path):
                                       topk_logprobs_TK=content.outputs[0].topk_logprobs_TK)
     content.outputs[2] = TargetOutput(aux_TAH=content.outputs[2].aux_TAH, topk_ids_TK=content.outputs[2].topk_ids_TK,
                                       topk_logprobs_TK=bad_lp)
-    kept = drop_non_finite(content)
-    assert [s.sample_id for s in kept.samples] == ["id1"]
+    kept, encoded, stats = encoded_shard(content, SETTINGS)
+    assert [s.sample_id for s in kept.samples] == ["id1"] and len(encoded) == 1 and stats.non_finite_rows == 0
     assert kept.skipped == {"malformed_json": 1, S.NON_FINITE_TARGET: 2}
     init_store(tmp_path, SETTINGS)
     record = write_and_commit(tmp_path, content, SETTINGS)
     assert record.num_samples == 1 and record.num_tokens == 3 and record.skipped[S.NON_FINITE_TARGET] == 2
+
+
+def test_states_that_only_overflow_when_stored_are_dropped_too(tmp_path):
+    """A finite float32 state that rounds to inf in bf16 would be a non-finite row in the store, which
+    `peagle train` refuses: the writer drops its sample. A finite log-prob below float16's range is
+    stored clamped to it (zero probability either way) and kept."""
+    content = _content()
+    huge_aux = content.outputs[0].aux_TAH.float().clone()
+    huge_aux[1, 0, 0] = 3.4e38  # finite in float32, past bf16's largest (3.39e38)
+    tiny_lp = content.outputs[1].topk_logprobs_TK.float().clone()
+    tiny_lp[0, -1] = -7e4  # finite in float32, past float16's lowest (-65504)
+    content.outputs[0] = TargetOutput(aux_TAH=huge_aux, topk_ids_TK=content.outputs[0].topk_ids_TK,
+                                      topk_logprobs_TK=content.outputs[0].topk_logprobs_TK)
+    content.outputs[1] = TargetOutput(aux_TAH=content.outputs[1].aux_TAH, topk_ids_TK=content.outputs[1].topk_ids_TK,
+                                      topk_logprobs_TK=tiny_lp)
+    kept, encoded, stats = encoded_shard(content, SETTINGS)
+    assert [s.sample_id for s in kept.samples] == ["id1", "id2"] and kept.skipped[S.NON_FINITE_TARGET] == 1
+    assert stats.non_finite_rows == 0 and float(encoded[0][S.TOPK_LOGPROBS][0, -1]) == -65504.0
 
 
 def test_shard_writer_commits_in_order_and_reraises_errors(tmp_path):
