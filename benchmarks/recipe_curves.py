@@ -27,8 +27,9 @@ chains per sample). The stores the recipes name:
 * ``sampled2``, ``sampled3``: the same again with ``--seed 2`` and ``--seed 3`` (four times ``large``);
 * ``docs``: teacher-forced text, not the target's answers: 2,000 passages of Python's own
   documentation on this machine (pydoc topics, docstrings) as assistant turns (``peagle extract``
-  without ``--regenerate``; ``benchmarks/docs_chats.py`` writes them): a prefill per token instead of a
-  generated one, so several times cheaper to make, but text the target did not write.
+  without ``--regenerate``: ``python benchmarks/docs_chats.py --out docs.jsonl``, then ``peagle extract
+  --data docs.jsonl --out DIR --max-seq-len 1024 --samples-per-shard 250 --backend vllm --target T``):
+  a prefill per token instead of a generated one, 2.7x cheaper to make, but text the target did not write.
 
 A finished run in ``--work`` (its last eval line at its last step) is reused, so a cut-short
 benchmark resumes. JSON out (``--out``): per recipe its command and the curve; the records of
