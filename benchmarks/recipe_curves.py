@@ -87,6 +87,8 @@ RECIPES: dict[str, Recipe] = {
     # four answers to each of the 512 prompts: greedy, and sampled with three seeds
     "4x-data+3sampled-600": Recipe(("large", "sampled", "sampled2", "sampled3"), steps=600),
     "eagle3-4x-data+3sampled": Recipe(("large", "sampled", "sampled2", "sampled3"), ("--method", "eagle3")),
+    "eagle3-4x-data+3sampled-600": Recipe(("large", "sampled", "sampled2", "sampled3"), ("--method", "eagle3"),
+                                          steps=600),  # still rising at 300?
     # teacher-forced documentation beside the greedy answers, mixed 1:1 like 4x-data+sampled's second store
     "4x-data+docs": Recipe(("large", "docs")),
     "4x-data+3sampled+docs-600": Recipe(("large", "sampled", "sampled2", "sampled3", "docs"), steps=600),
