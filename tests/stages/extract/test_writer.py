@@ -110,6 +110,21 @@ def test_non_finite_samples_are_dropped_and_counted(tmp_path):
     assert record.num_samples == 1 and record.num_tokens == 3 and record.skipped[S.NON_FINITE_TARGET] == 2
 
 
+def test_an_fp8_store_drops_non_finite_states_too():
+    """fp8 encoding runs before the check now: NaN and inf must survive quantisation as non-finite rows."""
+    from dataclasses import replace as replace_settings
+
+    content = _content()
+    for i, value in ((0, float("nan")), (2, float("inf"))):
+        aux = content.outputs[i].aux_TAH.clone()
+        aux[1, 2, 0] = value
+        content.outputs[i] = TargetOutput(aux_TAH=aux, topk_ids_TK=content.outputs[i].topk_ids_TK,
+                                          topk_logprobs_TK=content.outputs[i].topk_logprobs_TK)
+    kept, _, stats = encoded_shard(content, replace_settings(SETTINGS, hidden_dtype=S.HIDDEN_FP8))
+    assert [s.sample_id for s in kept.samples] == ["id1"] and kept.skipped[S.NON_FINITE_TARGET] == 2
+    assert stats.non_finite_rows == 0
+
+
 def test_states_that_only_overflow_when_stored_are_dropped_too(tmp_path):
     """A finite float32 state that rounds to inf in bf16 would be a non-finite row in the store, which
     `peagle train` refuses: the writer drops its sample. A finite log-prob below float16's range is
