@@ -91,7 +91,6 @@ RECIPES: dict[str, Recipe] = {
                                           steps=600),  # still rising at 300?
     # teacher-forced documentation beside the greedy answers, mixed 1:1 like 4x-data+sampled's second store
     "4x-data+docs": Recipe(("large", "docs")),
-    "4x-data+3sampled+docs-600": Recipe(("large", "sampled", "sampled2", "sampled3", "docs"), steps=600),
 }
 
 
