@@ -79,23 +79,18 @@ def state_norms(states_nAH: torch.Tensor, chunk_rows: int = NORM_CHUNK_ROWS) -> 
     return norms_R.view(states_nAH.shape[:-1])
 
 
-def non_finite_states(states_nAH: torch.Tensor, norm_nA: torch.Tensor) -> torch.Tensor:
-    """Some value NaN or inf, for each state, given its norm. Exact, and value by value only where the
-    norm leaves doubt: a non-finite value makes the norm non-finite, but the squares of finite values
-    can also overflow float32 (norm inf), so those rare states are looked at whole."""
-    non_finite_nA = ~torch.isfinite(norm_nA)
+def zero_and_non_finite(states_nAH: torch.Tensor, norm_nA: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(every value exactly 0, some value NaN or inf) for each state, given its norm.
+
+    Exact, and value by value only where the norm leaves doubt: a non-finite value makes the norm
+    non-finite and an all-zero state makes it 0, but the squares of finite values can also overflow
+    float32 (norm inf) or underflow it (norm 0), so those rare states are looked at whole."""
+    non_finite_nA, zero_nA = ~torch.isfinite(norm_nA), norm_nA == 0
     if non_finite_nA.any():
         non_finite_nA[non_finite_nA.clone()] = ~torch.isfinite(states_nAH[non_finite_nA]).all(dim=-1)
-    return non_finite_nA
-
-
-def zero_and_non_finite(states_nAH: torch.Tensor, norm_nA: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(every value exactly 0, :func:`non_finite_states`) for each state, given its norm. An all-zero
-    state has norm 0, but so has one whose squares underflow float32: those are looked at whole."""
-    zero_nA = norm_nA == 0
     if zero_nA.any():
         zero_nA[zero_nA.clone()] = (states_nAH[zero_nA] == 0).all(dim=-1)
-    return zero_nA, non_finite_states(states_nAH, norm_nA)
+    return zero_nA, non_finite_nA
 
 
 def sample_rows(sample: RawSample) -> SampleRows:

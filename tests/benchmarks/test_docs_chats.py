@@ -14,7 +14,7 @@ def docs(load_benchmark):
 
 
 @given(st.lists(st.text(alphabet="ab \n", min_size=0, max_size=900), min_size=1, max_size=12))
-def test_passages_are_whole_paragraphs_within_bounds(docs, paragraphs) -> None:
+def test_passages_stay_within_their_bounds(docs, paragraphs) -> None:
     text = "\n\n".join(p.strip() or "x" for p in paragraphs)
     for title, passage in docs.passages("t", text):
         assert title == "t" and docs.MIN_CHARS <= len(passage) <= docs.MAX_CHARS + 2

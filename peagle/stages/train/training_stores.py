@@ -86,5 +86,3 @@ def _store_facts(store: Store) -> dict[str, Any]:
     return {"hidden_size": s.target.hidden_size, "aux_layer_ids": tuple(s.aux_layer_ids),
             "vocab_size": s.target.vocab_size, "topk": s.topk, "mask_token_id": s.mask_token_id,
             "tokenizer_fingerprint": s.tokenizer_fingerprint, "target_content_hash": s.target.content_hash}
-
-

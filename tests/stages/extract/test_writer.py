@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -112,20 +113,17 @@ def test_non_finite_samples_are_dropped_and_counted(tmp_path):
 
 def test_an_fp8_store_drops_non_finite_states_too():
     """fp8 encoding runs before the check now: NaN and inf must survive quantisation as non-finite rows."""
-    from dataclasses import replace as replace_settings
-
     content = _content()
     for i, value in ((0, float("nan")), (2, float("inf"))):
         aux = content.outputs[i].aux_TAH.clone()
         aux[1, 2, 0] = value
-        content.outputs[i] = TargetOutput(aux_TAH=aux, topk_ids_TK=content.outputs[i].topk_ids_TK,
-                                          topk_logprobs_TK=content.outputs[i].topk_logprobs_TK)
-    kept, _, stats = encoded_shard(content, replace_settings(SETTINGS, hidden_dtype=S.HIDDEN_FP8))
+        content.outputs[i] = replace(content.outputs[i], aux_TAH=aux)
+    kept, _, stats = encoded_shard(content, replace(SETTINGS, hidden_dtype=S.HIDDEN_FP8))
     assert [s.sample_id for s in kept.samples] == ["id1"] and kept.skipped[S.NON_FINITE_TARGET] == 2
     assert stats.non_finite_rows == 0
 
 
-def test_states_that_only_overflow_when_stored_are_dropped_too(tmp_path):
+def test_states_that_only_overflow_when_stored_are_dropped_too():
     """A finite float32 state that rounds to inf in bf16 would be a non-finite row in the store, which
     `peagle train` refuses: the writer drops its sample. A finite log-prob below float16's range is
     stored clamped to it (zero probability either way) and kept."""
@@ -134,10 +132,8 @@ def test_states_that_only_overflow_when_stored_are_dropped_too(tmp_path):
     huge_aux[1, 0, 0] = 3.4e38  # finite in float32, past bf16's largest (3.39e38)
     tiny_lp = content.outputs[1].topk_logprobs_TK.float().clone()
     tiny_lp[0, -1] = -7e4  # finite in float32, past float16's lowest (-65504)
-    content.outputs[0] = TargetOutput(aux_TAH=huge_aux, topk_ids_TK=content.outputs[0].topk_ids_TK,
-                                      topk_logprobs_TK=content.outputs[0].topk_logprobs_TK)
-    content.outputs[1] = TargetOutput(aux_TAH=content.outputs[1].aux_TAH, topk_ids_TK=content.outputs[1].topk_ids_TK,
-                                      topk_logprobs_TK=tiny_lp)
+    content.outputs[0] = replace(content.outputs[0], aux_TAH=huge_aux)
+    content.outputs[1] = replace(content.outputs[1], topk_logprobs_TK=tiny_lp)
     kept, encoded, stats = encoded_shard(content, SETTINGS)
     assert [s.sample_id for s in kept.samples] == ["id1", "id2"] and kept.skipped[S.NON_FINITE_TARGET] == 1
     assert stats.non_finite_rows == 0 and float(encoded[0][S.TOPK_LOGPROBS][0, -1]) == -65504.0
