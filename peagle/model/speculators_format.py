@@ -353,3 +353,75 @@ def check_same_variant(config: DraftConfig, export_dir: str | os.PathLike, tenso
     if foreign:
         raise UserError(f"--init-from {export_dir} has {foreign[0]!r}, which this run's draft lacks; pass the "
                         "--draft-architecture / --norm-before-fc / --fc-norm it was trained with")
+
+
+# --------------------------------------------------------------------------------------------------
+# Moving an export without the target's embedding
+
+TARGET_EMBEDDING_KEY = "embed_tokens.weight"
+EMBEDDING_RECORD = "target_embedding.json"
+"""Beside an export written without its embedding: the tensor's shape, dtype and sha256."""
+
+
+def _tensor_sha256(tensor: Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def without_target_embedding(export_dir: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """A copy of an export without ``embed_tokens`` (a draft trained with ``--no-train-embeddings``
+    keeps the target's rows, which are most of a small draft's bytes), and a record of what was left
+    out, so :func:`with_target_embedding` can put back exactly those bytes from the target.
+
+    Raises:
+        UserError: ``export_dir`` is not an export.
+    """
+    from safetensors.torch import save_file
+
+    config_json = read_export_config(export_dir)
+    tensors = _read_tensors(Path(export_dir))
+    embedding = tensors.pop(TARGET_EMBEDDING_KEY)
+    record = {"key": TARGET_EMBEDDING_KEY, "shape": list(embedding.shape), "dtype": str(embedding.dtype).removeprefix("torch."),
+              "sha256": _tensor_sha256(embedding)}
+    with atomic_dir(Path(out)) as tmp:
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_bytes(canonical_json(config_json))
+        (tmp / EMBEDDING_RECORD).write_bytes(canonical_json(record))
+    return Path(out)
+
+
+def with_target_embedding(stripped_dir: str | os.PathLike, target_dir: str | os.PathLike,
+                          out: str | os.PathLike) -> Path:
+    """The whole export again: ``stripped_dir``'s tensors plus the target's embedding, cast to the
+    recorded dtype and checked against the recorded sha256 (another target, or the same weights
+    dequantized differently, is refused rather than served with rows the draft never saw).
+
+    Raises:
+        UserError: no record, the target has no unique embedding, or its bytes differ.
+    """
+    from safetensors.torch import save_file
+
+    from peagle.model.target import TargetWeights
+
+    stripped = Path(stripped_dir)
+    try:
+        record = json.loads((stripped / EMBEDDING_RECORD).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise UserError(f"{stripped / EMBEDDING_RECORD} is missing or unreadable ({err})") from err
+    config_json = read_export_config(stripped)
+    tensors = _read_tensors(stripped)
+    weights = TargetWeights(target_dir)
+    key = weights.find(TARGET_EMBEDDING_KEY)
+    if key is None:
+        raise UserError(f"target {target_dir} has no unique {TARGET_EMBEDDING_KEY}")
+    embedding = weights.read(key).to(getattr(torch, record["dtype"]))
+    if list(embedding.shape) != record["shape"] or _tensor_sha256(embedding) != record["sha256"]:
+        raise UserError(f"target {target_dir}'s {TARGET_EMBEDDING_KEY} ({list(embedding.shape)}, {record['dtype']}) is "
+                        f"not the one {stripped} was trained with (sha256 differs): restore it from the same target")
+    tensors[record["key"]] = embedding
+    check_tensors(tensors, draft_config_from_speculators(config_json), str(stripped / WEIGHTS_FILE))
+    with atomic_dir(Path(out)) as tmp:
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_bytes(canonical_json(config_json))
+    return Path(out)

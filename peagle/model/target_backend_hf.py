@@ -16,6 +16,7 @@ Shape legend: B batch, L padded length, T real tokens, A aux layers, H hidden, V
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,8 @@ from peagle.schemas.errors import UserError
 
 # Budget for one chunk of fp32 logits (tokens * V * 4 bytes): bounds the top-k step's memory.
 LOGITS_CHUNK_BYTES = 256 << 20
+GENERATE_WIDTH_STEP = 64
+"""Compiled generation pads prompts to a multiple of this many tokens (one compiled shape per step)."""
 
 
 def resolve_device(device: str) -> torch.device:
@@ -95,7 +98,8 @@ class HFBackend:
     name = "hf"
 
     def __init__(self, model_dir: str | os.PathLike, *, aux_layer_ids: tuple[int, ...], topk: int,
-                 dtype: str = "auto", device: str = "auto", pad_token_id: int = 0) -> None:
+                 dtype: str = "auto", device: str = "auto", pad_token_id: int = 0,
+                 compile_generation: bool | None = None) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model = load_causal_lm(model_dir, self.dtype, self.device)
@@ -108,13 +112,31 @@ class HFBackend:
             raise UserError(f"--topk {topk} is larger than the target vocab ({self.vocab_size})")
         self.softcap = getattr(config, "final_logit_softcapping", None)
         layers = decoder_layers(self.model)
-        assert self.aux_layer_ids[-1] < len(layers), "aux ids are checked against the config first"
+        # No aux layers: a backend that only generates (``peagle prompts``, regeneration alone).
+        assert not self.aux_layer_ids or self.aux_layer_ids[-1] < len(layers), "aux ids are checked first"
         self._captured: dict[int, torch.Tensor] = {}
-        self._hooks = [layers[i].register_forward_pre_hook(self._capture_hook(i), with_kwargs=True)
-                       for i in self.aux_layer_ids]
+        self._layers = layers
         on_gpu = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if on_gpu else None
         self.chunk_bytes = LOGITS_CHUNK_BYTES * (4 if on_gpu else 1)
+        self.compiled_generation = on_gpu if compile_generation is None else compile_generation
+        """Generate through a static KV cache and a compiled decode step (CUDA graphs on a GPU): on
+        a small target a decode step is hundreds of tiny kernels, launch-bound in eager mode."""
+        self.generation_notes: list[str] = []
+        """One line per thing generation had to give up (a failed compile), for the caller to print."""
+
+    @contextlib.contextmanager
+    def _capturing(self):
+        """The aux capture hooks, live only inside an extraction forward: generation runs without
+        them (a hook per layer call costs time on CPU and breaks a compiled decode step's graph)."""
+        hooks = [self._layers[i].register_forward_pre_hook(self._capture_hook(i), with_kwargs=True)
+                 for i in self.aux_layer_ids]
+        try:
+            yield
+        finally:
+            for h in hooks:
+                h.remove()
+            self._captured.clear()
 
     def _capture_hook(self, layer_id: int):
         def hook(module, args, kwargs):
@@ -144,12 +166,9 @@ class HFBackend:
             input_ids_BL, rows_T = input_ids_BL.pin_memory(), rows_T.pin_memory()
         input_ids_BL = input_ids_BL.to(self.device, non_blocking=True)
         rows_T = rows_T.to(self.device, non_blocking=True)
-        self._captured.clear()
-        try:
+        with self._capturing():
             final_BLH = self.body_forward(input_ids_BL)
             aux_BLAH = torch.stack([self._captured[i] for i in self.aux_layer_ids], dim=2)
-        finally:
-            self._captured.clear()
         aux_TAH = aux_BLAH.flatten(0, 1).index_select(0, rows_T).to(torch.bfloat16)
         ids_TK, logprobs_TK = topk_logprobs(final_BLH.flatten(0, 1).index_select(0, rows_T),
                                             self.model.get_output_embeddings(), self.topk, softcap=self.softcap,
@@ -190,13 +209,40 @@ class HFBackend:
 
         Left padding with an attention mask, as decoder-only generation needs. Sampling draws from
         the global torch RNG, seeded here, so a fixed batch with a fixed seed regenerates the same text.
+        With ``compiled_generation`` the batch runs through a static cache and a compiled decode step;
+        if that fails, this backend says why once (``generation_notes``) and generates eagerly from then on.
         """
+        if self.compiled_generation:
+            try:
+                return self._generate(prompts_token_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                                      top_p=top_p, seed=seed, stop_token_ids=stop_token_ids, static=True)
+            except Exception as exc:  # a compiler or cache failure must not cost the run: eager still works
+                self.compiled_generation = False
+                first = (str(exc).strip().splitlines() or [""])[0][:200]
+                self.generation_notes.append(f"compiled generation failed ({type(exc).__name__}: {first}); "
+                                             "generating eagerly")
+        return self._generate(prompts_token_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                              top_p=top_p, seed=seed, stop_token_ids=stop_token_ids, static=False)
+
+    def _generate(self, prompts_token_ids: list[list[int]], *, max_new_tokens: int, temperature: float,
+                  top_p: float, seed: int, stop_token_ids: list[int] | None, static: bool) -> list[list[int]]:
         gen_config = self.model.generation_config
         stops = list(stop_token_ids or _as_list(gen_config.eos_token_id))
+        num_prompts = len(prompts_token_ids)
         width = max(len(p) for p in prompts_token_ids)
-        input_ids_BL = torch.full((len(prompts_token_ids), width), self.pad_token_id, dtype=torch.long)
+        rows = num_prompts
+        cache: dict[str, Any] = {}
+        if static:
+            # Few distinct shapes, so the compiled step and its CUDA graphs are reused across batches:
+            # the width in steps of GENERATE_WIDTH_STEP, the rows a power of two (the last, smaller
+            # batch of a run is filled up with copies of its first prompt, whose answers are dropped).
+            width = -(-width // GENERATE_WIDTH_STEP) * GENERATE_WIDTH_STEP
+            rows = 1 << max(0, num_prompts - 1).bit_length()
+            cache = dict(cache_implementation="static")
+        prompts = list(prompts_token_ids) + [prompts_token_ids[0]] * (rows - num_prompts)
+        input_ids_BL = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
         mask_BL = torch.zeros_like(input_ids_BL)
-        for b, ids in enumerate(prompts_token_ids):
+        for b, ids in enumerate(prompts):
             input_ids_BL[b, width - len(ids):] = torch.as_tensor(ids, dtype=torch.long)
             mask_BL[b, width - len(ids):] = 1
         torch.manual_seed(seed)
@@ -206,18 +252,15 @@ class HFBackend:
         out_BL = self.model.generate(
             input_ids=input_ids_BL.to(self.device), attention_mask=mask_BL.to(self.device),
             max_new_tokens=max_new_tokens, eos_token_id=stops or None, pad_token_id=self.pad_token_id,
-            **sampling,
+            disable_compile=not static, **cache, **sampling,
         )
         completions = []
-        for row in out_BL[:, width:].tolist():
+        for row in out_BL[:num_prompts, width:].tolist():
             cut = next((j for j, t in enumerate(row) if t in stops), len(row))
             completions.append(row[:cut])
         return completions
 
     def close(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
         self.model = None
 
 

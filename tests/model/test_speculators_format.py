@@ -298,3 +298,23 @@ def test_speculators_loads_the_export(tmp_path, tiny_llama):
     assert set(theirs) - {"verifier_lm_head.weight", "verifier_norm.weight"} == set(load_file(out / "model.safetensors"))
     for name, tensor in load_file(out / "model.safetensors").items():
         assert torch.equal(theirs[name].to(tensor.dtype), tensor), name
+
+
+def test_an_export_travels_without_the_target_embedding_and_comes_back_whole(tmp_path, tiny_llama, tiny_qwen3):
+    draft = tiny_draft(tiny_llama, num_layers=1)
+    out = write_export(draft.state_dict(), draft.config, tmp_path / "export", verifier_name="org/v",
+                       verifier_architectures=["LlamaForCausalLM"], speculative_tokens=5, dtype=torch.bfloat16)
+    stripped = fmt.without_target_embedding(out, tmp_path / "travel")
+    from safetensors.torch import load_file
+
+    assert fmt.TARGET_EMBEDDING_KEY not in load_file(str(stripped / fmt.WEIGHTS_FILE))
+    assert (stripped / fmt.WEIGHTS_FILE).stat().st_size < (out / fmt.WEIGHTS_FILE).stat().st_size
+    whole = fmt.with_target_embedding(stripped, tiny_llama, tmp_path / "whole")
+    assert (whole / fmt.WEIGHTS_FILE).read_bytes() == (out / fmt.WEIGHTS_FILE).read_bytes()
+    assert (whole / fmt.CONFIG_FILE).read_bytes() == (out / fmt.CONFIG_FILE).read_bytes()
+    with pytest.raises(UserError, match="sha256 differs|not the one"):  # another target's rows are refused
+        fmt.with_target_embedding(stripped, tiny_qwen3, tmp_path / "wrong")
+    assert not (tmp_path / "wrong").exists()
+    (stripped / fmt.EMBEDDING_RECORD).unlink()
+    with pytest.raises(UserError, match="missing or unreadable"):
+        fmt.with_target_embedding(stripped, tiny_llama, tmp_path / "again")

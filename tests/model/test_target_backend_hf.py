@@ -96,3 +96,40 @@ def test_bfloat16_compute_and_too_large_topk(tiny_llama):
     b.close()
     with pytest.raises(UserError, match="larger than the target vocab"):
         HFBackend(tiny_llama, aux_layer_ids=(2,), topk=100000, dtype="float32", device="cpu")
+
+
+def _compile_everywhere(backend: HFBackend, backend_name: str = "inductor") -> None:
+    """transformers compiles generation's decode step on accelerators only; this lets the CPU test it."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    config = CompileConfig(backend=backend_name, mode=None if backend_name != "inductor" else "reduce-overhead")
+    config._compile_all_devices = True
+    backend.model.generation_config.compile_config = config
+    backend.compiled_generation = True
+
+
+def test_compiled_static_generation_equals_eager_and_never_captures(tiny_llama):
+    """The GPU path (static cache, compiled step, rows padded to a power of two, width to a multiple
+    of 64) gives the eager answers; the aux hooks are not live while generating."""
+    backend = HFBackend(tiny_llama, aux_layer_ids=AUX, topk=TOPK, dtype="float32", device="cpu",
+                        compile_generation=False)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13] * 70]  # 3 rows -> 4, width 70 -> 128
+    eager = backend.generate(prompts, max_new_tokens=8, temperature=0.0, top_p=1.0, seed=0)
+    _compile_everywhere(backend, "eager")  # dynamo's graph without inductor: the same path, seconds not minutes
+    static = backend.generate(prompts, max_new_tokens=8, temperature=0.0, top_p=1.0, seed=0)
+    assert static == eager and backend.generation_notes == [] and backend.compiled_generation
+    assert backend._captured == {}
+    (out,) = backend.run([[5, 6, 7, 8]])  # extraction after generation still captures every aux layer
+    assert out.aux_TAH.shape == (4, len(AUX), 128)
+
+
+def test_a_failed_compile_falls_back_to_eager_and_says_so_once(tiny_llama):
+    backend = HFBackend(tiny_llama, aux_layer_ids=AUX, topk=TOPK, dtype="float32", device="cpu",
+                        compile_generation=False)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    eager = backend.generate(prompts, max_new_tokens=5, temperature=0.0, top_p=1.0, seed=0)
+    _compile_everywhere(backend, "no-such-backend")
+    assert backend.generate(prompts, max_new_tokens=5, temperature=0.0, top_p=1.0, seed=0) == eager
+    assert backend.generate(prompts, max_new_tokens=5, temperature=0.0, top_p=1.0, seed=0) == eager
+    assert len(backend.generation_notes) == 1 and "compiled generation failed" in backend.generation_notes[0]
+    assert not backend.compiled_generation

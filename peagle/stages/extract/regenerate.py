@@ -99,6 +99,9 @@ def regenerate_records(records: list[SourceRecord], backend: Generator, tokenize
                 text = tokenizer.decode(token_ids, skip_special_tokens=True)
                 conv.messages[turn] = {"role": "assistant", "content": text}
                 num_tokens += len(token_ids)
+        for note in _take_notes(backend):
+            if echo is not None:
+                echo(f"warning: {note}")
         if echo is not None and todo:
             seconds = time.monotonic() - started
             echo(f"regenerated shard {shard_index}, round {round_index + 1} of {num_rounds}: {len(todo)} answers, "
@@ -108,6 +111,16 @@ def regenerate_records(records: list[SourceRecord], backend: Generator, tokenize
         raw = {"messages": conv.messages, **({"tools": conv.tools} if conv.tools else {})}
         out[position] = SourceRecord(conv.record.path, conv.record.index, raw)
     return out
+
+
+def _take_notes(backend: Generator) -> list[str]:
+    """What the backend had to give up while generating (HFBackend.generation_notes), once each."""
+    notes = getattr(backend, "generation_notes", None)
+    if not notes:
+        return []
+    taken = list(notes)
+    notes.clear()
+    return taken
 
 
 def _generation_batches(todo: list, backend_name: str, batch_size: int, max_new_tokens: int,

@@ -163,7 +163,7 @@ def prepare_shard(shard: P.PlannedShard, records: list, target: TargetDirectory,
     return out
 
 
-REGENERATE_WINDOW = 16  # shards regenerated together: bounds memory, and vLLM swaps engines once per window
+REGENERATE_WINDOW = 16  # vLLM: shards regenerated together (bounds memory; engines swap once per window)
 
 
 def prepared_shards(pending: list[P.PlannedShard], backend: TargetBackend, target: TargetDirectory,
@@ -178,7 +178,9 @@ def prepared_shards(pending: list[P.PlannedShard], backend: TargetBackend, targe
     """
     sampling = SamplingSettings(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                                 top_p=config.top_p, seed=config.seed)
-    window = REGENERATE_WINDOW if config.regenerate else 1
+    # One shard at a time with the HF backend: it generates and extracts with one model, so a shard is
+    # committed as soon as its answers exist (a run stopped early keeps them).
+    window = REGENERATE_WINDOW if config.regenerate and backend.name == "vllm" else 1
     for start in range(0, len(pending), window):
         chunk = pending[start:start + window]
         records_of = [list(iter_file_records(s.input_path, s.first_record, s.end_record)) for s in chunk]
