@@ -78,7 +78,7 @@ def _register() -> None:
     """Import sub-command modules (each adds its commands to ``app``). Missing ones are skipped."""
     import importlib
 
-    for name in ("target", "extract", "store", "vocab", "train", "export", "eval", "demo"):
+    for name in ("target", "prompts", "extract", "store", "vocab", "train", "export", "eval", "demo"):
         try:
             importlib.import_module(f"peagle.cli.{name}")
         except ModuleNotFoundError as err:

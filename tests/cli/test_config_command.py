@@ -17,7 +17,7 @@ from peagle.schemas.fields import field_docs
 
 COMMANDS = ("extract", "train", "export", "eval")
 """The commands with an example config file (examples/llama-3.1-8b/)."""
-GENERATED = (*COMMANDS, "demo")
+GENERATED = (*COMMANDS, "demo", "prompts")
 EXAMPLES = Path(__file__).parents[2] / "examples" / "llama-3.1-8b"
 
 
@@ -52,6 +52,7 @@ def test_every_config_field_is_a_flag_with_its_docstring_and_default(name):
     ("export", ["r", "--out", "o"]),
     ("eval", ["r"]),
     ("demo", []),
+    ("prompts", ["--target", "t", "--out", "no-such-dir/p.jsonl"]),
 ])
 def test_unset_flags_take_the_config_defaults(name, argv):
     config = spec(name).parse(app, argv)
