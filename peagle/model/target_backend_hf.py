@@ -26,11 +26,18 @@ import torch
 from peagle.model.target import load_causal_lm
 from peagle.model.target_backend import TargetOutput
 from peagle.schemas.errors import UserError
+from peagle.schemas.extract_config import GENERATION_MODES
 
 # Budget for one chunk of fp32 logits (tokens * V * 4 bytes): bounds the top-k step's memory.
 LOGITS_CHUNK_BYTES = 256 << 20
 GENERATE_WIDTH_STEP = 64
 """Compiled generation pads prompts to a multiple of this many tokens (one compiled shape per step)."""
+# How generation keeps its KV cache (GENERATION_MODES). ``dynamic``: transformers' growing cache, which copies every
+# layer's cache at each step (fine on a CPU, where the attention is the cost). ``static``: one
+# preallocated cache written in place; on a GPU at large batches the step is bound by reading the
+# cache, so this is the fast one without any compile. ``compiled``: static plus a compiled decode step
+# (CUDA graphs), which pays where steps are launch-bound (small batches) and costs a compile per
+# process. ``auto``: static on CUDA, dynamic elsewhere.
 
 
 def resolve_device(device: str) -> torch.device:
@@ -99,7 +106,7 @@ class HFBackend:
 
     def __init__(self, model_dir: str | os.PathLike, *, aux_layer_ids: tuple[int, ...], topk: int,
                  dtype: str = "auto", device: str = "auto", pad_token_id: int = 0,
-                 compile_generation: bool | None = None) -> None:
+                 generation: str = "auto") -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model = load_causal_lm(model_dir, self.dtype, self.device)
@@ -119,9 +126,10 @@ class HFBackend:
         on_gpu = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if on_gpu else None
         self.chunk_bytes = LOGITS_CHUNK_BYTES * (4 if on_gpu else 1)
-        self.compiled_generation = on_gpu if compile_generation is None else compile_generation
-        """Generate through a static KV cache and a compiled decode step (CUDA graphs on a GPU): on
-        a small target a decode step is hundreds of tiny kernels, launch-bound in eager mode."""
+        if generation not in GENERATION_MODES:
+            raise UserError(f"generation must be one of {'|'.join(GENERATION_MODES)}, got {generation!r}")
+        self.generation = ("static" if on_gpu else "dynamic") if generation == "auto" else generation
+        """How ``generate`` keeps its KV cache (:data:`GENERATION_MODES`)."""
         self.generation_notes: list[str] = []
         """One line per thing generation had to give up (a failed compile), for the caller to print."""
 
@@ -209,36 +217,36 @@ class HFBackend:
 
         Left padding with an attention mask, as decoder-only generation needs. Sampling draws from
         the global torch RNG, seeded here, so a fixed batch with a fixed seed regenerates the same text.
-        With ``compiled_generation`` the batch runs through a static cache and a compiled decode step;
-        if that fails, this backend says why once (``generation_notes``) and generates eagerly from then on.
+        ``generation`` picks the cache (:data:`GENERATION_MODES`); if compiling fails, this backend
+        says why once (``generation_notes``) and generates with a static cache, uncompiled, from then on.
         """
-        if self.compiled_generation:
+        if self.generation == "compiled":
             try:
                 return self._generate(prompts_token_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                                      top_p=top_p, seed=seed, stop_token_ids=stop_token_ids, static=True)
+                                      top_p=top_p, seed=seed, stop_token_ids=stop_token_ids)
             except Exception as exc:  # a compiler or cache failure must not cost the run: eager still works
-                self.compiled_generation = False
+                self.generation = "static"
                 first = (str(exc).strip().splitlines() or [""])[0][:200]
                 self.generation_notes.append(f"compiled generation failed ({type(exc).__name__}: {first}); "
-                                             "generating eagerly")
+                                             "generating uncompiled")
         return self._generate(prompts_token_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                              top_p=top_p, seed=seed, stop_token_ids=stop_token_ids, static=False)
+                              top_p=top_p, seed=seed, stop_token_ids=stop_token_ids)
 
     def _generate(self, prompts_token_ids: list[list[int]], *, max_new_tokens: int, temperature: float,
-                  top_p: float, seed: int, stop_token_ids: list[int] | None, static: bool) -> list[list[int]]:
+                  top_p: float, seed: int, stop_token_ids: list[int] | None) -> list[list[int]]:
         gen_config = self.model.generation_config
         stops = list(stop_token_ids or _as_list(gen_config.eos_token_id))
         num_prompts = len(prompts_token_ids)
         width = max(len(p) for p in prompts_token_ids)
         rows = num_prompts
-        cache: dict[str, Any] = {}
-        if static:
+        compiled = self.generation == "compiled"
+        cache = dict(cache_implementation="static") if self.generation != "dynamic" else {}
+        if compiled:
             # Few distinct shapes, so the compiled step and its CUDA graphs are reused across batches:
             # the width in steps of GENERATE_WIDTH_STEP, the rows a power of two (the last, smaller
             # batch of a run is filled up with copies of its first prompt, whose answers are dropped).
             width = -(-width // GENERATE_WIDTH_STEP) * GENERATE_WIDTH_STEP
             rows = 1 << max(0, num_prompts - 1).bit_length()
-            cache = dict(cache_implementation="static")
         prompts = list(prompts_token_ids) + [prompts_token_ids[0]] * (rows - num_prompts)
         input_ids_BL = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
         mask_BL = torch.zeros_like(input_ids_BL)
@@ -252,7 +260,7 @@ class HFBackend:
         out_BL = self.model.generate(
             input_ids=input_ids_BL.to(self.device), attention_mask=mask_BL.to(self.device),
             max_new_tokens=max_new_tokens, eos_token_id=stops or None, pad_token_id=self.pad_token_id,
-            disable_compile=not static, **cache, **sampling,
+            disable_compile=not compiled, **cache, **sampling,
         )
         completions = []
         for row in out_BL[:num_prompts, width:].tolist():

@@ -18,6 +18,8 @@ LOSS_ON = ("all", "last", "per_turn")
 DTYPES = ("auto", "float32", "bfloat16")
 LOGPROB_DTYPES = ("float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
+GENERATION_MODES = ("auto", "dynamic", "static", "compiled")
+"""The hf backend's KV cache for generation (peagle/model/target_backend_hf.py says what each costs)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,6 +130,12 @@ class ExtractConfig:
     max_new_tokens: int = 512
     """Longest regenerated assistant turn, in tokens (`--regenerate`)."""
 
+    generation: str = "auto"
+    """hf backend, `--regenerate`: the KV cache of generation. `dynamic` (transformers' growing
+    cache), `static` (preallocated, written in place: the fast one for large batches on a GPU),
+    `compiled` (static plus a compiled decode step with CUDA graphs: pays for small batches, costs a
+    compile per run), or `auto` (static on CUDA, dynamic on CPU)."""
+
     seed: int = 0
     """Sampling seed for `--regenerate`; each shard draws from its own generator seeded by (seed,
     shard index), so re-runs and any worker split regenerate the same text."""
@@ -157,6 +165,7 @@ class ExtractConfig:
         for name, allowed in (("dtype", DTYPES), ("logprob_dtype", LOGPROB_DTYPES), ("hidden_dtype", HIDDEN_DTYPES)):
             object.__setattr__(self, name, dtype_choice(_flag(name), getattr(self, name), allowed))
         _choice("device", self.device, DEVICES)
+        _choice("generation", self.generation, GENERATION_MODES)
         for name in ("topk", "max_seq_len", "samples_per_shard", "num_shards", "batch_size",
                      "max_batch_tokens", "max_new_tokens"):
             if getattr(self, name) < 1:

@@ -105,31 +105,34 @@ def _compile_everywhere(backend: HFBackend, backend_name: str = "inductor") -> N
     config = CompileConfig(backend=backend_name, mode=None if backend_name != "inductor" else "reduce-overhead")
     config._compile_all_devices = True
     backend.model.generation_config.compile_config = config
-    backend.compiled_generation = True
+    backend.generation = "compiled"
 
 
-def test_compiled_static_generation_equals_eager_and_never_captures(tiny_llama):
-    """The GPU path (static cache, compiled step, rows padded to a power of two, width to a multiple
-    of 64) gives the eager answers; the aux hooks are not live while generating."""
-    backend = HFBackend(tiny_llama, aux_layer_ids=AUX, topk=TOPK, dtype="float32", device="cpu",
-                        compile_generation=False)
+def test_static_and_compiled_generation_equal_dynamic_and_never_capture(tiny_llama):
+    """The GPU paths (a static cache; compiled: rows padded to a power of two, width to a multiple of
+    64) give the dynamic cache's answers; the aux hooks are not live while generating."""
+    backend = HFBackend(tiny_llama, aux_layer_ids=AUX, topk=TOPK, dtype="float32", device="cpu")
+    assert backend.generation == "dynamic"  # auto on CPU
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13] * 70]  # 3 rows -> 4, width 70 -> 128
     eager = backend.generate(prompts, max_new_tokens=8, temperature=0.0, top_p=1.0, seed=0)
+    backend.generation = "static"
+    assert backend.generate(prompts, max_new_tokens=8, temperature=0.0, top_p=1.0, seed=0) == eager
     _compile_everywhere(backend, "eager")  # dynamo's graph without inductor: the same path, seconds not minutes
     static = backend.generate(prompts, max_new_tokens=8, temperature=0.0, top_p=1.0, seed=0)
-    assert static == eager and backend.generation_notes == [] and backend.compiled_generation
+    assert static == eager and backend.generation_notes == [] and backend.generation == "compiled"
     assert backend._captured == {}
     (out,) = backend.run([[5, 6, 7, 8]])  # extraction after generation still captures every aux layer
     assert out.aux_TAH.shape == (4, len(AUX), 128)
 
 
-def test_a_failed_compile_falls_back_to_eager_and_says_so_once(tiny_llama):
-    backend = HFBackend(tiny_llama, aux_layer_ids=AUX, topk=TOPK, dtype="float32", device="cpu",
-                        compile_generation=False)
+def test_a_failed_compile_falls_back_to_uncompiled_and_says_so_once(tiny_llama):
+    backend = HFBackend(tiny_llama, aux_layer_ids=AUX, topk=TOPK, dtype="float32", device="cpu")
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
     eager = backend.generate(prompts, max_new_tokens=5, temperature=0.0, top_p=1.0, seed=0)
     _compile_everywhere(backend, "no-such-backend")
     assert backend.generate(prompts, max_new_tokens=5, temperature=0.0, top_p=1.0, seed=0) == eager
     assert backend.generate(prompts, max_new_tokens=5, temperature=0.0, top_p=1.0, seed=0) == eager
     assert len(backend.generation_notes) == 1 and "compiled generation failed" in backend.generation_notes[0]
-    assert not backend.compiled_generation
+    assert backend.generation == "static"
+    with pytest.raises(UserError, match="generation must be one of"):
+        HFBackend(tiny_llama, aux_layer_ids=AUX, topk=TOPK, dtype="float32", device="cpu", generation="fast")

@@ -98,7 +98,8 @@ def open_backend(name: str, config: ExtractConfig, settings: S.StoreSettings,
     from peagle.model.target_backend_hf import HFBackend
 
     return HFBackend(target.path, aux_layer_ids=settings.aux_layer_ids, topk=settings.topk,
-                     dtype=settings.target.dtype, device=config.device, pad_token_id=pad)
+                     dtype=settings.target.dtype, device=config.device, pad_token_id=pad,
+                     generation=config.generation)
 
 
 def run_forward(backend: TargetBackend, samples: list[TokenizedSample], config: ExtractConfig) -> list[TargetOutput]:
