@@ -60,7 +60,7 @@ class Scale:
     num_workers: int = 3
     train_threads: int = 1
     """Torch threads of each training process (five share the machine's cores with their loaders)."""
-    startup_s: float = 45.0
+    startup_s: float = 75.0
     """Seconds a training process spends before its first step (imports, stores, compile)."""
     steps_per_s: dict = field(default_factory=lambda: {"peagle-1l": 3.0, "peagle-4l": 2.0, "eagle3-1l": 1.5})
     """Guessed optimizer steps per second of each draft kind when all runs share the GPU and the
@@ -74,7 +74,7 @@ class Scale:
 
 
 GPU = Scale()
-SMOKE = Scale(device="cpu", num_magpie=12, num_templated=20, prompt_batch=12, prompt_max_new=64, answer_batch=16,
+SMOKE = Scale(device="cpu", num_magpie=9, num_templated=20, prompt_batch=6, prompt_max_new=64, answer_batch=16,
               samples_per_shard=16, max_new_tokens=24, max_seq_len=256, max_batch_tokens=4096, hidden_dtype="bf16",
               heldout_chats=4, serve_prompts=2, vocab=256, token_budget=512, num_workers=0, startup_s=5.0,
               steps_per_s={"peagle-1l": 1.0, "peagle-4l": 1.0, "eagle3-1l": 1.0}, min_steps=3, max_steps=4)

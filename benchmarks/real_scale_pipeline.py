@@ -22,6 +22,7 @@ from real_scale import (GPU, PARTS, extract_rates, RUNS, SMOKE, Scale, Steps, he
                         templated_train_prompts, train_args, wait_or_stop, write_jsonl)
 
 EXPORT_RESERVE_S = {"gpu": 45.0, "smoke": 90.0}
+PROMPT_CHUNKS = 3
 S2_MAX_S = 120.0
 """At most this long for the second (sampled) answers: new prompts' answers and training steps pay more."""
 TRAIN_SHARE = 0.36
@@ -59,13 +60,20 @@ def make_prompts(steps: Steps, scale: Scale, target: Path, data: Path, budget: f
     write_jsonl(data / "serve-prompts.jsonl", heldout[: scale.serve_prompts])
     phrases = heldout_phrases()
     (data / "heldout-phrases.txt").write_text("".join(p + "\n" for p in phrases))
-    ok = (data / "magpie.jsonl").exists() or steps.peagle("prompts", ["prompts", "--target", str(target), "--out", str(data / "magpie.jsonl"),
-                                  "--num-prompts", str(scale.num_magpie), "--batch-size", str(scale.prompt_batch),
-                                  "--max-new-tokens", str(scale.prompt_max_new), "--backend", "hf",
-                                  "--device", scale.device, "--seed", "0",
-                                  "--exclude-phrases", str(data / "heldout-phrases.txt"),
-                                  "--exclude-prompts", str(data / "heldout-all.jsonl")], budget=budget)
-    magpie = read_jsonl(data / "magpie.jsonl") if ok else []
+    magpie: list[dict] = []
+    ends = time.time() + budget
+    for chunk in range(PROMPT_CHUNKS):  # in chunks, so a slow target still leaves the chunks made in time
+        out = data / f"magpie-{chunk}.jsonl"
+        left = ends - time.time()
+        if not out.exists() and (chunk == 0 or left > 20):
+            steps.peagle(f"prompts-{chunk}", [
+                "prompts", "--target", str(target), "--out", str(out), "--num-prompts",
+                str(-(-scale.num_magpie // PROMPT_CHUNKS)), "--batch-size", str(scale.prompt_batch),
+                "--max-new-tokens", str(scale.prompt_max_new), "--backend", "hf", "--device", scale.device,
+                "--seed", str(chunk), "--exclude-phrases", str(data / "heldout-phrases.txt"),
+                "--exclude-prompts", str(data / "heldout-all.jsonl")], budget=max(left, 60.0))
+        if out.exists():
+            magpie += read_jsonl(out)
     seen, chats = set(), []
     templated = templated_train_prompts(scale.num_templated)
     for chat in magpie + templated:
@@ -107,7 +115,7 @@ def pipeline(work: Path, deadline: float, scale_name: str, *, wheel: Path | None
         target = target_dir
     steps.summary["target"] = str(target)
 
-    parts = make_prompts(steps, scale, target, data, budget=max(60.0, 0.12 * total))
+    parts = make_prompts(steps, scale, target, data, budget=max(60.0, 0.15 * total))
     stores = work / "stores"
     heldout = stores / "heldout"
     steps.peagle("extract-heldout", extract_args(data / "heldout.jsonl", heldout, target, scale, temperature=0, seed=0),
