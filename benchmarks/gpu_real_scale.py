@@ -119,7 +119,8 @@ def call1(carried: Path) -> None:
         run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--no-cache-dir",
              "--upgrade", "--target", SITE, *wheels])
     stage(carried, DEVICE_WORK / "payload")
-    subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,memory.used", "--format=csv"], check=False)
+    if shutil.which("nvidia-smi"):
+        subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,memory.used", "--format=csv"], check=False)
     subprocess.run(["df", "-h", "/tmp"], check=False)
     # What call 2 relies on, checked while nothing waits on it: the locked transformers from /tmp/site,
     # gguf for the conversion, peagle itself and CUDA.
