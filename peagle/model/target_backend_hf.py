@@ -55,6 +55,15 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 
 
+def resolve_generation_dtype(dtype: str, compute: torch.dtype, device: torch.device) -> torch.dtype:
+    """``auto``: bfloat16 on a CPU whose matmuls do bf16 natively (AVX512-BF16, AMX: ~2-3x fp32 there),
+    else the compute dtype. Only the answers' text comes from this model; states come from ``compute``."""
+    if dtype == "auto":
+        native_bf16 = device.type == "cpu" and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+        return torch.bfloat16 if native_bf16 else compute
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+
+
 def decoder_layers(model: Any) -> torch.nn.ModuleList:
     """The decoder layer list of a HF causal LM (``model.model.layers`` for Llama, Qwen, Mistral, ...)."""
     body = model.get_decoder() if hasattr(model, "get_decoder") else model.model
@@ -106,7 +115,7 @@ class HFBackend:
 
     def __init__(self, model_dir: str | os.PathLike, *, aux_layer_ids: tuple[int, ...], topk: int,
                  dtype: str = "auto", device: str = "auto", pad_token_id: int = 0,
-                 generation: str = "auto") -> None:
+                 generation: str = "auto", generation_dtype: str = "auto") -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.model = load_causal_lm(model_dir, self.dtype, self.device)
@@ -130,6 +139,8 @@ class HFBackend:
             raise UserError(f"generation must be one of {'|'.join(GENERATION_MODES)}, got {generation!r}")
         self.generation = ("static" if on_gpu else "dynamic") if generation == "auto" else generation
         """How ``generate`` keeps its KV cache (:data:`GENERATION_MODES`)."""
+        self.generation_dtype = resolve_generation_dtype(generation_dtype, self.dtype, self.device)
+        self._generation_model = self.model if self.generation_dtype == self.dtype else None
         self.generation_notes: list[str] = []
         """One line per thing generation had to give up (a failed compile), for the caller to print."""
 
@@ -232,9 +243,18 @@ class HFBackend:
         return self._generate(prompts_token_ids, max_new_tokens=max_new_tokens, temperature=temperature,
                               top_p=top_p, seed=seed, stop_token_ids=stop_token_ids)
 
+    def generation_model(self) -> Any:
+        """The model that writes answers: the extraction model itself, or (another dtype) a copy of
+        it made on first use, so the states are still computed in ``dtype``."""
+        if self._generation_model is None:
+            import copy
+
+            self._generation_model = copy.deepcopy(self.model).to(self.generation_dtype)
+        return self._generation_model
+
     def _generate(self, prompts_token_ids: list[list[int]], *, max_new_tokens: int, temperature: float,
                   top_p: float, seed: int, stop_token_ids: list[int] | None) -> list[list[int]]:
-        gen_config = self.model.generation_config
+        gen_config = self.generation_model().generation_config
         stops = list(stop_token_ids or _as_list(gen_config.eos_token_id))
         num_prompts = len(prompts_token_ids)
         width = max(len(p) for p in prompts_token_ids)
@@ -257,7 +277,7 @@ class HFBackend:
         # top_k=0 switches off the generation config's default top-k: only temperature and top_p apply.
         sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 \
             else dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-        out_BL = self.model.generate(
+        out_BL = self.generation_model().generate(
             input_ids=input_ids_BL.to(self.device), attention_mask=mask_BL.to(self.device),
             max_new_tokens=max_new_tokens, eos_token_id=stops or None, pad_token_id=self.pad_token_id,
             disable_compile=not compiled, **cache, **sampling,
@@ -269,7 +289,7 @@ class HFBackend:
         return completions
 
     def close(self) -> None:
-        self.model = None
+        self.model = self._generation_model = None
 
 
 def _as_list(value: int | list[int] | None) -> list[int]:

@@ -16,7 +16,7 @@ TOPK = 16
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def backend(request, tiny_llama, tiny_qwen3):
     path = tiny_llama if request.param == "llama" else tiny_qwen3
-    b = HFBackend(path, aux_layer_ids=AUX, topk=TOPK, dtype="float32", device="cpu")
+    b = HFBackend(path, aux_layer_ids=AUX, topk=TOPK, dtype="float32", device="cpu", generation_dtype="float32")
     yield b
     b.close()
 
@@ -104,14 +104,15 @@ def _compile_everywhere(backend: HFBackend, backend_name: str = "inductor") -> N
 
     config = CompileConfig(backend=backend_name, mode=None if backend_name != "inductor" else "reduce-overhead")
     config._compile_all_devices = True
-    backend.model.generation_config.compile_config = config
+    backend.generation_model().generation_config.compile_config = config
     backend.generation = "compiled"
 
 
 def test_static_and_compiled_generation_equal_dynamic_and_never_capture(tiny_llama):
     """The GPU paths (a static cache; compiled: rows padded to a power of two, width to a multiple of
     64) give the dynamic cache's answers; the aux hooks are not live while generating."""
-    backend = HFBackend(tiny_llama, aux_layer_ids=AUX, topk=TOPK, dtype="float32", device="cpu")
+    backend = HFBackend(tiny_llama, aux_layer_ids=AUX, topk=TOPK, dtype="float32", device="cpu",
+                        generation_dtype="float32")
     assert backend.generation == "dynamic"  # auto on CPU
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13] * 70]  # 3 rows -> 4, width 70 -> 128
     eager = backend.generate(prompts, max_new_tokens=8, temperature=0.0, top_p=1.0, seed=0)
@@ -126,7 +127,8 @@ def test_static_and_compiled_generation_equal_dynamic_and_never_capture(tiny_lla
 
 
 def test_a_failed_compile_falls_back_to_uncompiled_and_says_so_once(tiny_llama):
-    backend = HFBackend(tiny_llama, aux_layer_ids=AUX, topk=TOPK, dtype="float32", device="cpu")
+    backend = HFBackend(tiny_llama, aux_layer_ids=AUX, topk=TOPK, dtype="float32", device="cpu",
+                        generation_dtype="float32")
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
     eager = backend.generate(prompts, max_new_tokens=5, temperature=0.0, top_p=1.0, seed=0)
     _compile_everywhere(backend, "no-such-backend")
@@ -136,3 +138,27 @@ def test_a_failed_compile_falls_back_to_uncompiled_and_says_so_once(tiny_llama):
     assert backend.generation == "static"
     with pytest.raises(UserError, match="generation must be one of"):
         HFBackend(tiny_llama, aux_layer_ids=AUX, topk=TOPK, dtype="float32", device="cpu", generation="fast")
+
+
+def test_answers_in_bf16_states_in_fp32(tiny_llama, monkeypatch):
+    """On a CPU with native bf16 matmuls the answers are written by a bf16 copy (2-3x faster there);
+    the aux states and top-k still come from the fp32 model, as vLLM serves it."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    backend = HFBackend(tiny_llama, aux_layer_ids=AUX, topk=TOPK, dtype="float32", device="cpu")
+    assert backend.generation_dtype == torch.bfloat16 and backend.dtype == torch.float32
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    answers = backend.generate(prompts, max_new_tokens=6, temperature=0.0, top_p=1.0, seed=0)
+    copy = backend.generation_model()
+    assert copy is not backend.model and next(copy.parameters()).dtype == torch.bfloat16
+    assert next(backend.model.parameters()).dtype == torch.float32
+    ref = copy.generate(torch.tensor([prompts[1]]), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                        pad_token_id=0)[0, 5:].tolist()
+    stops = {copy.generation_config.eos_token_id}
+    assert answers[1] == ref[:next((j for j, t in enumerate(ref) if t in stops), len(ref))]
+    (out,) = backend.run([[5, 6, 7, 8]])
+    reference = backend.model(torch.tensor([[5, 6, 7, 8]]), output_hidden_states=True).hidden_states
+    assert torch.equal(out.aux_TAH[:, 0], reference[AUX[0]][0].to(torch.bfloat16))  # fp32 states, stored bf16
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    plain = HFBackend(tiny_llama, aux_layer_ids=AUX, topk=TOPK, dtype="float32", device="cpu")
+    assert plain.generation_dtype == torch.float32 and plain.generation_model() is plain.model
