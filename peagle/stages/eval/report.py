@@ -7,7 +7,11 @@ is what `peagle eval` prints of it); the plots are
   loop, vLLM), with the conditional acceptance of the offline chains;
 * ``acceptance_length.png`` -- AL(k) for k = 1..K, per mode;
 * ``training_curves.png`` -- loss, per-depth agreement and acceptance-length estimate against the
-  step, from ``RUN_DIR/metrics.jsonl`` (skipped when there is none).
+  step, from ``RUN_DIR/metrics.jsonl`` (skipped when there is none). Each line says what it is: the
+  trainer's estimate on its own training batches reads high (the draft is scored on text it trains
+  on) and is not a measurement; an eval line is the teacher-forced estimate on ``--eval-store`` (or the
+  ``--heldout-fraction`` split); the dotted levels are the acceptance lengths this report measured, so a
+  reader never takes the training estimate for the result.
 
 matplotlib runs on its Agg backend (no display); the JSON is written atomically.
 """
@@ -83,7 +87,7 @@ def write_report(report_dir: str | os.PathLike, report: dict[str, Any], *,
     written = {}
     plots = {"per_depth_acceptance": plot_per_depth(report), "acceptance_length": plot_acceptance_length(report)}
     if metrics:
-        plots["training_curves"] = plot_training_curves(metrics)
+        plots["training_curves"] = plot_training_curves(metrics, measured=measured_acceptance(report))
     for name, figure in plots.items():
         if figure is None:
             continue
@@ -176,32 +180,67 @@ def _series(metrics: list[dict[str, Any]], kind: str, key: str, index: int | Non
     return xs, ys
 
 
-def plot_training_curves(metrics: list[dict[str, Any]]):
+CURVE_LABELS = {
+    "train": "training batches: agreement estimate, not a measurement",
+    "eval": "eval store / held-out split: teacher-forced estimate",
+}
+"""What each kind of metrics.jsonl line's AL estimate is, as the training-curves plot labels it."""
+LOSS_LABELS = {"train": "training batches", "eval": "eval store / held-out split"}
+
+MEASURED_LABELS = {"offline": "offline chains on eval's --store", "online": "own loop, eval prompts",
+                   "vllm": "vLLM, eval prompts"}
+
+
+def measured_acceptance(report: dict[str, Any]) -> dict[str, float]:
+    """{mode: acceptance length} of every mode this report measured (for the training-curves plot)."""
+    out = {}
+    for mode in MODES:
+        al = (report.get(mode) or {}).get("acceptance_length")
+        if isinstance(al, (int, float)) and not isinstance(al, bool) and math.isfinite(al):
+            out[mode] = float(al)
+    return out
+
+
+def plot_training_curves(metrics: list[dict[str, Any]], *, measured: dict[str, float] | None = None):
     """Loss, per-depth top-1 agreement and the AL estimate against the step, train (solid) and eval
     (dashed), from the trainer's metrics.jsonl records (``kind``, ``step``, ``loss``,
-    ``depth_agreement`` [K], ``acceptance_length_estimate``)."""
+    ``depth_agreement`` [K], ``acceptance_length_estimate``); ``measured`` ({mode: AL} of
+    :func:`measured_acceptance`) draws what eval measured as dotted levels beside the estimates.
+
+    The labels say what each line is (:data:`CURVE_LABELS`): the training-batch estimate is scored on
+    the batches the draft trains on, so it reads high (a small draft memorises its batches) and must
+    never be read as the result."""
     num_depths = max((len(r.get("depth_agreement") or []) for r in metrics), default=0)
-    figure = _figure(width=15.0, height=3.8)
+    figure = _figure(width=15.0, height=4.3)
     axes = [figure.add_subplot(1, 3, i) for i in (1, 2, 3)]
     drawn = False
     for kind, style in (("train", "-"), ("eval", "--")):
-        for ax, key in ((axes[0], "loss"), (axes[2], "acceptance_length_estimate")):
+        for ax, key, label in ((axes[0], "loss", LOSS_LABELS[kind]),
+                               (axes[2], "acceptance_length_estimate", CURVE_LABELS[kind])):
             xs, ys = _series(metrics, kind, key)
             if xs:
-                ax.plot(xs, ys, style, marker="." if len(xs) < 30 else None, label=kind)
+                ax.plot(xs, ys, style, marker="." if len(xs) < 30 else None, label=label)
                 drawn = True
         for d in range(num_depths):
             xs, ys = _series(metrics, kind, "depth_agreement", d)
             if xs:
-                axes[1].plot(xs, ys, style, color=f"C{d % 10}", label=f"{kind} depth {d}")
+                axes[1].plot(xs, ys, style, color=f"C{d % 10}", label=f"{kind}, depth {d}")
     if not drawn:
         return None
-    for ax, title in zip(axes, ("loss (forward KL)", "top-1 agreement per depth", "acceptance length (estimate)")):
+    for i, (mode, al) in enumerate((measured or {}).items()):
+        axes[2].axhline(al, linestyle=":", linewidth=2.0, color=f"C{(i + 2) % 10}",
+                        label=f"measured by peagle eval ({MEASURED_LABELS.get(mode, mode)}): {al:.2f}")
+    titles = ("loss (forward KL)", "top-1 agreement per depth\n(solid: training batches, dashed: eval)",
+              "acceptance length\nestimates (lines) against measured (dotted)")
+    for ax, title in zip(axes, titles):
         ax.set_xlabel("step")
-        ax.set_title(title)
+        ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
+    figure.text(0.5, -0.04, "Training-batch figures are scored on text the draft trains on: they read high and are "
+                "not a measurement. The result is the measured acceptance length (report.json).",
+                ha="center", fontsize=8)
     return figure
 
 
