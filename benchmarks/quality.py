@@ -1,7 +1,7 @@
 """Draft quality: acceptance length of drafts trained under named variants, 3 seeds each, on a real
 instruct model (SmolLM2-135M-Instruct) answering chat prompts.
 
-    python benchmarks/quality.py               # the README's "Draft quality" table: its variants, 3 seeds
+    python benchmarks/quality.py               # the "Draft quality" table of docs/quality.md: its variants, 3 seeds
     python benchmarks/quality.py --variants tv,k3 --seeds 3,4      # more seeds for some
     python benchmarks/quality.py --target toy --out benchmarks/results/cpu/quality_toy.json   # the toy target
     python benchmarks/quality.py --smoke --work /tmp/q --out /tmp/q/quality.json   # minutes; used by a test
@@ -297,7 +297,7 @@ def prepare_target(budget: Budget, cache_dir: Path, splits: dict[str, list[dict]
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--variants", default=None, help="comma list of names in VARIANTS (default: the README "
+    ap.add_argument("--variants", default=None, help="comma list of names in VARIANTS (default: the docs/quality.md "
                     "table's, DEFAULT_VARIANTS, or TOY_VARIANTS with --target toy; each runs next to the variant it is "
                     "compared with; baseline, always added, runs last and every variant is compared with it)")
     ap.add_argument("--seeds", default="0,1,2", help="comma list of training seeds")

@@ -1,5 +1,5 @@
 """The variants of the quality benchmark (benchmarks/quality.py): the flags each trains with, which
-other variant each is compared with, and which ones the README's tables run.
+other variant each is compared with, and which ones the tables of docs/quality.md run.
 
 A variant is one line of :data:`VARIANTS`: ``peagle train`` flags over :data:`BASE_TRAIN`. Most
 change a P-EAGLE setting; the ``eagle3-*`` variants change the method (``--method eagle3``: EAGLE-3
@@ -79,7 +79,7 @@ EAGLE-3 beat P-EAGLE at this K" decide a default."""
 
 DEFAULT_VARIANTS = ("muon", "all-norms", DEFAULTS, "defaults-tv", "defaults-k3", "defaults-k8", "defaults-frozen-emb",
                     "eagle3-k3", "eagle3-k5")
-"""The README's "Draft quality" table on the real model: what a bare ``python benchmarks/quality.py`` runs."""
+"""The "Draft quality" table of docs/quality.md on the real model: what a bare ``python benchmarks/quality.py`` runs."""
 
 TOY_VARIANTS = ("muon", "muon-lr0.01", "muon-lr0.05", "muon-lr0.1", "lr1e-2",
                 "norm-before-residual", "norm-before-fc", "fc-norm", "all-norms", "muon-all-norms",

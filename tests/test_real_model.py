@@ -10,7 +10,7 @@ to the same fp8 writer, and an export does not depend on the dtype of the store 
 
 The draft trains a few steps only: what this proves is that a real tokenizer, template and model go
 through every stage and reach vLLM intact, with greedy output unchanged. What a draft for it
-accepts is measured by the demo and benchmarks/quality.py (README "Draft quality"). Our own loop
+accepts is measured by the demo and benchmarks/quality.py (docs/quality.md). Our own loop
 (``--mode online``) is not run here: it is the same code for every Llama-architecture target, and its
 greedy output equal to plain decoding is tests/stages/eval/test_online.py's and
 tests/stages/eval/test_run.py's (the command), its acceptance equal to vLLM's
