@@ -7,7 +7,8 @@ KV cache, on the real target and real chat prompts.
 
 Each configuration answers the same prompts (the templated generator's first training prompts,
 greedy, up to ``--max-new-tokens``) in batches of its size; configurations alternate over
-``--repeats`` rounds and each figure is the best round (a shared machine's noise only slows).
+``--repeats`` rounds and each figure is the best round (a shared machine's noise only slows; the
+JSON keeps the load average at the end, so a loaded run is seen as one).
 ``new_tokens_per_s`` counts tokens up to each answer's end (what a store receives), not the padding
 of rows that ended early. The first configuration is the old default (float32, batch 8).
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -78,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(rows[config]), flush=True)
     baseline = rows[args.configs[0]]["new_tokens_per_s"]
     out = {"machine": {"platform": platform.platform(), "cpu_count": torch.get_num_threads(),
+                       "load_average_1m_at_end": os.getloadavg()[0],
                        "torch": torch.__version__, "avx512_bf16": torch.cpu._is_avx512_bf16_supported()},
            "target": str(args.target), "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
            "repeats": args.repeats,
