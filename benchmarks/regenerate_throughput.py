@@ -41,6 +41,22 @@ def prompt_ids(target: Path, num: int) -> list[list[int]]:
     return [list(tokenizer(r, add_special_tokens=False)["input_ids"]) for r in rendered]
 
 
+def random_weight_copy(config_dir: Path) -> Path:
+    """A target directory with ``config_dir``'s config and tokenizer and random bf16 weights."""
+    import shutil
+    import tempfile
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    out = Path(tempfile.mkdtemp(prefix="random-target-"))
+    for f in config_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir), dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    return out
+
+
 def one_round(backend: HFBackend, prompts: list[list[int]], batch: int, max_new_tokens: int) -> dict:
     tokens, started = 0, time.perf_counter()
     for start in range(0, len(prompts), batch):
@@ -60,8 +76,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="--target holds only config and tokenizer files: build the model with random weights "
+                        "(a GPU machine without the real weights; answers then never end early)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    if args.random_weights:
+        args.target = random_weight_copy(args.target)
     prompts = prompt_ids(args.target, args.prompts)
     backends: dict[str, HFBackend] = {}
     rows: dict[str, dict] = {}
@@ -70,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
             dtype, batch, *cache = config.split(":")
             key = f"{dtype}:{cache[0] if cache else 'dynamic'}"
             if key not in backends:
-                backends[key] = HFBackend(args.target, aux_layer_ids=(), topk=1, dtype="float32", device=args.device,
+                backends[key] = HFBackend(args.target, aux_layer_ids=(), topk=1, dtype="auto", device=args.device,
                                           generation=cache[0] if cache else "dynamic", generation_dtype=dtype)
                 one_round(backends[key], prompts[:2], 2, 2)  # warm-up: the bf16 copy, first kernels
             result = one_round(backends[key], prompts, int(batch), args.max_new_tokens)
