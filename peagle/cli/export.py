@@ -14,7 +14,8 @@ P-EAGLE draft, 'eagle3' for an EAGLE-3 one (`train --method eagle3`).
 Serve it with `vllm serve OUT` or `LLM(model=OUT)`: vLLM then loads the verifier named inside and
 runs parallel drafting (peagle) or drafts one token per forward (eagle3). (For a P-EAGLE export, a
 plain `speculative_config` without `"parallel_drafting": true` would silently draft one token at a
-time.)
+time.) A checkpoint whose weights hold a NaN or inf is refused, naming the run's newest checkpoint
+with finite weights.
 """
 
 

@@ -15,7 +15,10 @@ _HELP = """Train a draft on shard stores written by `peagle extract`: P-EAGLE (t
 one forward) or EAGLE-3 with training-time test (`--method eagle3`), from the same store.
 
 Writes RUN_DIR/metrics.jsonl and RUN_DIR/checkpoints/; re-running the same command resumes from the
-newest valid checkpoint. Under torchrun (`-m peagle train`, as below) it trains with DDP (--fsdp:
+newest valid checkpoint (also after kill -9). One run owns RUN_DIR while it runs (RUN_DIR/.lock): a
+second run into the same --out is refused, naming the first's pid and host. A step whose loss or
+gradient norm is NaN or inf is not applied; its samples go to RUN_DIR/bad_steps.jsonl, and more than
+--max-bad-steps of them stop the run after a checkpoint of the last good weights. Under torchrun (`-m peagle train`, as below) it trains with DDP (--fsdp:
 FSDP2, with --optimizer adamw). With --follow it trains while extraction still commits into the
 store (RUN_DIR/epochs.json records the shards of every epoch). Examples:
 

@@ -7,7 +7,8 @@ The checkpoint directory is what `peagle train` hands to `peagle export` (and to
         model.pt                      the UNWRAPPED draft's state dict (no DDP/FSDP/compile prefixes)
         optimizer.pt  lr_scheduler.pt  train_state.pt  config.pt
         dataloader.pt  rng.pt         per-rank parts: {"world_size": W, "rank_0": ..., "rank_1": ...}
-        metadata.json                 written last: format_version, step, parts, bytes and sha256 of every file
+        metadata.json                 written last: format_version, step, parts, bytes and sha256 of every file,
+                                      weights_finite (whether every model weight is finite)
       .step-00000080.tmp-<pid>-<rand>/  being written (ignored by every reader)
 
 ``config.pt`` is a dict: ``train_config`` (TrainConfig.to_dict()), ``draft_config``
@@ -44,6 +45,11 @@ ALL_PARTS = SHARED_PARTS + PER_RANK_PARTS
 TRAIN_CONFIG_KEY = "train_config"
 DRAFT_CONFIG_KEY = "draft_config"
 PROVENANCE_KEY = "provenance"  # peagle version, git revision, host facts of the training process
+
+WEIGHTS_FINITE_KEY = "weights_finite"
+"""``metadata.json``: True when every floating-point tensor of the model part is finite (no NaN, no
+inf), False otherwise; absent in checkpoints of a peagle from before it was recorded. Rotation keeps
+the newest checkpoint with finite weights (stages/train/checkpoint.py); export refuses non-finite ones."""
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 

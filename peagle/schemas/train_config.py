@@ -67,8 +67,9 @@ class TrainConfig:
     the draft takes its shape, embeddings and lm_head rows from it."""
 
     out: str
-    """Run directory: metrics.jsonl, checkpoints/ and run.json go here. Re-running the same command
-    resumes from the latest checkpoint in it."""
+    """Run directory: metrics.jsonl, checkpoints/ and run.json go here (and bad_steps.jsonl, if a step
+    was not finite). Re-running the same command resumes from the latest checkpoint in it. One run at
+    a time: a running one holds RUN_DIR/.lock, and a second is refused naming its pid and host."""
 
     method: str = "peagle"
     """Training method (docs/methods.md): `peagle` (P-EAGLE: the draft proposes all K tokens in one
@@ -209,7 +210,16 @@ class TrainConfig:
     """Write a checkpoint every this many optimizer steps, and at the end (0: only at the end)."""
 
     keep_checkpoints: int = 3
-    """How many of the newest checkpoints to keep (older ones are deleted once a new one commits)."""
+    """How many of the newest checkpoints to keep (older ones are deleted once a new one commits); the
+    newest checkpoint whose weights are all finite is kept as well, however old."""
+
+    max_bad_steps: int = 3
+    """How many steps with a non-finite (NaN or inf) loss or gradient norm the run survives. Such a step
+    is not applied (the weights and optimizer state stay as they were) and its samples are recorded in
+    RUN_DIR/bad_steps.jsonl; one more stops the run in one line naming the stores, shards and sample
+    ids, after a checkpoint of the last good weights. A few stray samples are survivable; many mean
+    the store or the settings are broken, and training on would waste the run. Counted over the
+    whole run, resumes included."""
 
     log_every: int = 10
     """Write a metrics.jsonl line (and refresh the progress bar) every this many optimizer steps."""
@@ -301,7 +311,7 @@ class TrainConfig:
         for name in ("num_depths", "sequence_partitions", "num_layers", "token_budget", "grad_accum",
                      "log_every", "keep_checkpoints"):
             _at_least(name, getattr(self, name), 1)
-        for name in ("warmup_steps", "eval_every", "save_every", "num_workers", "seed"):
+        for name in ("warmup_steps", "eval_every", "save_every", "num_workers", "seed", "max_bad_steps"):
             _at_least(name, getattr(self, name), 0)
         for name in ("max_steps", "max_anchors", "draft_vocab_size", "mask_token_id"):
             if getattr(self, name) is not None:

@@ -17,9 +17,11 @@ from peagle.schemas.train_config import TrainConfig, parse_store_spec
 SAFE_TO_CHANGE = frozenset({
     "out", "max_steps", "epochs", "eval_every", "save_every", "keep_checkpoints", "log_every", "num_workers",
     "verify", "eval_store", "allow_bad_aux_rows", "compile", "flex_kernel", "allow_incomplete", "follow_timeout",
+    "max_bad_steps",
 })
 """Fields a resumed run may change: they steer how long the run goes, what it reports and where it
-lives (a run directory may be moved), not what a step computes. (Changing the run length re-times
+lives (a run directory may be moved), not what a step computes (``max_bad_steps``: how many
+skipped non-finite steps stop the run, so a stopped run can be resumed with a larger budget). (Changing the run length re-times
 the cosine decay from the resume step on.)"""
 
 ABSENT_MEANT: dict[str, Any] = {"optimizer": "adamw", "norm_before_residual": False, "norm_before_fc": False,

@@ -13,6 +13,10 @@ the one before it used.
 Per-rank parts (data position, RNG) are gathered to rank 0, which writes everything; a resume on
 another world size is refused (the data stream of each rank would change). Every rank calls
 :meth:`Checkpointer.save` (gathering is a collective).
+
+``metadata.json`` also records whether the model's weights are all finite (``weights_finite``):
+rotation never deletes the newest checkpoint with finite weights, so a run whose weights went bad
+keeps a good checkpoint to export or restart from, however many bad ones followed.
 """
 
 from __future__ import annotations
@@ -31,18 +35,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from peagle.model.finite import non_finite_tensors, recorded_finite
 from peagle.pipeline.atomic import atomic_dir, pid_alive, remove_dir
 from peagle.pipeline.checkpoint_files import checkpoint_problem, list_checkpoints, read_checkpoint_part
 from peagle.pipeline.failpoints import failpoint
 from peagle.schemas.checkpoint import (ALL_PARTS, CHECKPOINTS_DIR, CONFIG, DATALOADER, FORMAT_VERSION, LR_SCHEDULER,
                                        METADATA_FILE, MODEL, OPTIMIZER, PER_RANK_PARTS, RNG, SHARED_PARTS,
-                                       TRAIN_STATE, part_file, step_dir_name)
+                                       TRAIN_STATE, WEIGHTS_FINITE_KEY, part_file, step_dir_name)
 from peagle.schemas.errors import UserError
 
 __all__ = [  # the part names are re-exported: the trainer builds its state dict under them
     "CONFIG", "DATALOADER", "LR_SCHEDULER", "MODEL", "OPTIMIZER", "PER_RANK_PARTS", "RNG", "SHARED_PARTS",
-    "TRAIN_STATE", "Checkpointer", "load_checkpoint", "rng_state",
-    "seed_rngs", "set_rng_state",
+    "TRAIN_STATE", "Checkpointer", "load_checkpoint", "load_model_and_optimizer", "model_and_optimizer_state",
+    "rng_state", "seed_rngs", "set_rng_state",
 ]
 
 
@@ -101,6 +106,8 @@ class Checkpointer:
         self.run_dir, self.keep = Path(run_dir), keep
         self._known_valid: set[tuple] = set()
         """File signatures (:func:`_signature`) of checkpoints this object wrote or hashed whole."""
+        self._finite: dict[tuple, bool] = {}
+        """Whether the weights are finite, by signature, for checkpoints that do not record it."""
 
     def save(self, step: int, state: dict[str, Any]) -> Path | None:
         """Commit ``state`` (every part of ``SHARED_PARTS + PER_RANK_PARTS``) as ``step-N``; keep the newest ``keep``.
@@ -143,7 +150,8 @@ class Checkpointer:
                     f.flush()
                     os.fsync(f.fileno())
                 files[name] = {"bytes": writer.num_bytes, "sha256": writer.sha256.hexdigest()}
-            meta = {"format_version": FORMAT_VERSION, "step": step, "parts": sorted(parts), "files": files}
+            meta = {"format_version": FORMAT_VERSION, "step": step, "parts": sorted(parts), "files": files,
+                    WEIGHTS_FINITE_KEY: not non_finite_tensors(parts[MODEL])}
             with open(tmp / METADATA_FILE, "w") as f:
                 json.dump(meta, f, indent=1, sort_keys=True)
             failpoint("train.before_checkpoint_rename")
@@ -152,20 +160,27 @@ class Checkpointer:
         return final
 
     def prune(self) -> None:
-        """Delete every checkpoint older than the newest ``keep`` VALID ones, and the temp and half-deleted
-        directories a killed process left (its pid is in the name).
+        """Delete every checkpoint older than the newest ``keep`` VALID ones, except the newest valid one
+        with finite weights, and the temp and half-deleted directories a killed process left (its pid
+        is in the name).
 
         Damaged checkpoints do not count towards ``keep``: a run restarted below damaged checkpoints of
         higher steps would otherwise delete each good checkpoint right after writing it. A damaged one
-        goes once ``keep`` valid ones of higher steps exist.
+        goes once ``keep`` valid ones of higher steps exist. Checkpoints whose weights are not all
+        finite count towards ``keep`` (they are what the run did), but the newest valid one whose
+        weights are finite is never deleted: the last good weights outlive any run of bad ones.
         """
         root = self.run_dir / CHECKPOINTS_DIR
-        num_valid = 0
+        num_valid, finite_kept = 0, False
         for path in reversed(list_checkpoints(self.run_dir)):
             if num_valid >= self.keep:
+                if not finite_kept and self.is_valid(path) and self.weights_finite(path):
+                    finite_kept = True  # the last good weights, older than the kept checkpoints
+                    continue
                 remove_dir(path)
             elif self.is_valid(path):
                 num_valid += 1
+                finite_kept = finite_kept or self.weights_finite(path)
         for marker in (".tmp-", ".deleted-"):  # half-written, or renamed away and half-deleted (remove_dir)
             for leftover in root.glob(f".step-*{marker}*"):
                 with contextlib.suppress(ValueError, IndexError):
@@ -183,6 +198,17 @@ class Checkpointer:
         with contextlib.suppress(OSError):
             self._known_valid.add(_signature(path))
         return True
+
+    def weights_finite(self, path: Path) -> bool:
+        """Whether a (valid) checkpoint's weights are all finite: as its metadata records it, else (a
+        checkpoint of an older peagle) read from its model part, once per signature."""
+        recorded = recorded_finite(path)
+        if recorded is not None:
+            return recorded
+        signature = _signature(path)
+        if signature not in self._finite:
+            self._finite[signature] = not non_finite_tensors(read_checkpoint_part(path, MODEL))
+        return self._finite[signature]
 
 
 def _signature(path: Path) -> tuple:
@@ -221,8 +247,29 @@ class _HashingWriter:
             raise
 
 
+def model_and_optimizer_state(draft: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The MODEL and OPTIMIZER parts: the unwrapped draft's full state dict (FSDP2: gathered full
+    tensors) and its optimizer's, on the CPU."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_model_state_dict, get_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {MODEL: get_model_state_dict(draft, options=options),
+            OPTIMIZER: get_optimizer_state_dict(draft, optimizer, options=options)}
+
+
 # --------------------------------------------------------------------------------------------------
 # Load
+
+
+def load_model_and_optimizer(draft: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Set the draft and its optimizer from a checkpoint's MODEL and OPTIMIZER parts."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(draft, state[MODEL], options=options)
+    set_optimizer_state_dict(draft, optimizer, state[OPTIMIZER], options=options)
 
 
 def load_checkpoint(path: str | os.PathLike, *, map_location: str | torch.device = "cpu") -> dict[str, Any]:

@@ -44,10 +44,11 @@ from peagle.pipeline.store import Store, check_shards, manifest_hash, open_store
 from peagle.pipeline.store_reader import ShardReader, read_num_positions
 from peagle.schemas.errors import UserError
 from peagle.schemas.loader_config import LoaderConfig
-from peagle.stages.train.batch import TrainBatch, collate, make_item
+from peagle.stages.train.batch import collate, make_item
 from peagle.stages.train.epoch_plan import EpochPlan, PlanSettings, SampleIndex, plan_epoch, worker_batches
 from peagle.stages.train.follow import EpochShards, check_still_committed
 from peagle.stages.train.methods import training_method
+from peagle.stages.train.train_batch import TrainBatch
 from peagle.stages.train.training_stores import check_commit_stats, open_training_stores
 from peagle.stages.train.vocab import DraftVocab
 
@@ -127,15 +128,17 @@ class ShardStream(IterableDataset):
 
     def build(self, reader: ShardReader, batch: int) -> TrainBatch:
         """Batch ``batch`` of the rank's plan, with its aux rows left on disk (``TrainBatch.aux_source``)."""
-        items, aux_reads = [], []
+        items, aux_reads, sources = [], [], []
         for i in range(self.bounds[batch], self.bounds[batch + 1]):
             store, shard, row = (int(v) for v in self.loc_3B[:, i])
             aux_reads.append(reader.aux_read(store, shard, row))
+            sources.append((str(self.stores[store].root), self.stores[store].shards[shard].index))
             items.append(make_item(reader.sample(store, shard, row), cod=self.config.cod, seed=self.config.seed,
                                    epoch=self.epoch, method=self.method))
         out = collate(items, target_to_draft_V=self.target_to_draft_V, num_segments=self.config.sequence_partitions,
                       block_size=self.config.block_size if self.config.attention == "flex" else None,
                       epoch=self.epoch, batch_index=batch, aux_reads=aux_reads, method=self.method)
+        out.sources = tuple(sources)
         fp8_rows = out.aux_source is not None and out.aux_source.scale_reads is not None
         return out.dequantized() if fp8_rows and self.config.dequantize_in_workers else out
 

@@ -6,9 +6,12 @@ count, the units' forward+backward, clip, optimizer, schedule); the trainer keep
 tokens seen, the logging window, checkpoints).
 
 World size 1 is the same code: torch.distributed starts only when ``WORLD_SIZE > 1`` (gloo on CPU,
-nccl on CUDA). Metrics are sums over a logging window, kept on the device and read once per logged
-step; each line also says how many graphs torch.compile built in its window (``graphs_compiled``:
-after the first steps it must stay 0, or every new COD length pays a recompile).
+nccl on CUDA). Metrics are sums over a logging window (metrics_window.py), read once per logged step.
+
+The run owns its directory for its whole life (``RUN_DIR/.lock``, run_dir.py: a second run into the
+same --out is refused) and resumes from its newest valid checkpoint. A step whose loss or gradient
+norm is not finite is not applied (step.py); more than --max-bad-steps of them stop the run, after a
+checkpoint of the last good weights (bad_steps.py).
 """
 
 from __future__ import annotations
@@ -22,34 +25,34 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
 from peagle.model.draft import PEagleDraft, build_draft_from_target
+from peagle.model.finite import refuse_non_finite_export
 from peagle.model.speculators_format import load_weights_into
 from peagle.model.target import check_store_matches_target, open_target
 from peagle.pipeline.atomic import atomic_write_json
-from peagle.pipeline.checkpoint_files import latest_valid_checkpoint, read_checkpoint_part
 from peagle.pipeline.failpoints import failpoint
 from peagle.pipeline.progress import Progress
 from peagle.pipeline.provenance import provenance
 from peagle.pipeline.store import read_settings
-from peagle.schemas.checkpoint import DRAFT_CONFIG_KEY, PROVENANCE_KEY, TRAIN_CONFIG_KEY
+from peagle.schemas.checkpoint import (CHECKPOINTS_DIR, DRAFT_CONFIG_KEY, PROVENANCE_KEY, TRAIN_CONFIG_KEY,
+                                       step_dir_name)
 from peagle.schemas.draft_config import METHOD_NAMES, DraftConfig
 from peagle.schemas.errors import UserError
 from peagle.schemas.loader_config import stream_config
 from peagle.schemas.train_config import TrainConfig, parse_store_spec
-from peagle.schemas.train_resume import config_mismatch
 from peagle.stages.train import checkpoint as ckpt
 from peagle.stages.train import follow
-from peagle.stages.train.batch import TrainBatch
+from peagle.stages.train.attention import resolve_attention
+from peagle.stages.train.bad_steps import BadSteps
 from peagle.stages.train.device import DevicePrefetcher
 from peagle.stages.train.loader import TrainLoader
-from peagle.stages.train.loss import LossStats
 from peagle.stages.train.mask_token import resolve_mask_token_id
-from peagle.stages.train.attention import resolve_attention
-from peagle.stages.train.step import (StepResult, TrainStep, all_reduce_stats, compiled_graph_count, init_distributed,
-                                      summarise)
 from peagle.stages.train.metrics_file import append_metrics, truncate_metrics
+from peagle.stages.train.metrics_window import MetricsWindow
+from peagle.stages.train.run_dir import RunLock, find_resume_point, lock_run_dir
+from peagle.stages.train.step import StepResult, TrainStep, all_reduce_stats, init_distributed, summarise
+from peagle.stages.train.train_batch import TrainBatch
 from peagle.stages.train.vocab import check_same_vocab, checkpoint_draft_vocab, choose_draft_vocab_size, load_draft_vocab
 
 RUN_FILE = "run.json"
@@ -72,6 +75,8 @@ class Trainer:
         self.compute_dtype: torch.dtype | None = None  # None: the device's default (step.py)
         self.roots = [Path(spec.path) for spec in config.stores()]
         self.epoch_began_at: dict[int, int] = {}  # with --follow/--epoch-shards: the step each epoch began at
+        self.run_lock: RunLock | None = None  # rank 0's, from build() to close()
+        self.bad_steps = BadSteps(self.run_dir, max_bad_steps=config.max_bad_steps)
 
     # ---------------------------------------------------------------------------------------- build
 
@@ -80,7 +85,8 @@ class Trainer:
         c = self.config
         ckpt.seed_rngs(c.seed)  # before anything draws; a resume then restores the checkpoint's states
         self.setup_world()
-        resume_from = self._find_resume_point()
+        self.run_lock = lock_run_dir(self.run_dir, rank=self.rank, agree=self._agree)
+        resume_from = find_resume_point(self.run_dir, c, rank=self.rank, world_size=self.world_size)
         if c.follow:  # extraction may not have committed anything yet
             follow.wait_for_first_commit(self.roots, timeout_s=c.follow_timeout, say=self._say)
         target = open_target(c.target)
@@ -121,6 +127,7 @@ class Trainer:
                                         train_lm_head=c.train_lm_head, train_embeddings=c.train_embeddings,
                                         activation_checkpointing=c.activation_checkpointing, device=self.device)
         if c.init_from:
+            refuse_non_finite_export(c.init_from)
             self._say(load_weights_into(draft, c.init_from))
         self.build_step(draft, total_steps)
         self.extra = {"store_manifest_hash": self.loader.manifest_hashes[0],
@@ -185,6 +192,7 @@ class Trainer:
     def setup_world(self) -> None:
         """The process group (under torchrun), this rank's device and the resolved attention."""
         self.rank, self.world_size, self.device = init_distributed()
+        self.bad_steps.rank = self.rank
         if self.world_size > 1:  # counts live on the CPU: reducing them over gloo never waits for the GPU
             self.cpu_group = dist.new_group(backend="gloo") if self.device.type == "cuda" else dist.group.WORLD
         self.attention = resolve_attention(self.config.attention, self.device)
@@ -196,28 +204,11 @@ class Trainer:
         self.step_fn = TrainStep(draft, self.config, device=self.device, attention=self.attention,
                                  total_steps=total_steps, world_size=self.world_size, cpu_group=self.cpu_group,
                                  compute_dtype=self.compute_dtype)
-        self._reset_window()
+        self.window = MetricsWindow(self.config.num_depths, self.device)
 
     @property
     def draft(self) -> PEagleDraft:
         return self.step_fn.draft
-
-    def _find_resume_point(self) -> Path | None:
-        """Rank 0 picks the newest valid checkpoint (warning about damaged ones) and checks its config."""
-        found: list[Any] = [None]
-        if self.rank == 0:
-            path = latest_valid_checkpoint(self.run_dir)
-            if path is not None:
-                saved = read_checkpoint_part(path, ckpt.CONFIG)[TRAIN_CONFIG_KEY]
-                found = [(str(path), config_mismatch(saved, self.config))]
-        if self.world_size > 1:
-            dist.broadcast_object_list(found, src=0)
-        if found[0] is None:
-            return None
-        path, problem = found[0]
-        if problem:
-            raise UserError(f"cannot resume {self.run_dir}: {problem}")
-        return Path(path)
 
     # ---------------------------------------------------------------------------------------- the loop
 
@@ -231,17 +222,18 @@ class Trainer:
             yield micro_batches
 
     def train_step(self, micro_batches: list[TrainBatch]) -> StepResult:
-        """One optimizer step (step.py), added to the logging window."""
+        """One optimizer step (step.py), added to the logging window; a step that was not applied is
+        counted and its samples recorded instead (bad_steps.py)."""
         failpoint("train.step")
         result = self.step_fn(micro_batches)
         self.step += 1
         self.tokens_seen += int(result.num_tokens)
         self.lr_used = result.lr
-        w = self.window
-        w["stats"] = w["stats"] + (all_reduce_stats(result.stats) if self.world_size > 1 else result.stats)
-        w["tokens"] += result.num_tokens
-        w["no_target"] += result.num_no_target
-        w["grad_norm"] = result.grad_norm
+        if result.applied:
+            self.window.add(result, all_reduce_stats(result.stats) if self.world_size > 1 else result.stats)
+        else:
+            self._say(self.bad_steps.record(self.step, micro_batches, cpu_group=self.cpu_group))
+            self.window.add_bad_step()
         return result
 
     @torch.no_grad()
@@ -267,18 +259,22 @@ class Trainer:
         while self.step < self.total_steps:
             micro_batches = next(batches)
             try:
-                self.train_step(micro_batches)
+                result = self.train_step(micro_batches)
             except torch.OutOfMemoryError as err:
                 raise UserError(f"out of {self.device.type} memory in step {self.step + 1} (micro-batches of "
                                 f"{max(b.num_elements for b in micro_batches)} COD elements): lower --token-budget, "
                                 "raise --sequence-partitions or turn on --activation-checkpointing") from err
+            if not result.applied and self.bad_steps.over_budget:  # the weights are the last good ones: keep them
+                self.checkpointer.save(self.step, self.state_dict())
+                raise self.bad_steps.stop_error(self.run_dir / CHECKPOINTS_DIR / step_dir_name(self.step))
             last = self.step == self.total_steps
             if self.step % c.log_every == 0 or last:  # the one host read of the window's device sums
                 record = {**self.window_metrics(time.perf_counter() - window_start), "epoch": self.loader.epoch}
                 self._write_metrics(record)
                 if bar is not None:
                     agree = "/".join("-" if a is None else f"{a:.2f}" for a in record["depth_agreement"][:4])
-                    bar.set_postfix(f"loss {record['loss']:.4f} agree {agree}")
+                    loss = "-" if record["loss"] is None else f"{record['loss']:.4f}"
+                    bar.set_postfix(f"loss {loss} agree {agree}")
                 self.data_wait_s, window_start = 0.0, time.perf_counter()
             if bar is not None:
                 bar.update(1)
@@ -296,57 +292,35 @@ class Trainer:
 
     def window_metrics(self, seconds: float) -> dict[str, Any]:
         """The metrics of the steps since the last call (one metrics.jsonl line); resets the window."""
-        w = self.window
-        graphs = compiled_graph_count()
-        record = {"kind": "train", "step": self.step, **summarise(w["stats"]),
-                  "lr": self.lr_used, "grad_norm": None if w["grad_norm"] is None else float(w["grad_norm"]),
-                  "tokens_seen": self.tokens_seen, "num_no_target": int(w["no_target"]),
-                  "tokens_per_s": w["tokens"] / max(seconds, 1e-9),
-                  "data_wait_share": min(1.0, self.data_wait_s / max(seconds, 1e-9)), "step_time_s": seconds,
-                  "graphs_compiled": graphs - w["graphs_at_start"]}
-        self._reset_window()
-        return record
+        return self.window.record(step=self.step, lr=self.lr_used, tokens_seen=self.tokens_seen, seconds=seconds,
+                                  data_wait_s=self.data_wait_s)
 
     # ---------------------------------------------------------------------------------------- state
 
     def state_dict(self) -> dict[str, Any]:
         """Every Stateful part under the checkpoint's constant keys; the model is the unwrapped draft."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions, get_model_state_dict, get_optimizer_state_dict)
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # FSDP2: gathered full tensors
-        window = {**self.window, "stats": self.window["stats"].to_vector()}
-        window = {k: (v.cpu() if isinstance(v, Tensor) else v) for k, v in window.items()
-                  if v is not None and k != "graphs_at_start"}
         return {
-            ckpt.MODEL: get_model_state_dict(self.draft, options=options),
-            ckpt.OPTIMIZER: get_optimizer_state_dict(self.draft, self.step_fn.optimizer, options=options),
+            **ckpt.model_and_optimizer_state(self.draft, self.step_fn.optimizer),
             ckpt.LR_SCHEDULER: self.step_fn.scheduler.state_dict(),
-            ckpt.TRAIN_STATE: {"step": self.step, "tokens_seen": self.tokens_seen, "window": window,
-                               "epoch_began_at": {str(e): s for e, s in self.epoch_began_at.items()}},
+            ckpt.TRAIN_STATE: {"step": self.step, "tokens_seen": self.tokens_seen, "window": self.window.state_dict(),
+                               "epoch_began_at": {str(e): s for e, s in self.epoch_began_at.items()},
+                               "bad_steps": self.bad_steps.count},
             ckpt.CONFIG: self._config_part(),
             ckpt.DATALOADER: self.loader.state_dict() if self.loader is not None else {},
             ckpt.RNG: ckpt.rng_state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions, set_model_state_dict, set_optimizer_state_dict)
-
-        options = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self.draft, state[ckpt.MODEL], options=options)
-        set_optimizer_state_dict(self.draft, self.step_fn.optimizer, state[ckpt.OPTIMIZER], options=options)
+        ckpt.load_model_and_optimizer(self.draft, self.step_fn.optimizer, state)
         self.step_fn.scheduler.load_state_dict(state[ckpt.LR_SCHEDULER])
         train_state = state[ckpt.TRAIN_STATE]
         self.step, self.tokens_seen = int(train_state["step"]), int(train_state["tokens_seen"])
         self.epoch_began_at = {int(e): int(s) for e, s in train_state.get("epoch_began_at", {}).items()}
+        self.bad_steps.resume(self.step, int(train_state.get("bad_steps", 0)))
         # The logging window in flight at the checkpoint: the next metrics line covers the same steps.
-        saved = {k: (v.to(self.device) if isinstance(v, Tensor) else v) for k, v in train_state["window"].items()}
-        try:
-            self.window.update({**saved, "stats": LossStats.from_vector(saved["stats"], self.config.num_depths)})
-        except ValueError as err:  # an older peagle's window (no chain sums): its steps go unlogged
-            self._say(f"the checkpoint's metrics window has another layout ({err}); the first metrics line "
-                      "after resuming covers only the steps run since")
+        warning = self.window.load_state_dict(train_state["window"])
+        if warning:
+            self._say(warning)
         if self.loader is not None:
             self.loader.load_state_dict(state[ckpt.DATALOADER])
         ckpt.set_rng_state(state[ckpt.RNG])
@@ -365,12 +339,11 @@ class Trainer:
             self.step_fn = self.cpu_group = None
             gc.collect()
             dist.destroy_process_group()
+        if self.run_lock is not None:
+            self.run_lock.release()
+            self.run_lock = None
 
     # ---------------------------------------------------------------------------------------- helpers
-
-    def _reset_window(self) -> None:
-        self.window = {"stats": LossStats.zeros(self.config.num_depths, self.device), "tokens": 0.0,
-                       "no_target": 0.0, "grad_norm": None, "graphs_at_start": compiled_graph_count()}
 
     def _write_metrics(self, record: dict[str, Any]) -> None:
         if self.rank == 0:

@@ -23,7 +23,11 @@ def append_metrics(run_dir: Path, record: dict[str, Any]) -> None:
 
 def truncate_metrics(run_dir: Path, step: int) -> None:
     """Drop metrics lines past ``step``."""
-    path = run_dir / METRICS_FILE
+    truncate_jsonl(run_dir / METRICS_FILE, step)
+
+
+def truncate_jsonl(path: Path, step: int) -> None:
+    """Drop the lines of a per-step JSON-lines file (metrics, bad steps) past ``step``."""
     if not path.exists():
         return
     kept = []

@@ -1,4 +1,4 @@
-"""The optimizer side of a step: AdamW or Muon+AdamW, the gradient clip, the learning-rate schedule."""
+"""The optimizer side of a step: AdamW or Muon+AdamW, the gradient norm and clip, the learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -22,32 +22,39 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int) -> float:
     return MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def clip_and_step(optimizer: torch.optim.Optimizer, params: list[Tensor], max_norm: float) -> Tensor | None:
+def gradient_norm(params: list[Tensor]) -> Tensor:
+    """The global L2 norm of the parameters' gradients, on the device (no host read)."""
+    return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]).detach()
+
+
+def clip_and_step(optimizer: torch.optim.Optimizer, params: list[Tensor], max_norm: float,
+                  norm: Tensor | None = None) -> Tensor | None:
     """Clip the global gradient norm to ``max_norm`` (0: no clip) and step; returns the norm before
-    clipping (as ``clip_grad_norm_`` does), on the device, without a host sync.
+    clipping (as ``clip_grad_norm_`` does; ``norm`` when the caller computed it already, None without
+    a clip and a norm), on the device, without a host sync.
 
     A fused AdamW takes the clip as its ``grad_scale`` (the divisor GradScaler hands it): the kernel
     divides each gradient by ``max(1, norm / max_norm)`` as it reads it, so the separate pass that
     scales every gradient in place is saved (the gradients themselves stay unclipped; the next step
-    zeroes them). Any other optimizer gets ``clip_grad_norm_``. Both give the same update
+    zeroes them). Any other optimizer gets ``clip_grad_norm_``'s two halves. Both give the same update
     (tests/stages/train/test_step.py).
     """
     if max_norm <= 0:
         optimizer.step()
-        return None
+        return norm
+    norm = gradient_norm(params) if norm is None else norm
     fused = all(group.get("fused") for group in optimizer.param_groups) and isinstance(optimizer, torch.optim.AdamW)
     if not fused:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm).detach()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         optimizer.step()
         return norm
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
     # clip_grad_norm_ multiplies by min(1, max_norm / (norm + 1e-6)); this divides by its inverse.
     optimizer.grad_scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0)
     try:
         optimizer.step()
     finally:
         del optimizer.grad_scale
-    return norm.detach()
+    return norm
 
 
 def build_optimizer(draft: PEagleDraft, config: TrainConfig, device: torch.device,

@@ -16,9 +16,21 @@ optimizer and the LR schedule (optim.py). One call:
 3. clips and steps the optimizer (AdamW, or Muon+AdamW with ``--optimizer muon``; fp32 master
    weights; bf16 autocast on CUDA, FSDP2 gathering bf16 parameters and reducing fp32 gradients; a
    fused AdamW applies the clip as it reads the gradients, ``optim.clip_and_step``) and the LR
-   schedule (warmup, cosine).
+   schedule (warmup, cosine) -- unless the step is not finite (below).
 
-**No host sync before the clip.** Batches arrive pinned with every index a unit needs (document ids,
+**A non-finite step is not applied.** Between the backward and the optimizer the step reads ONE
+value on the host: whether this rank's loss and the global gradient norm are finite, agreed over
+ranks (a gloo sum of the flags, so every replica decides alike). A NaN or inf there (one NaN aux value
+in a store suffices) would otherwise reach every weight through the optimizer state and never leave.
+Such a step skips ``optimizer.step()`` and zeroes the gradients, so weights and optimizer state
+(moments, step counts) stay exactly as they were; the schedule still advances: the step counts as a
+step of the run (its batches were consumed, the trainer's step counter moves, ``--max-steps``
+includes it), and keeping the LR a function of the step number keeps the cosine ending at the last
+step and a resumed run on the uninterrupted run's rates. The trainer counts it and stops the run
+past ``--max-bad-steps`` (``bad_steps.py``). The read is the step's one host sync: on a GPU the
+optimizer's kernels are queued once the backward has finished instead of behind it.
+
+**No host sync in the forward and backward.** Batches arrive pinned with every index a unit needs (document ids,
 unit plans, BlockMask indices) and are copied ``non_blocking`` (on CUDA on a side stream, beside the
 previous step: ``device.DevicePrefetcher``); masks are built from them with
 device ops; the loss is a chunked KL (or TV, ``--loss``) inside the wrapped forward; the stats
@@ -35,6 +47,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -47,12 +61,12 @@ from peagle.model.flex import FLEX_KERNEL_OPTIONS, is_compile_failure
 from peagle.model.regional_compile import DraftCompiler, resolve_compile_mode
 from peagle.schemas.errors import UserError, one_line
 from peagle.schemas.train_config import TrainConfig
-from peagle.stages.train.batch import TrainBatch
+from peagle.stages.train.train_batch import TrainBatch
 from peagle.stages.train.device import default_compute_dtype, resolve_device
 from peagle.stages.train.loss import (LossStats, agreement_rates, chain_acceptance, chain_acceptance_length,
                                       chunked_loss_sum, compute_weight, fused_chunk_loss, matmul_dtype)
 from peagle.stages.train.methods import PEAGLE, TrainingMethod, training_method
-from peagle.stages.train.optim import build_optimizer, clip_and_step, lr_factor
+from peagle.stages.train.optim import build_optimizer, clip_and_step, gradient_norm, lr_factor
 from peagle.stages.train.segments import UnitPlan
 
 
@@ -159,8 +173,9 @@ class StepResult:
     num_supervised: float  # global, all ranks
     num_tokens: float
     num_no_target: float
-    grad_norm: Tensor | None  # on the device; None without clipping
+    grad_norm: Tensor | None  # on the device, before clipping
     lr: float
+    applied: bool = True  # False: the loss or gradient norm was not finite, the optimizer did not step
 
 
 class TrainStep:
@@ -217,10 +232,28 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         stats, counts = self.forward_backward(micro_batches)
         params = [p for p in self.draft.parameters() if p.requires_grad]
-        grad_norm = clip_and_step(self.optimizer, params, self.config.grad_clip)
+        grad_norm = gradient_norm(params)
+        applied = self.is_finite(stats.loss_sum, grad_norm)
+        if applied:
+            clip_and_step(self.optimizer, params, self.config.grad_clip, grad_norm)
+        else:  # module docstring: nothing of this step reaches the weights or the optimizer state
+            self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[-1]  # --lr's: the last group is AdamW's for both optimizers
-        self.scheduler.step()
-        return StepResult(stats, *counts, grad_norm=grad_norm, lr=lr)
+        with warnings.catch_warnings():  # a first step not applied: torch warns of an order it cannot see
+            warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()` before"))
+            self.scheduler.step()
+        return StepResult(stats, *counts, grad_norm=grad_norm, lr=lr, applied=applied)
+
+    def is_finite(self, loss_sum: Tensor, grad_norm: Tensor) -> bool:
+        """Whether every rank's loss and the gradient norm are finite: the step's one host read
+        (module docstring), and under torch.distributed one gloo sum, so that all ranks agree."""
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor of partial norms
+            grad_norm = grad_norm.full_tensor()
+        finite = bool(torch.isfinite(loss_sum.detach()) & torch.isfinite(grad_norm))
+        if self.world_size == 1:
+            return finite
+        (bad_ranks,) = sum_counts_over_ranks([0.0 if finite else 1.0], self.world_size, self.cpu_group)
+        return bad_ranks == 0
 
     def forward_backward(self, micro_batches: list[TrainBatch]) -> tuple[LossStats, tuple[float, float, float]]:
         """Steps 1-2: one global count, then every unit's forward+backward.

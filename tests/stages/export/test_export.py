@@ -84,3 +84,28 @@ def test_cli_export_replaces_an_export_and_refuses_other_directories(tmp_path, t
     refused = run_peagle("export", tmp_path / "run", "--out", tmp_path / "other")
     assert refused.returncode == 2 and "not a peagle export" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1 and "Traceback" not in refused.stderr
+
+
+def test_a_checkpoint_with_non_finite_weights_is_refused_naming_a_finite_one(tmp_path, tiny_llama):
+    """NaN or inf in the model part: nothing is written, one line names the tensors and the run's newest
+    earlier checkpoint whose weights are recorded finite."""
+    import pytest
+
+    from peagle.schemas.errors import UserError
+
+    write_checkpoint(tmp_path / "run", tiny_draft(tiny_llama, seed=1), tiny_llama, 10)
+    bad = tiny_draft(tiny_llama, seed=2)
+    with torch.no_grad():
+        bad.fc.weight[0, 0] = float("nan")
+        bad.layers[0].mlp.down_proj.weight[1, 2] = float("inf")
+    newest = write_checkpoint(tmp_path / "run", bad, tiny_llama, 20)
+    with pytest.raises(UserError) as refused:
+        run_export(ExportConfig(source=str(tmp_path / "run"), out=str(tmp_path / "export")), echo=lambda _: None)
+    line = str(refused.value)
+    assert "\n" not in line and line.startswith(f"checkpoint {newest} holds non-finite weights (NaN or inf) in 2 tensors")
+    assert "fc.weight" in line and "layers.0.mlp.down_proj.weight" in line
+    assert line.endswith(f"export {tmp_path / 'run' / 'checkpoints' / 'step-00000010'} instead")
+    assert not (tmp_path / "export").exists()
+    out = run_export(ExportConfig(source=str(tmp_path / "run" / "checkpoints" / "step-00000010"),
+                                  out=str(tmp_path / "export")), echo=lambda _: None)
+    assert (out / "model.safetensors").is_file()

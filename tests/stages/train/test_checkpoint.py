@@ -76,6 +76,35 @@ def test_damaged_checkpoints_do_not_count_towards_keep(tmp_path):
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000090", "step-00000100"]
 
 
+def test_rotation_never_deletes_the_newest_checkpoint_with_finite_weights(tmp_path):
+    """Checkpoints whose weights went NaN or inf count towards ``keep``, but the newest one with finite
+    weights stays until a newer finite one is kept; metadata.json records which is which."""
+    checkpointer = ckpt.Checkpointer(tmp_path, keep=1)
+    checkpointer.save(2, make_state(2.0))
+    for step, value in ((4, float("nan")), (6, float("inf"))):
+        checkpointer.save(step, make_state(value))
+    assert [p.name for p in cf.list_checkpoints(tmp_path)] == ["step-00000002", "step-00000006"]
+    assert [json.loads((p / METADATA_FILE).read_text())["weights_finite"]
+            for p in cf.list_checkpoints(tmp_path)] == [True, False]
+    ckpt.Checkpointer(tmp_path, keep=1).save(8, make_state(float("nan")))  # another process: reads the record
+    assert [p.name for p in cf.list_checkpoints(tmp_path)] == ["step-00000002", "step-00000008"]
+    checkpointer.save(10, make_state(10.0))
+    assert [p.name for p in cf.list_checkpoints(tmp_path)] == ["step-00000010"]
+
+
+def test_a_checkpoint_that_records_nothing_of_its_weights_is_read_to_tell(tmp_path):
+    """A checkpoint of an older peagle (no ``weights_finite``) counts as finite only if its model part is."""
+    checkpointer = ckpt.Checkpointer(tmp_path, keep=1)
+    for step, value in ((2, 2.0), (4, float("nan"))):
+        path = checkpointer.save(step, make_state(value))
+        meta = json.loads((path / METADATA_FILE).read_text())
+        del meta["weights_finite"]
+        (path / METADATA_FILE).write_text(json.dumps(meta))
+    assert [checkpointer.weights_finite(p) for p in cf.list_checkpoints(tmp_path)] == [True, False]
+    checkpointer.save(6, make_state(float("nan")))
+    assert [p.name for p in cf.list_checkpoints(tmp_path)] == ["step-00000002", "step-00000006"]
+
+
 def test_a_checkpointer_hashes_a_checkpoint_once_and_remembers_only_its_own(tmp_path, monkeypatch):
     """Pruning after every save checks the kept checkpoints; what this Checkpointer wrote or hashed it
     does not read again (unless a file changed), and another Checkpointer (a resumed process) starts
@@ -206,6 +235,7 @@ def test_a_changed_config_names_the_field_and_both_values():
     line = config_mismatch(saved, config(lr=3e-4))
     assert line is not None and "--lr" in line and "0.0001" in line and "0.0003" in line and "\n" not in line
     assert "--num-layers was 4" in config_mismatch(saved, config(num_layers=2))
+    assert config_mismatch(saved, config(max_bad_steps=10)) is None  # a run stopped for bad steps resumes with more
 
 
 def test_a_resumed_run_keeps_its_draft_variant():

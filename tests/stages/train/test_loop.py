@@ -56,15 +56,15 @@ def test_the_checkpointed_metrics_window_resumes_and_an_older_layout_is_dropped_
     trainer.train_step([batch_of(random_items(3, [40, 30]), 1)])
     state = trainer.state_dict()
     saved = state[ckpt.TRAIN_STATE]["window"]["stats"]
-    assert float(trainer.window["stats"].chain_count) > 0
+    assert float(trainer.window.stats.chain_count) > 0
     fresh = trainer_for(tiny_draft(), 1)
     fresh.load_state_dict(state)
-    assert torch.equal(fresh.window["stats"].to_vector(), saved)
+    assert torch.equal(fresh.window.stats.to_vector(), saved)
     K = trainer.config.num_depths
     state[ckpt.TRAIN_STATE]["window"]["stats"] = torch.ones(2 + 3 * K)
     older = trainer_for(tiny_draft(), 1)
     older.load_state_dict(state)
-    assert older.window["stats"].to_vector().tolist() == [0.0] * (3 + 3 * K) and older.step == 1
+    assert older.window.stats.to_vector().tolist() == [0.0] * (3 + 3 * K) and older.step == 1
     assert "metrics window has another layout" in capsys.readouterr().err
 
 

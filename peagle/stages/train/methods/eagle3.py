@@ -18,7 +18,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import Tensor
 
@@ -32,9 +32,7 @@ from peagle.stages.train.attention import unit_mask
 from peagle.stages.train.cod import every_chain
 from peagle.stages.train.methods.method import unit_view
 from peagle.stages.train.segments import UnitPlan
-
-if TYPE_CHECKING:  # batch.py asks the methods for its items: no import back at run time
-    from peagle.stages.train.batch import TrainBatch
+from peagle.stages.train.train_batch import TrainBatch
 
 
 def depth_slices(depth_starts: tuple[int, ...]) -> list[slice]:

@@ -18,7 +18,7 @@ bookkeeping, the metrics) is the trainer's and shared. A method is a stateless o
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from torch import Tensor
 
@@ -27,9 +27,7 @@ from peagle.model.flex import FlexFn
 from peagle.pipeline.store_reader import TrainingSample
 from peagle.schemas.loader_config import CodSettings
 from peagle.stages.train.segments import UnitPlan
-
-if TYPE_CHECKING:  # batch.py asks the methods for its items: no import back at run time
-    from peagle.stages.train.batch import TrainBatch
+from peagle.stages.train.train_batch import TrainBatch
 
 
 class TrainingMethod(Protocol):
