@@ -29,7 +29,16 @@ Measured per (L, S, attention), with K = 8, r = 0.7, r_min = 0.2, on one CPU thr
   host-to-device copy moves (fp8 batches are dequantised on the device);
 * end to end -- ``loader_items_per_s_wW``: samples per second out of ``TrainLoader`` with W workers,
   the aux rows read as the GPU trainer's pin thread reads them (fp8 left as codes); for fp8 also
-  ``cpu_path_build_ms``: a worker's build when it dequantises the rows itself (CPU training).
+  ``cpu_path_build_ms``: a worker's build when it dequantises the rows itself (CPU training);
+* the content check (docs/store.md: every shard file's crc32 compared with its commit record the
+  first time a process of the opened store maps it) -- ``--content-checks on off`` (the default) times
+  the loader both ways, in turns, ``--repeats`` times each (medians): ``loader_items_per_s_wW`` with
+  the checks, as ``peagle train`` runs, ``loader_items_per_s_wW_unchecked`` on a twin of the store
+  whose commit records hold no checksums (the same files, hard-linked: read by size, as a store from
+  before the checksums), and ``content_check_cost_wW`` = 1 − checked/unchecked items/s. Each file is
+  checked once per opened store, so the timed batches (less than the small store's first epoch)
+  carry the whole cost; ``crc32_gib_per_s`` is zlib's crc32 on one core, ``crc32_blocks_gib_per_s`` the
+  check's own block sums (pieces on its thread pool), page cache warm.
 
 From ``worker_ms_per_batch`` (warm cache; a cold build adds the top-k page-ins) it derives the
 workers needed for < 2% data wait at the reference GPU step times (one H100, L = 8192: 190 ms/step
@@ -46,6 +55,9 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import mmap
+import shutil
+import zlib
 import math
 import os
 import pickle
@@ -60,6 +72,7 @@ import torch
 import torch.multiprocessing  # noqa: F401  (registers the shared-memory reductions of tensors)
 
 from peagle.pipeline import fp8
+from peagle.pipeline.content_check import block_crc32
 from peagle.pipeline.store import commit_shard, init_store, open_store, write_shard_file
 from peagle.pipeline.shard_tensors import raw_bytes_per_token
 from peagle.pipeline.store_reader import ShardReader
@@ -102,8 +115,11 @@ def build_store(root: Path, seq_len: int, num_samples: int, samples_per_shard: i
     sizes = list(sample_tokens) if sample_tokens is not None else [seq_len + 1] * num_samples
     settings = settings or settings_for(max(sizes), hidden_dtype=hidden_dtype)
     num_shards = -(-len(sizes) // samples_per_shard)
-    if (root / S.MANIFEST_FILE).exists() and len(open_store(root).shards) == num_shards:
-        return root
+    if (root / S.MANIFEST_FILE).exists():
+        shards = open_store(root).shards
+        if len(shards) == num_shards and all(r.parquet_crc32 and r.safetensors_crc32 for r in shards):
+            return root  # (a store from before the checksums is written again)
+        shutil.rmtree(root)
     init_store(root, settings)
     jobs = [(root, index, sizes[index * samples_per_shard:(index + 1) * samples_per_shard],
              index * samples_per_shard, seq_len, settings) for index in range(num_shards)]
@@ -158,13 +174,13 @@ def _write_shard(root: Path, index: int, shard_sizes: list[int], first: int, seq
     def write_tensors(path):
         Path(path).write_bytes(save(tensors))
 
-    pq_bytes, pq_sha = write_shard_file(root, S.parquet_name(index), write_parquet)
-    st_bytes, st_sha = write_shard_file(root, S.tensors_name(index), write_tensors)
+    rows = write_shard_file(root, S.parquet_name(index), write_parquet)
+    tensors_file = write_shard_file(root, S.tensors_name(index), write_tensors)
     return S.ShardRecord(
         index=index, parquet=S.parquet_name(index), safetensors=S.tensors_name(index), num_samples=count,
-        num_tokens=tokens, parquet_bytes=pq_bytes, safetensors_bytes=st_bytes, parquet_sha256=pq_sha,
-        safetensors_sha256=st_sha, input_file="synthetic", first_record=first, end_record=first + count,
-        num_records=count, backend="synthetic")
+        num_tokens=tokens, parquet_bytes=rows.size, safetensors_bytes=tensors_file.size, parquet_sha256=rows.sha256,
+        safetensors_sha256=tensors_file.sha256, parquet_crc32=rows.crc32, safetensors_crc32=tensors_file.crc32,
+        input_file="synthetic", first_record=first, end_record=first + count, num_records=count, backend="synthetic")
 
 
 def evict(store_root: Path) -> None:
@@ -175,6 +191,44 @@ def evict(store_root: Path) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def unchecked_twin(root: Path) -> Path:
+    """The store as one committed before content checksums: its files hard-linked (the same inodes, so
+    the same page cache), its commit records without ``*_crc32``. Read by size only."""
+    twin = root.with_name(root.name + "-unchecked")
+    shutil.rmtree(twin, ignore_errors=True)
+    (twin / S.SHARDS_DIR).mkdir(parents=True)
+    (twin / S.COMMITS_DIR).mkdir()
+    shutil.copyfile(root / S.STORE_SETTINGS_FILE, twin / S.STORE_SETTINGS_FILE)
+    for path in (root / S.SHARDS_DIR).iterdir():
+        if not path.name.startswith("."):
+            os.link(path, twin / S.SHARDS_DIR / path.name)
+    for path in (root / S.COMMITS_DIR).glob("[0-9]*.json"):
+        record = json.loads(path.read_text())
+        (twin / S.COMMITS_DIR / path.name).write_text(json.dumps({k: v for k, v in record.items()
+                                                                   if not k.endswith("_crc32")}))
+    return twin
+
+
+def crc32_gib_per_s(root: Path) -> dict[str, float]:
+    """GiB/s of zlib.crc32 over the store's tensor files on one core, and of the content check's own
+    block sums (``content_check.block_crc32``: pieces on its thread pool), page cache warm."""
+    total, seconds = 0, {"crc32_gib_per_s": 0.0, "crc32_blocks_gib_per_s": 0.0}
+    for path in sorted((root / S.SHARDS_DIR).glob("[0-9]*.safetensors")):
+        with open(path, "rb") as f:
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        view = memoryview(data)
+        zlib.crc32(view)  # page it in
+        for key, run in (("crc32_gib_per_s", lambda: zlib.crc32(view)),
+                         ("crc32_blocks_gib_per_s", lambda: [block_crc32(view[i:i + S.CRC32_BLOCK_BYTES])
+                                                             for i in range(0, len(view), S.CRC32_BLOCK_BYTES)])):
+            t0 = time.perf_counter()
+            run()
+            seconds[key] += time.perf_counter() - t0
+        total += len(data)
+        view.release()
+    return {key: round(total / 2**30 / s, 2) for key, s in seconds.items()}
 
 
 def loader_config(root: Path, seq_len: int, segments: int, attention: str, workers: int = 0,
@@ -325,6 +379,11 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="*", default=[1, 2], help="DataLoader runs with W workers")
     parser.add_argument("--hidden-dtype", nargs="+", default=["bf16"], choices=S.HIDDEN_DTYPES,
                         help="store encodings to measure (one store each)")
+    parser.add_argument("--content-checks", nargs="+", default=["on", "off"], choices=["on", "off"],
+                        help="time the loader with the per-file content checks (on: as `peagle train` runs), "
+                        "without (off: the store's files read by size only), or both, in turns")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="loader timings per (W, content checks); the median is reported")
     args = parser.parse_args()
     torch.set_num_threads(1)  # a DataLoader worker runs with one thread
 
@@ -344,6 +403,8 @@ def main() -> None:
             build_draft_vocab(root, DRAFT_VOCAB)
             vocab_s = time.perf_counter() - t0
             roots[hidden_dtype], vocabs[hidden_dtype] = root, load_draft_vocab(root, DRAFT_VOCAB)
+            if "off" in args.content_checks:
+                roots[(hidden_dtype, "off")] = unchecked_twin(root)
             print(f"L={seq_len}: store {root} ({num_samples} samples, {gib[hidden_dtype]:.2f} GiB); `peagle vocab` "
                   f"{vocab_s:.2f} s", flush=True)
         for segments in args.segments:
@@ -357,13 +418,26 @@ def main() -> None:
                     for d in args.hidden_dtype:
                         measured[d].append(measure_batch(loaders[d], roots[d], b, buffers[d]))
                 recs = {d: {"seq_len": seq_len, "hidden_dtype": d, "segments": segments, "attention": attention,
-                            "store_gib": round(gib[d], 3), **summarize(measured[d], seq_len)} for d in args.hidden_dtype}
+                            "store_gib": round(gib[d], 3), **summarize(measured[d], seq_len),
+                            **crc32_gib_per_s(roots[d])} for d in args.hidden_dtype}
                 for w in args.workers:
                     for d in args.hidden_dtype:
                         recs[d][f"dataloader_batches_per_s_w{w}"] = time_dataloader(loaders[d], w, args.batches)
                     for d in args.hidden_dtype:
-                        recs[d][f"loader_items_per_s_w{w}"] = time_loader(
-                            loader_config(roots[d], seq_len, segments, attention, workers=w), vocabs[d], args.batches)
+                        # checked and unchecked in turns, so that both see the same load on a shared machine
+                        timed: dict[str, list[float]] = {mode: [] for mode in args.content_checks}
+                        for _ in range(args.repeats):
+                            for mode in args.content_checks:
+                                root = roots[d] if mode == "on" else roots[(d, "off")]
+                                timed[mode].append(time_loader(loader_config(root, seq_len, segments, attention,
+                                                                             workers=w), vocabs[d], args.batches))
+                        for mode, rates in timed.items():
+                            key = f"loader_items_per_s_w{w}" + ("" if mode == "on" else "_unchecked")
+                            recs[d][key] = statistics.median(rates)
+                            recs[d][key + "_runs"] = rates
+                        if len(timed) == 2:
+                            on, off = recs[d][f"loader_items_per_s_w{w}"], recs[d][f"loader_items_per_s_w{w}_unchecked"]
+                            recs[d][f"content_check_cost_w{w}"] = round(1 - on / off, 4)
                 if S.HIDDEN_FP8 in roots:  # CPU training: the worker reads and dequantises the rows itself
                     cpu = TrainLoader(loader_config(roots[S.HIDDEN_FP8], seq_len, segments, attention,
                                                     dequantize_in_workers=True), vocab=vocabs[S.HIDDEN_FP8])

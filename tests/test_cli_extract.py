@@ -125,7 +125,7 @@ def test_store_layout_matches_design(baseline, runner):
     assert manifest["skipped"] == {"malformed_json": 1, "messages_not_a_list": 1}
     assert set(manifest["shards"][0]) == {
         "index", "parquet", "safetensors", "num_samples", "num_tokens", "parquet_bytes", "safetensors_bytes",
-        "parquet_sha256", "safetensors_sha256", "input_file", "first_record", "end_record", "num_records",
+        "parquet_sha256", "safetensors_sha256", "parquet_crc32", "safetensors_crc32", "input_file", "first_record", "end_record", "num_records",
         "skipped", "num_truncated", "backend", "stats", "token_counts", "num_supervised_turns"}
     stats = manifest["shards"][0]["stats"]  # content statistics, one entry per aux layer (peagle store check)
     assert len(stats["layers"]) == 3 and stats["layers"][0]["zero_rows"] == 0 and stats["topk"]["non_finite_rows"] == 0

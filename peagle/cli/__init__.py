@@ -6,20 +6,29 @@ names (``aux-layers`` or ``aux_layers``). Flags given on the command line win ov
 
 Every error a user can cause ends in one line on stderr, never a traceback: a ``UserError`` from a
 stage and a usage error from the parser (unknown option, missing argument, bad value) both print
-``peagle: error: ...`` and exit 2. Help text is shown as written: no markup is interpreted, so text
-in brackets (``[embeddings, fc(aux)]``) stays. Libraries' own logs are hidden unless ``--verbose``.
+``peagle: error: ...`` and exit 2, and so do the errors the user's machine causes, wherever they
+arise: an error of the operating system (a read-only directory or file system, a full disk or quota,
+a file-size limit, a name too long; also when a library reports one in words, as safetensors does),
+an input file that is not UTF-8 text, a path that is not UTF-8 (refused before anything runs). Each
+names the path where it is known, and what to do (``peagle.schemas.errors``).
+
+Help text is shown as written: no markup is interpreted, so text in brackets (``[embeddings, fc(aux)]``)
+stays. Libraries' own logs are hidden unless ``--verbose``.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 from importlib import metadata
+from types import TracebackType
 from typing import Any
 
 import typer
 
-from peagle.schemas.errors import UserError
+from peagle.schemas.errors import (UserError, as_os_error, decode_error_line, encode_error_line, non_utf8_argument,
+                                   os_error_line)
 
 ROOT_OPTIONS = ("--verbose", "--version")
 """Options of ``peagle`` itself, given before the sub-command."""
@@ -131,18 +140,40 @@ def _report_misplaced_root_option(option: str, command_path: str) -> int:
     return 2
 
 
+def _text_file_read(tb: TracebackType | None) -> str | None:
+    """The name of the text file being decoded when a UnicodeDecodeError was raised: the innermost frame
+    holding an open (or just closed) text file, as ``open()``, ``Path.read_text`` and a ``for line in f``
+    loop all do. None when no frame holds one (the bytes came from elsewhere)."""
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        for value in frame.f_locals.values():
+            if isinstance(value, io.TextIOWrapper) and isinstance(value.name, (str, os.PathLike)):
+                return os.fspath(value.name)
+    return None
+
+
+def _fail(line: str) -> None:
+    print(f"peagle: error: {line}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the console script: run the app, turn every user error into one line."""
     # --help is laid out for 80 columns when stdout is not a terminal (a pager, a log), which wraps
     # every flag's help into a narrow column; give it room unless the user set a width.
     if not sys.stdout.isatty():
         os.environ.setdefault("COLUMNS", "120")
+    bad = non_utf8_argument(list(sys.argv[1:] if argv is None else argv))
+    if bad is not None:
+        _fail(bad)
     _register()
     try:
         rc = app(args=argv, prog_name="peagle", standalone_mode=False)  # also under `python -m peagle`
     except UserError as err:
-        print(f"peagle: error: {one_line(err)}", file=sys.stderr)
-        sys.exit(2)
+        _fail(one_line(err))
     except KeyboardInterrupt:
         print("peagle: interrupted", file=sys.stderr)
         sys.exit(130)
@@ -151,8 +182,23 @@ def main(argv: list[str] | None = None) -> None:
     except typer.Abort:
         print("peagle: aborted", file=sys.stderr)
         sys.exit(1)
-    except Exception as err:  # parser errors arrive here in non-standalone mode
-        if not _is_click_error(err):
+    except BrokenPipeError:  # `peagle store info ... | head`: the reader left; nothing to say to it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
+    except OSError as err:  # the machine's: permissions, read-only or full file systems, limits
+        _fail(os_error_line(err))
+    except UnicodeDecodeError as err:
+        _fail(decode_error_line(err, _text_file_read(err.__traceback__)))
+    except UnicodeEncodeError as err:
+        line = encode_error_line(err)
+        if line is None:
             raise
-        sys.exit(_report_click_error(err))
+        _fail(line)
+    except Exception as err:  # parser errors arrive here in non-standalone mode
+        if _is_click_error(err):
+            sys.exit(_report_click_error(err))
+        os_error = as_os_error(err)  # a library's report of an OS error ("... (os error 27)")
+        if os_error is None:
+            raise
+        _fail(os_error_line(os_error))
     sys.exit(rc if isinstance(rc, int) else 0)

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from peagle.schemas.errors import UserError
+from peagle.schemas.errors import UserError, as_os_error, os_error_line
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -80,7 +80,7 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     server running as another user must read them), the directory is fsynced, and is renamed onto ``final``; an existing
     ``final`` is renamed away first and deleted after, so a reader sees the old directory or the
     new one, never a mix. When the block raises, the temp directory is removed; a full disk becomes
-    the one-line UserError of :func:`raise_if_disk_full`.
+    the one-line UserError of :func:`raise_if_disk_full` (also when a library, safetensors, reports it).
     """
     final = Path(final)
     old = final.with_name(f".{final.name}.deleted-{os.getpid()}")
@@ -107,8 +107,10 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         if old.exists() and not final.exists():  # the rename onto final failed: put the old one back
             os.replace(old, final)
-        if isinstance(err, OSError):
-            raise_if_disk_full(err, final)
+        # also a library's report of one (safetensors: "... File too large (os error 27)")
+        os_error = as_os_error(err) if isinstance(err, Exception) else None
+        if os_error is not None:
+            raise_if_disk_full(os_error, final)
         raise
     shutil.rmtree(old, ignore_errors=True)
 
@@ -167,10 +169,23 @@ def file_lock(path: str | os.PathLike) -> Iterator[None]:
         os.close(fd)
 
 
+def writable_problem(directory: str | os.PathLike) -> OSError | None:
+    """Whether a new file can be published in ``directory`` (created when missing), found by making and
+    removing a temp file there: a command whose result goes there asks before its work, not after.
+    Returns the error that says why not, or None."""
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        _discard(temp_path_for(Path(directory) / "probe"))
+    except OSError as err:
+        return err
+    return None
+
+
 def raise_if_disk_full(err: OSError, path: str | os.PathLike) -> None:
+    """A full disk or quota, or a file-size limit, as the one line naming ``path`` (the file that was to
+    be published, not its temp name); any other error is left to the caller."""
     if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        raise UserError(f"no space left writing {path} ({os.strerror(err.errno)}); free space and re-run "
-                        "the same command: finished work is kept") from err
+        raise UserError(os_error_line(err, path)) from err
 
 
 def remove_stale_temps(directory: str | os.PathLike) -> int:

@@ -12,7 +12,8 @@ The store's own tools judge and rewrite samples in these coordinates (``store ch
 convert``, the shard statistics, the planted faults of :mod:`peagle.testing.store_faults`). Training
 reads the same samples shifted (:mod:`peagle.pipeline.store_reader`, whose columns and samples are
 built from these: the shift is written there once). Opening a store (settings, commit records, size
-and sha256 checks) is :mod:`peagle.pipeline.store`; the tensor file is :mod:`peagle.pipeline.shard_tensors`.
+and sha256 checks) and the content check of each file on its first read are :mod:`peagle.pipeline.store`;
+the tensor file is :mod:`peagle.pipeline.shard_tensors`.
 
 Shape letters: n a sample's tokens, A aux layers, H hidden size, k stored top-k.
 """

@@ -14,6 +14,7 @@ import mmap
 import os
 import struct
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -58,7 +59,19 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorEntry]:
         size = os.fstat(f.fileno()).st_size
         if header_len > size - 8:
             raise ValueError(f"header length {header_len} exceeds the file's {size} bytes")
-        header = json.loads(f.read(header_len))
+        return _entries(header_len, f.read(header_len), size)
+
+
+def _header_of(data: Any) -> dict[str, TensorEntry]:
+    """:func:`read_header` of a whole file in memory (a map of it)."""
+    (header_len,) = struct.unpack_from("<Q", data, 0)
+    if header_len > len(data) - 8:
+        raise ValueError(f"header length {header_len} exceeds the file's {len(data)} bytes")
+    return _entries(header_len, data[8:8 + header_len], len(data))
+
+
+def _entries(header_len: int, text: bytes, size: int) -> dict[str, TensorEntry]:
+    header = json.loads(text)
     base = 8 + header_len
     entries = {}
     for name, meta in header.items():
@@ -71,18 +84,36 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorEntry]:
     return entries
 
 
-def map_tensors(path: str | os.PathLike) -> dict[str, Tensor]:
+@dataclass(frozen=True)
+class MappedFile:
+    """A safetensors file mapped: the map, where each tensor lies in it, and the tensors (views of it)."""
+
+    data: mmap.mmap
+    entries: dict[str, TensorEntry]
+    tensors: dict[str, Tensor]
+
+
+def map_file(path: str | os.PathLike, check: Callable[[mmap.mmap], None] | None = None) -> MappedFile:
     """Map a safetensors file into tensors without reading it: pages load on first touch.
 
     ``safetensors.torch.load_file`` copies every tensor into RAM; a loader over an 8B-shaped store
-    (~24 KiB/token) cannot afford that per shard. The mapping is private copy-on-write.
+    (~24 KiB/token) cannot afford that per shard. The mapping is private copy-on-write. ``check``
+    (a shard's content check) sees the whole mapping before its header is parsed, so that changed
+    bytes are reported as such rather than as whatever they break.
     """
-    entries = read_header(path)
     with open(path, "rb") as f:
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    if check is not None:
+        check(mm)
+    entries = _header_of(mm)
     out = {}
     for name, e in entries.items():
         count = e.nbytes // e.dtype.itemsize
         t = torch.frombuffer(mm, dtype=e.dtype, count=count, offset=e.offset) if count else torch.empty(0, dtype=e.dtype)
         out[name] = t.view(e.shape)
-    return out
+    return MappedFile(mm, entries, out)
+
+
+def map_tensors(path: str | os.PathLike, check: Callable[[mmap.mmap], None] | None = None) -> dict[str, Tensor]:
+    """The tensors of :func:`map_file`."""
+    return map_file(path, check).tensors

@@ -6,7 +6,9 @@ written and mapped. **The layout is known here only.**
 :func:`encode_sample` turns a sample's aux states and top-k into exactly those tensors (extract's
 writer, ``store convert``), :func:`write_tensors` streams a shard of them into one file (through
 :mod:`peagle.pipeline.safetensors_file`, the one parser and writer of the header), and
-:func:`open_shard_tensors` maps a committed shard's tensors without reading them. A change of the aux
+:func:`open_shard_tensors` maps a committed shard's tensors without reading them (its content checked
+whole: for readers of every row), :func:`map_shard_tensors` with nothing checked, for a reader that
+checks the rows it reads (:func:`check_rows`: the training reader). A change of the aux
 representation (dtype, a scale tensor) lands in this file.
 
 **Two encodings of the aux states** (``StoreSettings.hidden_dtype``): bf16 rows, or fp8 rows
@@ -28,7 +30,7 @@ from torch import Tensor
 
 from peagle.pipeline import fp8
 from peagle.pipeline.aux_rows import StoredAux
-from peagle.pipeline.safetensors_file import encode_header, map_tensors
+from peagle.pipeline.safetensors_file import MappedFile, encode_header, map_file, map_tensors
 from peagle.pipeline.store import Store, damaged
 from peagle.schemas import store as S
 
@@ -92,12 +94,37 @@ def write_tensors(path: str | Path, samples: list[dict[str, Tensor]], settings: 
 
 
 def open_shard_tensors(store: Store, index: int) -> dict[str, Tensor]:
-    """Shard ``index``'s tensors, memory-mapped; one line naming the file if it does not parse."""
-    path = store.root / store.shard(index).safetensors
+    """Shard ``index``'s tensors, memory-mapped, for a reader of all its rows: the whole file's content
+    checked against its commit record (``Store.check_content``, on this mapping: the pass pages the
+    file in for the reads that follow); one line naming the file if it does not parse."""
+    rel = store.shard(index).safetensors
+    path = store.root / rel
     try:
-        return map_tensors(path)
+        return map_tensors(path, check=lambda data: store.check_content(index, rel, data))
     except (OSError, ValueError, KeyError, RuntimeError, struct.error) as err:
         raise damaged(path, err) from err
+
+
+def map_shard_tensors(store: Store, index: int) -> MappedFile:
+    """Shard ``index``'s tensor file, memory-mapped, nothing read or checked: for a reader that checks
+    the rows it reads, as it reads them (:func:`check_rows`); one line naming the file if it does not parse."""
+    path = store.root / store.shard(index).safetensors
+    try:
+        return map_file(path)
+    except (OSError, ValueError, KeyError, RuntimeError, struct.error) as err:
+        raise damaged(path, err) from err
+
+
+def check_rows(store: Store, index: int, mapped: MappedFile, rows: slice, names: tuple[str, ...]) -> None:
+    """Check the content of rows ``rows`` of the named tensors (those the file holds) of shard ``index``
+    (``Store.check_content``: the blocks they lie in, each once per opened store).
+
+    Raises:
+        UserError: the blocks differ from the commit record.
+    """
+    entries = [mapped.entries[name] for name in names if name in mapped.entries]
+    ranges = [(e.offset + rows.start * e.row_bytes, e.offset + rows.stop * e.row_bytes) for e in entries]
+    store.check_content(index, store.shard(index).safetensors, mapped.data, ranges)
 
 
 def stored_aux(tensors: dict[str, Tensor]) -> StoredAux:
@@ -105,5 +132,5 @@ def stored_aux(tensors: dict[str, Tensor]) -> StoredAux:
     return StoredAux(tensors[S.AUX_HIDDEN], tensors.get(S.AUX_SCALE))
 
 
-__all__ = ["AUX_DTYPES", "LOGPROB_DTYPES", "TOPK_IDS_DTYPE", "encode_sample", "open_shard_tensors",
-           "raw_bytes_per_token", "stored_aux", "tensor_layout", "write_tensors"]
+__all__ = ["AUX_DTYPES", "LOGPROB_DTYPES", "TOPK_IDS_DTYPE", "check_rows", "encode_sample", "map_shard_tensors",
+           "open_shard_tensors", "raw_bytes_per_token", "stored_aux", "tensor_layout", "write_tensors"]

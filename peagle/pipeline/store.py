@@ -5,16 +5,28 @@ commit record, then the manifest), all crash-safe. Readers: ``open_store`` sees 
 that have a commit record and checks sizes (fast) or sha256 (``verify=True``); reading the samples
 of an opened store is :mod:`peagle.pipeline.raw_reader` (as stored) and
 :mod:`peagle.pipeline.store_reader` (in training coordinates).
+
+**Content is checked on read** (:mod:`peagle.pipeline.content_check`). Each shard file's crc32s (per
+``CRC32_BLOCK_BYTES`` block) are recorded at commit, in the same pass as its sha256, and compared with
+the bytes the first time a reader of the opened store reads them (``Store.check_content``):
+``Store.read_rows`` checks the whole Parquet file, ``shard_tensors.open_shard_tensors`` the whole
+tensor file, the training reader (``store_reader.ShardReader``) the blocks of each sample's rows as
+it hands the sample out. A byte changed after the commit stops the reader in one line before
+anything uses it. Records from before the checksums hold none: those shards are checked by size
+only, and ``open_store`` says so once.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import logging
+import mmap
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, NamedTuple
 
 from peagle.pipeline.atomic import (
     atomic_write_bytes,
@@ -26,29 +38,111 @@ from peagle.pipeline.atomic import (
     raise_if_disk_full,
     temp_path_for,
 )
+from peagle.pipeline.content_check import ContentChecks, blocks_touched, check_blocks, file_digests
 from peagle.pipeline.failpoints import failpoint
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 
+log = logging.getLogger(__name__)
+
 LOCK_FILE = ".lock"
+WRITERS_LOCK_FILE = f"{S.INPUTS_DIR}/.lock"
+"""Held shared by every extract run while it may write (``WriterLock``); named ``.lock`` like the store
+lock, so that tools comparing stores file by file leave both out."""
 
 
-def init_store(root: str | os.PathLike, settings: S.StoreSettings) -> Path:
-    """Create the store (or join an existing one) with these settings.
+class WriterLock:
+    """A shared ``flock`` that every `peagle extract` holds on the store for as long as it may write.
 
-    Raises UserError naming both values when the store was made with other settings.
+    Why: a store whose first run failed before its first commit must be started afresh by the mended
+    command (``init_store(restart=True)``), but a store whose first worker is still loading its
+    model must not be. Whoever holds this lock is a live writer; it goes with the process, however
+    the process ends (as the store lock does, and on the filesystems where that one works).
     """
-    root = Path(root)
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        self._fd: int | None = None
+
+    def __enter__(self) -> "WriterLock":
+        _make_dirs(self.root)
+        self._fd = os.open(self.root / WRITERS_LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self._fd, fcntl.LOCK_SH)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def alone(self) -> bool:
+        """Whether no other writer holds the lock; if none does, this one holds it exclusively until
+        ``share``. (A failed try may have let go of the shared hold: it is taken again.)"""
+        assert self._fd is not None
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fcntl.flock(self._fd, fcntl.LOCK_SH)
+            return False
+        return True
+
+    def share(self) -> None:
+        assert self._fd is not None
+        fcntl.flock(self._fd, fcntl.LOCK_SH)
+
+
+def _make_dirs(root: Path) -> None:
     for sub in ("", S.COMMITS_DIR, S.SHARDS_DIR, S.INPUTS_DIR):
         try:
             (root / sub).mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise_if_disk_full(err, root / sub)
             raise UserError(f"cannot create store directory {root / sub}: {err.strerror}") from err
-    create_exclusive(root / S.STORE_SETTINGS_FILE, canonical_json(settings.to_dict()))
+
+
+def init_store(root: str | os.PathLike, settings: S.StoreSettings, *, writers: WriterLock | None = None,
+               restart: bool = False) -> Path:
+    """Create the store (or join an existing one) with these settings.
+
+    ``restart`` (``writers`` held): a store that has no commit record and no other live writer is
+    started afresh: its input registrations and manifest removed, ``store.json`` rewritten with
+    ``settings``. So a first run that failed before its first commit (a target without weights, a
+    killed worker) does not fix the store's settings or plan for good; a store with a commit record
+    is never restarted.
+
+    Raises UserError naming both values when the store was made with other settings (and was not
+    restarted).
+    """
+    root = Path(root)
+    _make_dirs(root)
+    created = create_exclusive(root / S.STORE_SETTINGS_FILE, canonical_json(settings.to_dict()))
+    if restart and not created and writers is not None:
+        restart_unused(root, settings, writers)
     existing = read_settings(root)
     check_same_settings(existing, settings, root)
     return root
+
+
+def restart_unused(root: Path, settings: S.StoreSettings, writers: WriterLock) -> bool:
+    """Start a store without commit records afresh with ``settings`` (``init_store``); False, and
+    nothing changed, when it has a commit record or another writer is live.
+
+    Crash-safe in this order: registrations and manifest go first, ``store.json`` is replaced last
+    (atomically), so a run killed half-way leaves a store that is still unused, and restarted again.
+    """
+    if list_commits(root) or not writers.alone():
+        return False
+    try:
+        with file_lock(root / LOCK_FILE):
+            if list_commits(root):
+                return False
+            for p in (root / S.INPUTS_DIR).glob("[0-9a-f]*.json"):
+                p.unlink()
+            (root / S.MANIFEST_FILE).unlink(missing_ok=True)
+            atomic_write_json(root / S.STORE_SETTINGS_FILE, settings.to_dict())
+    finally:
+        writers.share()
+    return True
 
 
 def read_settings(root: str | os.PathLike) -> S.StoreSettings:
@@ -68,20 +162,38 @@ def read_settings(root: str | os.PathLike) -> S.StoreSettings:
     return S.StoreSettings.from_dict(d)
 
 
-def check_same_settings(existing: S.StoreSettings, wanted: S.StoreSettings, root: Path) -> None:
-    """One line naming the first field that differs, with both values."""
+def settings_difference(existing: S.StoreSettings, wanted: S.StoreSettings, root: Path) -> str | None:
+    """The one line that says which setting differs (the first, with both values), or None.
+
+    The target is known by its identity, not its path: the same model copied elsewhere (another
+    machine, a local copy of a network file system) has the same content hash and joins the store,
+    as `peagle train` accepts it (``check_store_matches_target``).
+    """
     # hidden_dtype in full: to_dict leaves out the default (bf16)
     old = _flatten({**existing.to_dict(), "hidden_dtype": existing.hidden_dtype})
     new = _flatten({**wanted.to_dict(), "hidden_dtype": wanted.hidden_dtype})
-    # The target's identity first: with another target everything differs, and its path is the
-    # value a user recognises.
-    first = [f"target.{f}" for f in ("path", "content_hash", "architecture", "dtype")]
-    for key in first + sorted((set(old) | set(new)) - set(first)):
-        if old.get(key) != new.get(key):
-            hint = (f" (or convert it: `peagle store convert --store {root} --hidden-dtype {new[key]} --out NEW`)"
-                    if key == "hidden_dtype" else "")
-            raise UserError(f"store {root} was made with {key}={old.get(key)!r}, this run asks for "
-                            f"{key}={new.get(key)!r}; use another --out or the store's settings{hint}")
+    # The target's identity first: with another target everything differs.
+    first = [f"target.{f}" for f in ("content_hash", "architecture", "dtype")]
+    for key in first + sorted((set(old) | set(new)) - set(first) - {"target.path"}):
+        if old.get(key) == new.get(key):
+            continue
+        if key == "target.content_hash":
+            return (f"store {root} was extracted from target {existing.target.path} (content hash "
+                    f"{str(old[key])[:12]}), --target {wanted.target.path} has other weights or config (content hash "
+                    f"{str(new[key])[:12]}); use the store's target or another --out")
+        hint = (f" (or convert it: `peagle store convert --store {root} --hidden-dtype {new[key]} --out NEW`)"
+                if key == "hidden_dtype" else "")
+        return (f"store {root} was made with {key}={old.get(key)!r}, this run asks for "
+                f"{key}={new.get(key)!r}; use another --out or the store's settings{hint}")
+    return None
+
+
+def check_same_settings(existing: S.StoreSettings, wanted: S.StoreSettings, root: Path) -> None:
+    """Raises UserError: one line naming the first field that differs, with both values
+    (``settings_difference``)."""
+    difference = settings_difference(existing, wanted, root)
+    if difference is not None:
+        raise UserError(difference)
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -102,14 +214,23 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def write_shard_file(root: Path, rel: str, write) -> tuple[int, str]:
-    """Write one shard file via ``write(tmp_path)``, publish it atomically; returns (bytes, sha256)."""
+class ShardFile(NamedTuple):
+    """A published shard file as its commit record describes it."""
+
+    size: int
+    sha256: str
+    crc32: tuple[str, ...]  # per CRC32_BLOCK_BYTES block
+
+
+def write_shard_file(root: Path, rel: str, write) -> ShardFile:
+    """Write one shard file via ``write(tmp_path)``, publish it atomically; returns its size and digests
+    (measured on the temp file, before the rename)."""
     final = root / rel
     tmp = temp_path_for(final)
     try:
         write(tmp)
         failpoint("extract.write")
-        size, digest = tmp.stat().st_size, sha256_file(tmp)
+        size, (digest, crc) = tmp.stat().st_size, file_digests(tmp)
         publish(tmp, final)
     except OSError as err:
         tmp.unlink(missing_ok=True)
@@ -118,7 +239,7 @@ def write_shard_file(root: Path, rel: str, write) -> tuple[int, str]:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return size, digest
+    return ShardFile(size, digest, crc)
 
 
 def commit_shard(root: str | os.PathLike, record: S.ShardRecord) -> None:
@@ -188,6 +309,41 @@ class Store:
     root: Path
     settings: S.StoreSettings
     shards: list[S.ShardRecord]
+    checks: ContentChecks | None = field(default=None, repr=False, compare=False)
+    """Blocks whose content passed (``check_content``); shared by a ``dataclasses.replace`` copy."""
+
+    def __post_init__(self) -> None:
+        if self.checks is None:
+            self.checks = ContentChecks.of(self.shards)
+
+    def check_content(self, index: int, rel: str, data: Any,
+                      ranges: Iterable[tuple[int, int]] | None = None) -> None:
+        """Compare the blocks of shard ``index``'s file ``rel`` that byte ranges ``[start, stop)`` touch
+        (all of them when None) with the crc32s its commit record holds, each unless a process of this
+        opened store did so already (``peagle.pipeline.content_check``). ``data`` is the whole file as
+        the reader maps it.
+
+        Raises:
+            UserError: one line naming the store, the shard and the file, and what to do.
+        """
+        want = self.shard(index).crc32_of(rel)
+        if not want:  # committed before checksums: checked by size only (open_store said so)
+            return
+        blocks = None if ranges is None else blocks_touched(ranges)
+        problem = check_blocks(self.checks, index, rel, want, data, blocks)
+        if problem is not None:
+            raise UserError(
+                f"store {self.root} shard {S.shard_stem(index)}: {rel} is not the file that was committed ({problem}), "
+                f"so nothing reads it; `peagle store verify --store {self.root}` lists every changed file; to "
+                f"extract the shard again, delete {self.root / S.commit_name(index)} and run the command `peagle "
+                f"store info --store {self.root}` prints")
+
+    def mark_checked(self) -> None:
+        """Every block is known good (``open_store(verify=True)`` compared each file's sha256)."""
+        for record in self.shards:
+            for rel in (record.parquet, record.safetensors):
+                for b in range(len(record.crc32_of(rel))):
+                    self.checks.mark(record.index, rel, b)
 
     @property
     def num_samples(self) -> int:
@@ -204,13 +360,21 @@ class Store:
         raise KeyError(index)
 
     def read_rows(self, index: int, columns: list[str] | None = None):
-        """The shard's Parquet table (pyarrow), optionally only some columns."""
+        """The shard's Parquet table (pyarrow), optionally only some columns; the file's content is
+        checked first (``check_content``, on the same mapping the table is read from)."""
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        path = self.root / self.shard(index).parquet
+        rel = self.shard(index).parquet
+        path = self.root / rel
         try:
-            return pq.read_table(path, columns=columns)
+            with open(path, "rb") as f:
+                data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as err:  # ValueError: an empty file cannot be mapped
+            raise damaged(path, err) from err
+        self.check_content(index, rel, data)
+        try:
+            return pq.read_table(pa.BufferReader(pa.py_buffer(data)), columns=columns)
         except (OSError, pa.ArrowException) as err:
             raise damaged(path, err) from err
 
@@ -232,11 +396,31 @@ def open_store(root: str | os.PathLike, *, verify: bool = False) -> Store:
     if problems:
         more = f" (and {len(problems) - 1} more; run `peagle store verify --store {root}`)" if len(problems) > 1 else ""
         raise UserError(f"store {root} is damaged: {problems[0]}{more}")
-    return Store(root=root, settings=settings, shards=records)
+    store = Store(root=root, settings=settings, shards=records)
+    if verify:
+        store.mark_checked()
+    _say_once_if_unchecked(store)
+    return store
+
+
+_SAID_UNCHECKED: set[str] = set()
+
+
+def _say_once_if_unchecked(store: Store) -> None:
+    """A store committed (in part) before checksums reads as before, by size only: said once per
+    store and process, not per epoch or shard."""
+    old = sum(not (r.parquet_crc32 and r.safetensors_crc32) for r in store.shards)
+    key = str(store.root.resolve())
+    if old and key not in _SAID_UNCHECKED:
+        _SAID_UNCHECKED.add(key)
+        log.warning("store %s: %d of %d shards were committed without content checksums (by an older peagle), "
+                    "so only their sizes are checked when read; `peagle store verify --store %s` checks their "
+                    "sha256", store.root, old, len(store.shards), store.root)
 
 
 def check_shards(root: Path, records: list[S.ShardRecord], *, verify: bool) -> list[str]:
-    """Problems with the committed shards' files: missing, wrong size, or (verify) wrong sha256."""
+    """Problems with the committed shards' files: missing, wrong size, or (verify) wrong sha256 or
+    crc32 (both from one read)."""
     problems = []
     for r in records:
         for rel, size, digest in ((r.parquet, r.parquet_bytes, r.parquet_sha256),
@@ -246,8 +430,12 @@ def check_shards(root: Path, records: list[S.ShardRecord], *, verify: bool) -> l
                 problems.append(f"{rel} is missing")
             elif path.stat().st_size != size:
                 problems.append(f"{rel} has {path.stat().st_size} bytes, its commit record says {size}")
-            elif verify and sha256_file(path) != digest:
-                problems.append(f"{rel} sha256 does not match its commit record")
+            elif verify:
+                sha, crc = file_digests(path)
+                if sha != digest:
+                    problems.append(f"{rel} sha256 does not match its commit record")
+                elif r.crc32_of(rel) and crc != r.crc32_of(rel):
+                    problems.append(f"{rel} crc32 does not match its commit record")
     return problems
 
 

@@ -40,8 +40,8 @@ from torch import Tensor
 
 from peagle.pipeline.aux_rows import AuxSource, ByteRange, StoredAux
 from peagle.pipeline.raw_reader import RawColumns, RawSample, raw_sample, read_raw_columns
-from peagle.pipeline.safetensors_file import TensorEntry, read_header
-from peagle.pipeline.shard_tensors import open_shard_tensors, stored_aux
+from peagle.pipeline.safetensors_file import MappedFile, TensorEntry
+from peagle.pipeline.shard_tensors import check_rows, map_shard_tensors, stored_aux
 from peagle.pipeline.split import is_heldout
 from peagle.pipeline.store import Store
 from peagle.schemas import store as S
@@ -211,13 +211,17 @@ def training_sample(sample_id: str, input_ids_n: Tensor, loss_mask_n: Tensor, au
 
 class ShardReader:
     """Samples of several opened stores by (store, shard position, row), with per-shard LRU caches of the
-    columns (small) and of the tensor mappings (one per DataLoader worker: each maps what it reads)."""
+    columns (small) and of the tensor mappings (one per DataLoader worker: each maps what it reads).
+
+    Before it hands out a sample, or tells the trainer where the sample's aux rows are, it checks the
+    content of the tensor blocks those rows lie in (``shard_tensors.check_rows``): the check is spread
+    over the batches that read a shard, and a block changed since its commit never reaches a step."""
 
     def __init__(self, stores: list[Store], capacity: int):
         self.stores, self.capacity = stores, capacity
         self._columns: OrderedDict[tuple[int, int], ShardColumns] = OrderedDict()
-        self._tensors: OrderedDict[tuple[int, int], dict[str, Tensor]] = OrderedDict()
-        self._aux: OrderedDict[tuple[int, int], tuple[str, dict[str, TensorEntry]]] = OrderedDict()
+        self._tensors: OrderedDict[tuple[int, int], MappedFile] = OrderedDict()
+        self._paths: dict[tuple[int, int], str] = {}
 
     def _cached(self, cache: OrderedDict, key: tuple[int, int], load: Callable[[], Any]) -> Any:
         if key in cache:
@@ -232,23 +236,26 @@ class ShardReader:
         index = self.stores[store].shards[shard].index
         return self._cached(self._columns, (store, shard), lambda: read_columns(self.stores[store], index))
 
-    def tensors(self, store: int, shard: int) -> dict[str, Tensor]:
+    def tensors(self, store: int, shard: int) -> MappedFile:
+        """The shard's tensor file, mapped (its content is checked by the rows a sample reads)."""
         index = self.stores[store].shards[shard].index
-        return self._cached(self._tensors, (store, shard), lambda: open_shard_tensors(self.stores[store], index))
+        return self._cached(self._tensors, (store, shard), lambda: map_shard_tensors(self.stores[store], index))
 
     def sample(self, store: int, shard: int, row: int) -> TrainingSample:
-        return sample_of(self.columns(store, shard), row, self.tensors(store, shard))
+        index = self.stores[store].shards[shard].index
+        return checked_sample(self.stores[store], index, self.columns(store, shard), row, self.tensors(store, shard))
 
     def aux_read(self, store: int, shard: int, row: int) -> tuple[ByteRange, ByteRange | None]:
         """Where the sample's T aux rows ``aux[0 … n−2]`` are: (absolute path, byte offset, byte count)
-        of the stored rows, and of their scales in an fp8 store (else None)."""
-        def load() -> tuple[str, dict[str, TensorEntry]]:
-            path = (self.stores[store].root / self.stores[store].shards[shard].safetensors).resolve()
-            return str(path), read_header(path)
-
-        path, entries = self._cached(self._aux, (store, shard), load)
-        columns = self.columns(store, shard)
-        aux_rows, _ = training_rows(int(columns.token_offset[row]), columns.num_positions(row))
+        of the stored rows, and of their scales in an fp8 store (else None); their content checked."""
+        mapped = self.tensors(store, shard)
+        aux_rows = _check_sample_rows(self.stores[store], self.stores[store].shards[shard].index,
+                                      self.columns(store, shard), row, mapped, topk=False)
+        entries = mapped.entries
+        if (store, shard) not in self._paths:
+            self._paths[(store, shard)] = str((self.stores[store].root / self.stores[store].shards[shard].safetensors)
+                                              .resolve())
+        path = self._paths[(store, shard)]
 
         def rows(entry: TensorEntry) -> ByteRange:
             return path, entry.offset + aux_rows.start * entry.row_bytes, (aux_rows.stop - aux_rows.start) * entry.row_bytes
@@ -259,17 +266,40 @@ class ShardReader:
 def iter_training_samples(store: Store, *, heldout_fraction: float | None = None,
                           max_samples: int | None = None) -> Iterator[TrainingSample]:
     """A store's samples in shard order; with ``heldout_fraction`` only the held-out ones
-    (``peagle.pipeline.split``), at most ``max_samples``."""
+    (``peagle.pipeline.split``), at most ``max_samples``. The content of the rows of each sample is
+    checked as it is handed out (not of whole shards: evaluation reads a few samples of each)."""
     yielded = 0
     for record in store.shards:
-        columns, tensors = read_columns(store, record.index), open_shard_tensors(store, record.index)
+        columns, mapped = read_columns(store, record.index), None
         for row, sample_id in enumerate(columns.sample_ids):
             if heldout_fraction is not None and not is_heldout(sample_id, heldout_fraction):
                 continue
             if max_samples is not None and yielded >= max_samples:
                 return
-            yield sample_of(columns, row, tensors)
+            mapped = mapped or map_shard_tensors(store, record.index)
+            yield checked_sample(store, record.index, columns, row, mapped)
             yielded += 1
+
+
+def checked_sample(store: Store, index: int, columns: ShardColumns, row: int, mapped: MappedFile) -> TrainingSample:
+    """Sample ``row`` of shard ``index`` (its tensor file ``mapped``), once the content of every row it
+    exposes is checked (``shard_tensors.check_rows``: the blocks of its aux rows, fp8 scales and top-k rows).
+
+    Raises:
+        UserError: those blocks differ from the commit record.
+    """
+    _check_sample_rows(store, index, columns, row, mapped, topk=True)
+    return sample_of(columns, row, mapped.tensors)
+
+
+def _check_sample_rows(store: Store, index: int, columns: ShardColumns, row: int, mapped: MappedFile, *,
+                       topk: bool) -> slice:
+    """Check the sample's aux rows (and scales) and, with ``topk``, its top-k rows; returns its aux rows."""
+    aux_rows, topk_rows = training_rows(int(columns.token_offset[row]), columns.num_positions(row))
+    check_rows(store, index, mapped, aux_rows, (S.AUX_HIDDEN, S.AUX_SCALE))
+    if topk:
+        check_rows(store, index, mapped, topk_rows, (S.TOPK_IDS, S.TOPK_LOGPROBS))
+    return aux_rows
 
 
 def iter_shard_columns(store: Store) -> Iterator[tuple[int, ShardColumns]]:
@@ -279,7 +309,8 @@ def iter_shard_columns(store: Store) -> Iterator[tuple[int, ShardColumns]]:
 
 
 __all__ = [
-    "AuxSource", "ByteRange", "ShardColumns", "ShardReader", "StoredAux", "TrainingSample", "iter_shard_columns",
+    "AuxSource", "ByteRange", "ShardColumns", "ShardReader", "StoredAux", "TrainingSample", "checked_sample",
+    "iter_shard_columns",
     "iter_training_samples", "read_columns", "read_num_positions", "sample_of", "shift_columns", "shift_sample",
     "training_rows", "training_sample",
 ]

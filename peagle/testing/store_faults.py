@@ -2,7 +2,7 @@
 
 Each fault is written the way a buggy extractor would have written it: the shard's rows are edited,
 re-encoded through the real encoder (``shard_tensors.encode_sample``, ``write_tensors``), and committed with fresh
-sizes, sha256 and content statistics, so ``peagle store verify`` sees an intact store. (With
+sizes, sha256, crc32 and content statistics, so ``peagle store verify`` sees an intact store. (With
 ``keep_stats`` the old statistics stay in the record: rows changed after their commit.)
 
 * :func:`zero_sample_rows` -- one sample's aux rows all zero (a request whose states were never written);
@@ -10,7 +10,11 @@ sizes, sha256 and content statistics, so ``peagle store verify`` sees an intact 
   first row), aux and top-k alike;
 * :func:`copy_sample_states` -- one sample's aux states are another sample's (stale state);
 * :func:`claim_target` -- a store's recorded target identity replaced by another target's (a store made
-  from other weights than it says).
+  from other weights than it says);
+* :func:`recommit` -- a shard's files, edited by hand, committed as they are now (as if the extractor had
+  written them so);
+* :func:`flip_byte` -- one bit of a committed file flipped, its size kept and its record not: what a
+  disk, a network file system or a stray write does after the commit (the content check's case).
 
 Shape letters: T rows of a shard, A aux layers, H hidden size, k top-k.
 """
@@ -28,6 +32,7 @@ from peagle.pipeline.atomic import canonical_json
 from peagle.pipeline.raw_reader import RawColumns, RawShard, open_raw_shard, raw_sample
 from peagle.pipeline.shard_stats import sample_rows, shard_stats
 from peagle.pipeline.shard_tensors import encode_sample, stored_aux, write_tensors
+from peagle.pipeline.content_check import file_digests
 from peagle.pipeline.store import commit_shard, open_store, rebuild_manifest, write_shard_file
 from peagle.schemas import store as S
 
@@ -50,8 +55,9 @@ def rewrite_shard(root: str | Path, index: int, edit: Edit, *, keep_stats: bool 
         parts = encode_sample(sample.aux_nAH, sample.topk_ids_nk, sample.topk_logprobs_nk, store.settings)
         encoded.append(parts)
         facts.append(sample_rows(raw_sample(sample.sample_id, sample.input_ids_n, sample.loss_mask_n, parts)))
-    size, digest = write_shard_file(store.root, record.safetensors, lambda tmp: write_tensors(tmp, encoded, store.settings))
-    new = replace(record, safetensors_bytes=size, safetensors_sha256=digest,
+    written = write_shard_file(store.root, record.safetensors, lambda tmp: write_tensors(tmp, encoded, store.settings))
+    new = replace(record, safetensors_bytes=written.size, safetensors_sha256=written.sha256,
+                  safetensors_crc32=written.crc32,
                   stats=record.stats if keep_stats else shard_stats(facts, store.settings))
     commit_shard(store.root, new)
     return new
@@ -98,6 +104,33 @@ def copy_sample_states(root: str | Path, index: int, source_id: str, target_id: 
     return rewrite_shard(root, index, edit)
 
 
+def recommit(root: str | Path, index: int) -> S.ShardRecord:
+    """Commit shard ``index``'s two files as they are on disk now: fresh sizes, sha256 and crc32 (its
+    statistics kept)."""
+    root = Path(root)
+    record = S.ShardRecord.from_dict(json.loads((root / S.commit_name(index)).read_text()))
+    digests = {}
+    for rel in (record.parquet, record.safetensors):
+        sha256, crc32 = file_digests(root / rel)
+        digests[rel] = ((root / rel).stat().st_size, sha256, crc32)
+    (pq_size, pq_sha, pq_crc), (st_size, st_sha, st_crc) = digests[record.parquet], digests[record.safetensors]
+    new = replace(record, parquet_bytes=pq_size, parquet_sha256=pq_sha, parquet_crc32=pq_crc,
+                  safetensors_bytes=st_size, safetensors_sha256=st_sha, safetensors_crc32=st_crc)
+    commit_shard(root, new)
+    return new
+
+
+def flip_byte(path: str | Path, *, at: float = 0.5, mask: int = 0x40) -> int:
+    """XOR ``mask`` into the byte at fraction ``at`` of the file (0x40: a bf16 value's top exponent bit,
+    at an even offset: the value jumps by ~2^64); returns the offset. The size stays."""
+    path = Path(path)
+    data = bytearray(path.read_bytes())
+    offset = min(int(len(data) * at), len(data) - 1)
+    data[offset] ^= mask
+    path.write_bytes(bytes(data))
+    return offset
+
+
 def claim_target(root: str | Path, identity: S.TargetIdentity) -> None:
     """Record ``identity`` as the store's target (store.json and the manifest), keeping its rows."""
     path = Path(root) / S.STORE_SETTINGS_FILE
@@ -106,5 +139,5 @@ def claim_target(root: str | Path, identity: S.TargetIdentity) -> None:
     rebuild_manifest(root)
 
 
-__all__ = ["claim_target", "copy_sample_states", "rewrite_shard", "shift_sample_rows", "shift_shard_rows",
-           "zero_sample_rows"]
+__all__ = ["claim_target", "copy_sample_states", "flip_byte", "recommit", "rewrite_shard", "shift_sample_rows",
+           "shift_shard_rows", "zero_sample_rows"]

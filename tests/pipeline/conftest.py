@@ -87,12 +87,12 @@ def write_raw_store(root: Path, lengths_of_shards: list[list[int]], seed: int = 
                              S.TOPK_LOGPROBS: r.topk_logprobs_nk}[name]
                         f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
 
-        pq_bytes, pq_sha = write_shard_file(root, S.parquet_name(index), lambda tmp, rows=rows: write_parquet_rows(tmp, rows))
-        st_bytes, st_sha = write_shard_file(root, S.tensors_name(index), write_tensors)
+        pq = write_shard_file(root, S.parquet_name(index), lambda tmp, rows=rows: write_parquet_rows(tmp, rows))
+        st = write_shard_file(root, S.tensors_name(index), write_tensors)
         commit_shard(root, S.ShardRecord(
             index=index, parquet=S.parquet_name(index), safetensors=S.tensors_name(index), num_samples=len(rows),
-            num_tokens=sum(lengths), parquet_bytes=pq_bytes, safetensors_bytes=st_bytes, parquet_sha256=pq_sha,
-            safetensors_sha256=st_sha, input_file="a.jsonl", first_record=0, end_record=len(rows),
+            num_tokens=sum(lengths), parquet_bytes=pq.size, safetensors_bytes=st.size, parquet_sha256=pq.sha256,
+            safetensors_sha256=st.sha256, parquet_crc32=pq.crc32, safetensors_crc32=st.crc32, input_file="a.jsonl", first_record=0, end_record=len(rows),
             num_records=len(rows)))
     return WrittenStore(root, samples, order)
 

@@ -134,3 +134,36 @@ def test_completeness_is_the_plan_against_the_commit_records(tmp_path):
 def test_format_ranges():
     assert P.format_ranges([]) == ""
     assert P.format_ranges([5, 1, 3, 4, 9]) == "1, 3-5, 9"
+
+
+def test_a_file_changed_since_its_registration_is_refused_and_can_be_dropped(tmp_path):
+    """An edited file (same path, other sha256) would get new shards beside its old ones (issue 37):
+    registering it is refused naming it; dropping the old version removes its commit records, shard
+    files and registration, and the new content is registered after the remaining files."""
+    from peagle.schemas import store as S
+
+    a, b = _file("a", 10), _file("b", 3)
+    P.register_inputs(tmp_path, [a, b], 4)  # a: 0-2, b: 3
+    edited = P.InputFile(path=a.path, sha256="e" * 8, num_records=9)
+    copy = P.InputFile(path="/elsewhere/a", sha256=a.sha256, num_records=10)  # the same content elsewhere
+    assert P.changed_inputs(P.read_registrations(tmp_path), [copy, b]) == []
+    [(changed, old)] = P.changed_inputs(P.read_registrations(tmp_path), [edited, b])
+    assert changed == edited and [r.sha256 for r in old] == [a.sha256]
+    with pytest.raises(UserError) as info:
+        P.register_inputs(tmp_path, [edited], 4)
+    assert str(info.value).startswith(f"data file /data/a changed since store {tmp_path} registered it")
+    assert "old shards (0-2)" in str(info.value) and "--replace-changed-inputs" in str(info.value)
+    for shard in range(4):
+        for name in (S.commit_name(shard), S.parquet_name(shard), S.tensors_name(shard)):
+            (tmp_path / name).parent.mkdir(exist_ok=True)
+            (tmp_path / name).write_text("x")
+    P.drop_registrations(tmp_path, old)
+    assert sorted(p.name for p in (tmp_path / S.COMMITS_DIR).iterdir()) == ["00003.json"]
+    assert sorted(p.name for p in (tmp_path / S.SHARDS_DIR).iterdir()) == ["00003.parquet", "00003.safetensors"]
+    regs = P.register_inputs(tmp_path, [edited, b], 4)
+    assert sorted((r.sha256, r.first_shard, r.end_shard) for r in regs) == [(b.sha256, 3, 4), (edited.sha256, 4, 7)]
+    # a registration from before paths were kept is matched by name
+    (tmp_path / "old" / "inputs").mkdir(parents=True)
+    P.registration_path(tmp_path / "old", "f" * 8).write_text(json.dumps(
+        {"sha256": "f" * 8, "name": "c", "num_records": 1, "records_per_shard": 4, "first_shard": 0, "end_shard": 1}))
+    assert len(P.changed_inputs(P.read_registrations(tmp_path / "old"), [_file("c", 2)])) == 1

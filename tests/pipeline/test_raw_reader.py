@@ -16,6 +16,7 @@ from peagle.pipeline.shard_tensors import open_shard_tensors
 from peagle.pipeline.store import open_store
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
+from peagle.testing.store_faults import recommit
 
 
 def test_raw_samples_are_the_rows_as_written(raw_store):
@@ -73,6 +74,7 @@ def test_a_ragged_shard_splits_into_exactly_its_samples_rows(lengths, gap, seed)
 
 
 def test_ragged_columns_and_a_damaged_tensor_file_are_one_line(raw_store):
+    """Files a buggy extractor committed so (their checksums match: ``recommit``)."""
     store = open_store(raw_store.root)
     path = raw_store.root / store.shards[0].parquet
     table = pq.read_table(path)
@@ -80,9 +82,12 @@ def test_ragged_columns_and_a_damaged_tensor_file_are_one_line(raw_store):
     masks[0] = masks[0][:-1]
     pq.write_table(table.set_column(table.schema.get_field_index("loss_mask"), "loss_mask",
                                     pa.array(masks, pa.list_(pa.uint8()))), path)
+    (raw_store.root / store.shards[1].safetensors).write_bytes(b"\xff" * 64)
+    for record in store.shards[:2]:
+        recommit(raw_store.root, record.index)
+    store = open_store(raw_store.root)
     with pytest.raises(UserError, match="different lengths"):
         RR.read_raw_columns(store, store.shards[0].index)
-    (raw_store.root / store.shards[1].safetensors).write_bytes(b"\xff" * 64)
     with pytest.raises(UserError, match="is damaged") as err:
         open_shard_tensors(store, store.shards[1].index)
     assert "\n" not in str(err.value)

@@ -28,12 +28,12 @@ def _write_shard(root: Path, index: int, num_tokens: int = 5) -> S.ShardRecord:
     tensors = {S.AUX_HIDDEN: torch.full((num_tokens, 3, 16), float(index), dtype=torch.bfloat16),
                S.TOPK_IDS: torch.arange(num_tokens * 4, dtype=torch.int32).view(num_tokens, 4),
                S.TOPK_LOGPROBS: torch.zeros(num_tokens, 4, dtype=torch.float16)}
-    pq_bytes, pq_sha = ST.write_shard_file(root, S.parquet_name(index),
-                                           lambda tmp: Path(tmp).write_bytes(f"rows of {index}".encode()))
-    st_bytes, st_sha = ST.write_shard_file(root, S.tensors_name(index), lambda tmp: save_file(tensors, str(tmp)))
+    rows = ST.write_shard_file(root, S.parquet_name(index), lambda tmp: Path(tmp).write_bytes(f"rows of {index}".encode()))
+    st = ST.write_shard_file(root, S.tensors_name(index), lambda tmp: save_file(tensors, str(tmp)))
     record = S.ShardRecord(index=index, parquet=S.parquet_name(index), safetensors=S.tensors_name(index),
-                           num_samples=1, num_tokens=num_tokens, parquet_bytes=pq_bytes, safetensors_bytes=st_bytes,
-                           parquet_sha256=pq_sha, safetensors_sha256=st_sha, input_file="a.jsonl",
+                           num_samples=1, num_tokens=num_tokens, parquet_bytes=rows.size, safetensors_bytes=st.size,
+                           parquet_sha256=rows.sha256, safetensors_sha256=st.sha256, parquet_crc32=rows.crc32,
+                           safetensors_crc32=st.crc32, input_file="a.jsonl",
                            first_record=index, end_record=index + 1, num_records=1,
                            skipped={"malformed_json": index % 2}, backend="hf")
     ST.commit_shard(root, record)
@@ -164,3 +164,39 @@ def test_write_shard_file_discards_its_temp_on_failure(tmp_path):
     with pytest.raises(RuntimeError):
         ST.write_shard_file(tmp_path, S.parquet_name(0), failing)
     assert list((tmp_path / S.SHARDS_DIR).iterdir()) == []
+
+
+def test_the_same_target_at_another_path_joins_a_store(tmp_path):
+    """A target is known by its content hash (issue 37); other weights are named with both paths."""
+    ST.init_store(tmp_path, SETTINGS)
+    ST.init_store(tmp_path, replace(SETTINGS, target=replace(TARGET, path="/elsewhere/t")))
+    assert ST.read_settings(tmp_path).target.path == "/models/t"  # the first path stays
+    with pytest.raises(UserError) as info:
+        ST.init_store(tmp_path, replace(SETTINGS, target=replace(TARGET, path="/other", content_hash="d" * 64)))
+    assert str(info.value).startswith(f"store {tmp_path} was extracted from target /models/t (content hash cccc")
+    assert "--target /other has other weights or config (content hash dddd" in str(info.value)
+
+
+def test_only_an_unused_store_without_other_writers_is_restarted(tmp_path):
+    """A store whose first run stopped before its first commit is started afresh by the next one
+    (its registrations and manifest gone, store.json rewritten); not while another writer holds the
+    writer lock, and never once a shard is committed."""
+    other = replace(SETTINGS, topk=8)
+    ST.init_store(tmp_path, SETTINGS)
+    (tmp_path / S.INPUTS_DIR / ("a" * 64 + ".json")).write_text("{}")
+    (tmp_path / S.MANIFEST_FILE).write_text("{}")
+    with ST.WriterLock(tmp_path) as live, ST.WriterLock(tmp_path) as mine:
+        with pytest.raises(UserError, match="topk=4"):  # another writer is live
+            ST.init_store(tmp_path, other, writers=mine, restart=True)
+        live.__exit__()
+        ST.init_store(tmp_path, other, writers=mine, restart=True)
+    assert ST.read_settings(tmp_path) == other
+    assert (tmp_path / S.STORE_SETTINGS_FILE).read_bytes() == (ST.init_store(tmp_path / "fresh", other)
+                                                              / S.STORE_SETTINGS_FILE).read_bytes()
+    assert not list((tmp_path / S.INPUTS_DIR).glob("*.json")) and not (tmp_path / S.MANIFEST_FILE).exists()
+    _write_shard(tmp_path, 0)
+    with ST.WriterLock(tmp_path) as mine, pytest.raises(UserError, match="topk=8"):
+        ST.init_store(tmp_path, SETTINGS, writers=mine, restart=True)
+    assert ST.read_settings(tmp_path) == other
+    with pytest.raises(UserError, match="topk=8"):  # without the writer lock: never restarted
+        ST.init_store(tmp_path / "fresh", SETTINGS, restart=True)

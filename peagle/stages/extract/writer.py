@@ -124,11 +124,10 @@ def write_and_commit(root: Path, content: ShardContent, settings: S.StoreSetting
     """Write both files (atomically each), then the commit record: the shard exists from then on."""
     content, encoded, stats = encoded_shard(content, settings)
     table = parquet_table(content.samples)
-    parquet_bytes, parquet_sha = write_shard_file(root, S.parquet_name(content.index),
-                                                  lambda tmp: write_parquet(table, tmp))
+    rows = write_shard_file(root, S.parquet_name(content.index), lambda tmp: write_parquet(table, tmp))
     try:
-        tensor_bytes, tensor_sha = write_shard_file(
-            root, S.tensors_name(content.index), lambda tmp: write_tensors(tmp, encoded, settings))
+        tensors = write_shard_file(root, S.tensors_name(content.index),
+                                   lambda tmp: write_tensors(tmp, encoded, settings))
     except BaseException:  # also an interrupt: readers would ignore the file (no commit record), but a
         # half shard should not even be on disk.
         (root / S.parquet_name(content.index)).unlink(missing_ok=True)
@@ -136,8 +135,9 @@ def write_and_commit(root: Path, content: ShardContent, settings: S.StoreSetting
     record = S.ShardRecord(
         index=content.index, parquet=S.parquet_name(content.index), safetensors=S.tensors_name(content.index),
         num_samples=len(content.samples), num_tokens=sum(len(s.input_ids) for s in content.samples),
-        parquet_bytes=parquet_bytes, safetensors_bytes=tensor_bytes, parquet_sha256=parquet_sha,
-        safetensors_sha256=tensor_sha, input_file=content.input_name, first_record=content.first_record,
+        parquet_bytes=rows.size, safetensors_bytes=tensors.size, parquet_sha256=rows.sha256,
+        safetensors_sha256=tensors.sha256, parquet_crc32=rows.crc32, safetensors_crc32=tensors.crc32,
+        input_file=content.input_name, first_record=content.first_record,
         end_record=content.end_record, num_records=content.end_record - content.first_record,
         skipped={k: v for k, v in content.skipped.items() if v}, num_truncated=content.num_truncated,
         backend=content.backend, stats=stats, token_counts=sum_token_counts(content.samples),

@@ -6,7 +6,7 @@ byte, its samples (read through the raw reader) are re-encoded by the encoder ex
 (``shard_tensors.encode_sample``; so an fp8 store
 converted from bf16 is byte-identical to one extracted with ``--hidden-dtype fp8`` from the same
 run), its content statistics are computed from the new rows, and its commit record is the source's
-with the new file sizes, sha256 and statistics. A shard of NEW exists once its commit record does:
+with the new file sizes, sha256, crc32 and statistics. A shard of NEW exists once its commit record does:
 a killed conversion re-run with the same command converts only what is missing, and converting
 into a directory made with other settings is refused in one line (``init_store``).
 
@@ -54,16 +54,17 @@ def convert_shard(source: Store, record: S.ShardRecord, out: Path, settings: S.S
         parts = encode_sample(sample.aux_nAH, sample.topk_ids_nk, sample.topk_logprobs_nk, settings)
         encoded.append(parts)
         rows.append(sample_rows(raw_sample(sample.sample_id, sample.input_ids_n, sample.loss_mask_n, parts)))
-    parquet_bytes, parquet_sha = write_shard_file(out, record.parquet,
-                                                  lambda tmp: shutil.copyfile(source.root / record.parquet, tmp))
+    rows_file = write_shard_file(out, record.parquet, lambda tmp: shutil.copyfile(source.root / record.parquet, tmp))
     try:
-        tensor_bytes, tensor_sha = write_shard_file(out, record.safetensors,
-                                                    lambda tmp: write_tensors(tmp, encoded, settings))
+        tensors_file = write_shard_file(out, record.safetensors, lambda tmp: write_tensors(tmp, encoded, settings))
     except Exception:
         (out / record.parquet).unlink(missing_ok=True)
         raise
-    new = replace(record, parquet_bytes=parquet_bytes, parquet_sha256=parquet_sha, safetensors_bytes=tensor_bytes,
-                  safetensors_sha256=tensor_sha, stats=shard_stats(rows, settings))
+    # The checksums are the new files' (also for a source committed before checksums existed).
+    new = replace(record, parquet_bytes=rows_file.size, parquet_sha256=rows_file.sha256,
+                  parquet_crc32=rows_file.crc32, safetensors_bytes=tensors_file.size,
+                  safetensors_sha256=tensors_file.sha256, safetensors_crc32=tensors_file.crc32,
+                  stats=shard_stats(rows, settings))
     commit_shard(out, new)
     return new
 

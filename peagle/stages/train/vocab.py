@@ -45,7 +45,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from peagle.pipeline.atomic import canonical_json
+from peagle.pipeline.atomic import canonical_json, raise_if_disk_full, writable_problem
 from peagle.pipeline.checkpoint_files import read_checkpoint_part
 from peagle.pipeline.plan import format_ranges, store_completeness
 from peagle.pipeline.progress import track
@@ -208,6 +208,12 @@ def build_draft_vocab(store_root: str | Path, draft_vocab_size: int, *, progress
         raise UserError(f"--draft-vocab-size {draft_vocab_size} is larger than the target vocab "
                         f"{vocab_size} (store {store.root})")
     heldout_opened = None if heldout_store is None else open_heldout_store(store, heldout_store)  # refuse early
+    problem = writable_problem(store.root / S.VOCAB_DIR)  # before counting, not after (a shared, read-only store)
+    if problem is not None:
+        raise_if_disk_full(problem, store.root / S.VOCAB_DIR)
+        raise UserError(f"cannot write the draft vocabulary into {store.root / S.VOCAB_DIR} ({problem.strerror}): "
+                        "`peagle vocab` writes it into the store; make the store writable for this user, or copy "
+                        "it somewhere writable and build the vocabulary there")
     counts_V = count_supervised_tokens(store, progress=progress)
     if not counts_V.any():
         raise UserError(f"store {store.root} holds no supervised token in its {len(store.shards)} committed shards "
