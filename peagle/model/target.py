@@ -41,6 +41,10 @@ WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
+WEIGHT_INDEX_SUFFIX = ".index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tekken.json", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model")
+"""Files that hold a tokenizer's vocabulary (one is needed; ``*.tiktoken`` files count too)."""
 NUM_SAMPLES = 16
 """Content-hash samples per weight file, evenly spaced from its first to its last byte."""
 SAMPLE_BYTES = 1 << 16
@@ -58,6 +62,38 @@ def check_target_dir(path: str | os.PathLike) -> Path:
     if not (root / CONFIG_FILE).is_file():
         raise UserError(f"target model directory {root} has no {CONFIG_FILE}")
     return root
+
+
+def check_weights(path: str | os.PathLike) -> None:
+    """Refuse a target directory without its weights, or with an index naming absent weight files.
+
+    Checked when a target is opened, before anything is derived from it: the content hash of a
+    directory without weights hashes its config alone, and a store started with that identity
+    would refuse the same command once the weights are there (docs/reliability.md).
+
+    Raises:
+        UserError: naming the directory and what is missing.
+    """
+    root = Path(path)
+    names = {p.name for p in root.iterdir() if p.is_file()}
+    for index in sorted(n for n in names if n.endswith(WEIGHT_INDEX_SUFFIX)):
+        try:
+            files = set(json.loads((root / index).read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise UserError(f"cannot read {root / index}: {one_line(err, with_type=False)}") from err
+        missing = sorted(files - names)
+        if missing:
+            raise UserError(f"target {root} is missing {len(missing)} of the {len(files)} weight files its {index} "
+                            f"names (first: {missing[0]}); copy them into {root}")
+    if not any(n.endswith(WEIGHT_SUFFIXES) and not n.endswith(WEIGHT_INDEX_SUFFIX) for n in names):
+        raise UserError(f"target {root} has no weights (no {WEIGHTS_FILE}, {WEIGHTS_INDEX_FILE} with its files, or "
+                        f"pytorch_model.bin); copy the model's weight files into {root}")
+
+
+def has_tokenizer_files(path: str | os.PathLike) -> bool:
+    """Whether the directory holds a file a tokenizer's vocabulary can be read from."""
+    root = Path(path)
+    return any((root / name).is_file() for name in TOKENIZER_FILES) or any(root.glob("*.tiktoken"))
 
 
 def read_config_json(path: str | os.PathLike) -> dict[str, Any]:
@@ -117,6 +153,10 @@ def load_tokenizer(path: str | os.PathLike, *, gguf_file: str | None = None) -> 
     try:
         return AutoTokenizer.from_pretrained(path, **({"gguf_file": gguf_file} if gguf_file else {}))
     except (OSError, ValueError, KeyError) as err:
+        if not gguf_file and not has_tokenizer_files(path):  # say what is missing, not what transformers tried
+            raise UserError(f"cannot load target {path}: it has no tokenizer files (none of "
+                            f"{', '.join(TOKENIZER_FILES)}, *.tiktoken); copy the model's tokenizer files "
+                            f"(and tokenizer_config.json) into {path}") from err
         raise UserError(f"cannot load target {path}: {one_line(err, with_type=False)}") from err
 
 
@@ -228,12 +268,16 @@ class TargetDirectory:
 
 
 def open_target(path: str | os.PathLike) -> TargetDirectory:
-    """The target directory with its config loaded (weights are read on demand: :class:`TargetWeights`).
+    """The target directory with its config loaded (weights are read on demand: :class:`TargetWeights`,
+    but must be there: :func:`check_weights`).
 
     Raises:
-        UserError: the directory or its config.json is missing, or transformers cannot read it.
+        UserError: the directory, its config.json or its weights are missing, or transformers cannot
+            read the config.
     """
-    return TargetDirectory(path=Path(path), config=load_config(path))
+    config = load_config(path)
+    check_weights(path)
+    return TargetDirectory(path=Path(path), config=config)
 
 
 def check_store_matches_target(settings: S.StoreSettings, target: TargetDirectory, *,

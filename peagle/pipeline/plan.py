@@ -118,6 +118,39 @@ def assign_registrations(existing: list[InputRegistration], files: list[InputFil
     return new
 
 
+def changed_inputs(registrations: list[InputRegistration],
+                   files: list[InputFile]) -> list[tuple[InputFile, list[InputRegistration]]]:
+    """The input files whose content changed since the store registered them: each file not known by
+    its content, with the registrations of other content made from the same path (by name for
+    registrations that kept no path).
+
+    Why: a file is known by its sha256, so an edited file looks new and would get new shards beside
+    its old ones: every unchanged record twice, silently. Such a run is refused, or told to replace
+    the old version (``drop_registrations``).
+    """
+    known = {r.sha256 for r in registrations}
+    out = []
+    for f in files:
+        if f.sha256 in known:
+            continue
+        where = str(Path(f.path).absolute())
+        old = [r for r in registrations if r.path == where or (not r.path and r.name == Path(f.path).name)]
+        if old:
+            out.append((f, old))
+    return out
+
+
+def changed_refusal(root: str | os.PathLike, changed: list[tuple[InputFile, list[InputRegistration]]]) -> str:
+    """The one line that refuses a run whose inputs changed (``changed_inputs``)."""
+    f, old = changed[0]
+    shards = sorted(s for r in old for s in range(r.first_shard, r.end_shard))
+    more = f" (and {len(changed) - 1} more changed file(s))" if len(changed) > 1 else ""
+    return (f"data file {f.path} changed since store {root} registered it{more} (sha256 {old[0].sha256[:12]}, now "
+            f"{f.sha256[:12]}): extracting it again would keep both versions, every unchanged record twice; "
+            f"pass --replace-changed-inputs to drop its old {plural(len(shards), 'shard')} "
+            f"({format_ranges(shards) or 'none'}) and extract it again, or restore the file, or use another --out")
+
+
 def plan_shards(files: list[InputFile], registrations: list[InputRegistration]) -> list[PlannedShard]:
     """Every shard of ``files`` (each file once, in order), given the store's registrations."""
     by_hash = {r.sha256: r for r in registrations}
@@ -165,15 +198,44 @@ def register_inputs(root: str | os.PathLike, files: list[InputFile],
 
     All files of one run are registered in one lock hold, so workers started with the same command
     agree on the ranges whichever of them comes first.
+
+    Raises:
+        UserError: a file's content changed since it was registered (``changed_inputs``; checked
+            here, under the lock, as well as in the plan, so no race lets a second version in).
     """
     root = Path(root)
     (root / S.INPUTS_DIR).mkdir(parents=True, exist_ok=True)
     with file_lock(root / LOCK_FILE):
         existing = read_registrations(root)
+        changed = changed_inputs(existing, files)
+        if changed:
+            raise UserError(changed_refusal(root, changed))
         new = assign_registrations(existing, files, records_per_shard)
         for reg in new:
             atomic_write_json(registration_path(root, reg.sha256), asdict(reg))
     return existing + new
+
+
+def drop_registrations(root: str | os.PathLike, registrations: list[InputRegistration]) -> None:
+    """Remove input files from the store: their shards' commit records, then their shard files, then
+    their registrations, under the store lock; the manifest is derived again by the caller.
+
+    The caller must be the store's only writer (``pipeline.store.WriterLock.alone``): a worker
+    still extracting an old version would commit a shard of a file no longer in the plan. Killed
+    half-way, it leaves the registration with some shards uncommitted (an incomplete store), and
+    the same command drops the rest. The replacement may get the dropped indices again (it is
+    registered after every remaining file): a shard file left behind is not committed, and the
+    new one is renamed over it.
+    """
+    root = Path(root)
+    with file_lock(root / LOCK_FILE):
+        for reg in registrations:
+            for shard in range(reg.first_shard, reg.end_shard):
+                (root / S.commit_name(shard)).unlink(missing_ok=True)
+            for shard in range(reg.first_shard, reg.end_shard):
+                (root / S.parquet_name(shard)).unlink(missing_ok=True)
+                (root / S.tensors_name(shard)).unlink(missing_ok=True)
+            registration_path(root, reg.sha256).unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------------------------------

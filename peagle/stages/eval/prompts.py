@@ -38,16 +38,34 @@ def render_messages(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]
     return [int(t) for t in ids]
 
 
+def prompt_lines(path: str | os.PathLike) -> list[str]:
+    """The non-blank lines of a prompts file, checked before any model is loaded.
+
+    Why: an empty file would give a report of 0 prompts that reads like a result (exit 0).
+
+    Raises:
+        UserError: the file is missing or unreadable, or holds no non-blank line (naming it).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"--prompts {path} does not exist")
+    try:
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"cannot read --prompts {path}: {getattr(err, 'strerror', None) or err}") from err
+    if not lines:
+        raise UserError(f"--prompts {path} holds no prompt ({'it is empty' if not path.stat().st_size else 'only blank lines'})")
+    return lines
+
+
 def prompts_from_file(path: str | os.PathLike, tokenizer: Any) -> list[list[int]]:
     """Token ids of every prompt in ``path`` (module docstring).
 
     Raises:
         UserError: for a missing file or a line that is none of the accepted forms.
     """
+    lines = prompt_lines(path)
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"--prompts {path} does not exist")
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
     if path.suffix == ".txt":
         return [render_messages(tokenizer, [{"role": "user", "content": line.strip()}]) for line in lines]
     prompts = []

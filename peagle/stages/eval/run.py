@@ -112,6 +112,8 @@ def resolve_modes(config: EvalConfig, has_store: bool) -> list[str]:
 
 def run_eval(config: EvalConfig, *, echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the selected modes, write the report and plots, echo the summary table; returns the report."""
+    if config.prompts:  # before any export or model load: an empty file is a mistake, not 0 prompts
+        prompt_sources.prompt_lines(config.prompts)
     where = resolve_source(config)
     exported = load_export(where.export_dir)
     draft = exported.draft

@@ -74,6 +74,30 @@ def check_data_path(path: str | Path) -> Path:
     return path
 
 
+def check_has_records(path: str | Path) -> Path:
+    """The path as a Path, if it is a data file holding at least one record that is not a blank line.
+
+    Why: an empty file (a failed export, a wrong glob) would make no shard, and the run would "succeed"
+    with nothing extracted from it. Reads only up to the first non-blank line (or a Parquet footer).
+
+    Raises:
+        UserError: the file is unreadable, empty, or holds only blank lines (naming it).
+    """
+    path = check_data_path(path)
+    if is_parquet(path):
+        if _count_file(path) == 0:
+            raise UserError(f"data file {path} holds no records (0 rows); nothing to extract from it: "
+                            "leave it out of --data")
+        return path
+    num_lines = 0
+    for record in _iter_jsonl(path, 0, None):
+        if record.error != BLANK_LINE:
+            return path
+        num_lines += 1
+    what = "is empty (0 bytes)" if num_lines == 0 and path.stat().st_size == 0 else "holds only blank lines"
+    raise UserError(f"data file {path} {what}; nothing to extract from it: leave it out of --data")
+
+
 def count_records(paths: Iterable[str | Path]) -> list[int]:
     """Records per file, without decoding any: newlines for JSONL, footer metadata for Parquet.
 

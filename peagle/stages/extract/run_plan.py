@@ -12,7 +12,7 @@ from typing import Any
 
 from peagle.model.target import TargetDirectory
 from peagle.pipeline import plan as P
-from peagle.pipeline.store import check_same_settings, list_commits, read_settings, sha256_file
+from peagle.pipeline.store import list_commits, read_settings, settings_difference, sha256_file
 from peagle.pipeline.shard_tensors import raw_bytes_per_token
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
@@ -39,6 +39,8 @@ class ExtractPlan:
     free_bytes: int
     notes: list[str] = field(default_factory=list)  # things the user should know before it starts
     scan: InputScan | None = None  # --dry-run: every pending record decoded and checked
+    restart: bool = False  # the store has no commit record and other settings or inputs: start it afresh
+    dropped: list[P.InputRegistration] = field(default_factory=list)  # --replace-changed-inputs: old versions
 
     @property
     def estimated_bytes(self) -> int:
@@ -70,21 +72,40 @@ def make_plan(config: ExtractConfig, target: TargetDirectory, settings: S.StoreS
     root = Path(config.out)
     files = input_files(config.data)
     exists = (root / S.STORE_SETTINGS_FILE).exists()
+    registrations = P.read_registrations(root) if exists else []
+    committed = list_commits(root) if exists else []
+    difference = None
     if exists:
         existing = read_settings(root)
+        difference = settings_difference(existing, settings, root)
         if existing.mask_token_source is None:
-            raise UserError(f"store {root} was written by an older peagle that recorded no mask token choice; "
-                            "extract into a new --out (the old store still trains: `peagle train --mask-token-id N`)")
-        check_same_settings(existing, settings, root)
-    registrations = P.read_registrations(root) if exists else []
-    new = P.assign_registrations(registrations, files, config.samples_per_shard)
-    notes = [f"note: {r.name} is in the store already with other content: this content gets new shards "
-             f"{r.first_shard}..{r.end_shard - 1}; the old shards stay" for r in new
-             if any(old.name == r.name for old in registrations)]
-    registrations += new
+            difference = (f"store {root} was written by an older peagle that recorded no mask token choice; "
+                          "extract into a new --out (the old store still trains: `peagle train --mask-token-id N`)")
+    changed = P.changed_inputs(registrations, files)
+    notes: list[str] = []
+    restart = exists and not committed and bool(difference or changed)
+    dropped: list[P.InputRegistration] = []
+    if restart:  # its first run stopped before its first commit: nothing in it to keep
+        notes.append(f"note: store {root} holds no committed shard (its first run stopped before one); it is "
+                     "started afresh with this run's settings and inputs")
+        registrations = []
+    elif difference:
+        raise UserError(difference)
+    elif changed and not config.replace_changed_inputs:
+        raise UserError(P.changed_refusal(root, changed))
+    elif changed:
+        dropped = [r for _, old in changed for r in old]
+        registrations = [r for r in registrations if r not in dropped]
+        for f, old in changed:
+            old_shards = [s for r in old for s in range(r.first_shard, r.end_shard)]
+            notes.append(f"note: data file {f.path} changed since the store registered it: {len(old_shards)} old "
+                         f"{P.plural(len(old_shards), 'shard')} ({P.format_ranges(old_shards) or 'none'}) dropped, the file "
+                         "extracted again (--replace-changed-inputs)")
+    registrations += P.assign_registrations(registrations, files, config.samples_per_shard)
     shards = P.plan_shards(files, registrations)
     mine = P.shards_of_worker(shards, config.shard_index, config.num_shards)
-    done = {r.index for r in list_commits(root)} if exists else set()
+    gone = {s for r in dropped for s in range(r.first_shard, r.end_shard)}  # their indices may be reused
+    done = set() if restart else {r.index for r in committed if r.index not in gone}
     pending = [s for s in mine if s.index not in done]
     answer_tokens = config.max_new_tokens if config.regenerate else None
     tokens, sampled, mask_skips, supervised = estimate_tokens(pending, target.tokenizer, settings, config.loss_on,
@@ -100,7 +121,7 @@ def make_plan(config: ExtractConfig, target: TargetDirectory, settings: S.StoreS
     return ExtractPlan(settings=settings, files=files, shards=shards, mine=mine, pending=pending,
                        estimated_tokens=tokens, estimated_from_records=sampled, estimated_mask_skips=mask_skips,
                        estimated_supervised=supervised, free_bytes=shutil.disk_usage(probe).free, notes=notes,
-                       scan=scan)
+                       scan=scan, restart=restart, dropped=dropped)
 
 
 def estimate_tokens(pending: list[P.PlannedShard], tokenizer: Any, settings: S.StoreSettings, loss_on: str,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -10,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from peagle.schemas.errors import UserError
-from peagle.stages.extract.readers import count_records, decode_jsonl_line, iter_file_records
+from peagle.stages.extract.readers import check_has_records, count_records, decode_jsonl_line, iter_file_records
 
 
 def iter_records(paths):
@@ -159,3 +160,19 @@ def test_unreadable_file_fails_before_any_record_of_it(tmp_path):
     assert next(records).index == 0
     with pytest.raises(UserError, match="gone.jsonl"):
         next(records)
+
+
+def test_a_file_without_a_record_is_refused_naming_it(tmp_path):
+    """Empty input must not count as success (issue 37): 0 bytes, only blank lines (a BOM and CRLF
+    included) and 0 Parquet rows are one line each; one record anywhere is enough."""
+    cases = {"empty.jsonl": (b"", "is empty (0 bytes)"), "blank.jsonl": (b"\n \n\t\r\n", "holds only blank lines"),
+             "bom.jsonl": (b"\xef\xbb\xbf\n\n", "holds only blank lines")}
+    for name, (content, words) in cases.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(UserError, match=f"^data file {tmp_path / name} {re.escape(words)}; nothing to extract"):
+            check_has_records(tmp_path / name)
+    pq.write_table(pa.table({"messages": pa.array([], pa.string())}), tmp_path / "none.parquet")
+    with pytest.raises(UserError, match="none.parquet holds no records"):
+        check_has_records(tmp_path / "none.parquet")
+    (tmp_path / "late.jsonl").write_bytes(b"\n\n{oops\n")  # a bad record is a record: input_check judges it
+    assert check_has_records(tmp_path / "late.jsonl") == tmp_path / "late.jsonl"
