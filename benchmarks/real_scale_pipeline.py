@@ -34,7 +34,8 @@ def extract_args(data: Path, out: Path, target: Path, scale: Scale, *, temperatu
             "--temperature", str(temperature), "--top-p", "1.0" if temperature == 0 else "0.95", "--seed", str(seed),
             "--backend", "hf", "--device", scale.device, "--max-seq-len", str(scale.max_seq_len),
             "--max-new-tokens", str(scale.max_new_tokens), "--samples-per-shard", str(scale.samples_per_shard),
-            "--batch-size", str(scale.answer_batch), "--max-batch-tokens", str(scale.max_batch_tokens),
+            "--generation-batch-size", str(scale.answer_batch), "--batch-size", str(scale.answer_batch),
+            "--max-batch-tokens", str(scale.max_batch_tokens),
             "--hidden-dtype", scale.hidden_dtype]
 
 

@@ -72,6 +72,11 @@ class ExtractConfig:
     run reads are skipped as unusable; 1 never fails on skips. A run that reads no usable record, or
     commits no supervised token, fails whatever this says."""
 
+    replace_changed_inputs: bool = False
+    """An input file whose content changed since the store registered it is refused (its old shards
+    would stay beside the new ones, every unchanged record twice); with this, its old shards are
+    dropped and it is extracted again. Needs the store to itself (no other extract running on it)."""
+
     loss_on: str = "all"
     """Which assistant turns are supervised: `all`, `last` (the last one only), or `per_turn` (one
     sample per assistant turn, each supervising that turn). With `all`, a record whose chat template
@@ -130,6 +135,16 @@ class ExtractConfig:
     max_new_tokens: int = 512
     """Longest regenerated assistant turn, in tokens (`--regenerate`)."""
 
+    generation_dtype: str = "auto"
+    """hf backend, `--regenerate`: the dtype the target writes its answers in (`float32`,
+    `bfloat16`, or `auto`: bfloat16 on a CPU with native bf16 matmuls (AVX512-BF16 or AMX), where it
+    writes 2-3x faster, else --dtype). The aux states and top-k are still computed in --dtype; on a
+    GPU (bf16 already) the two are one model."""
+
+    generation_batch_size: int = 0
+    """hf backend, `--regenerate`: prompts generated together (0: 64 on CPU, 1024 on CUDA). Larger
+    batches make more tokens per second until memory or the longest answer of a batch dominates."""
+
     generation: str = "auto"
     """hf backend, `--regenerate`: the KV cache of generation. `dynamic` (transformers' growing
     cache), `static` (preallocated, written in place: the fast one for large batches on a GPU),
@@ -166,6 +181,9 @@ class ExtractConfig:
             object.__setattr__(self, name, dtype_choice(_flag(name), getattr(self, name), allowed))
         _choice("device", self.device, DEVICES)
         _choice("generation", self.generation, GENERATION_MODES)
+        object.__setattr__(self, "generation_dtype", dtype_choice("generation-dtype", self.generation_dtype, DTYPES))
+        if self.generation_batch_size < 0:
+            raise UserError(f"--generation-batch-size must be >= 0 (0: automatic), got {self.generation_batch_size}")
         for name in ("topk", "max_seq_len", "samples_per_shard", "num_shards", "batch_size",
                      "max_batch_tokens", "max_new_tokens"):
             if getattr(self, name) < 1:

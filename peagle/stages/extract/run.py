@@ -22,11 +22,11 @@ from peagle.pipeline.atomic import remove_stale_temps
 from peagle.pipeline.failpoints import failpoint
 from peagle.pipeline.prefetch import prefetch
 from peagle.pipeline.progress import Progress
-from peagle.pipeline.store import init_store, list_commits, rebuild_manifest
+from peagle.pipeline.store import WriterLock, init_store, list_commits, rebuild_manifest
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 from peagle.schemas.extract_config import ExtractConfig
-from peagle.stages.extract.readers import check_data_path, iter_file_records
+from peagle.stages.extract.readers import check_has_records, iter_file_records
 from peagle.stages.extract.regenerate import SamplingSettings, regenerate_records
 from peagle.stages.extract.conversation import BLANK_LINE, CONTAINS_MASK_TOKEN
 from peagle.stages.extract.input_check import NUM_EXAMPLES, BadRecord, check_input, words
@@ -99,7 +99,7 @@ def open_backend(name: str, config: ExtractConfig, settings: S.StoreSettings,
 
     return HFBackend(target.path, aux_layer_ids=settings.aux_layer_ids, topk=settings.topk,
                      dtype=settings.target.dtype, device=config.device, pad_token_id=pad,
-                     generation=config.generation)
+                     generation=config.generation, generation_dtype=config.generation_dtype)
 
 
 def run_forward(backend: TargetBackend, samples: list[TokenizedSample], config: ExtractConfig) -> list[TargetOutput]:
@@ -187,7 +187,8 @@ def prepared_shards(pending: list[P.PlannedShard], backend: TargetBackend, targe
         records_of = [list(iter_file_records(s.input_path, s.first_record, s.end_record)) for s in chunk]
         if config.regenerate:
             records_of = [regenerate_records(records, backend, target.tokenizer, sampling=sampling,
-                                             shard_index=shard.index, batch_size=config.batch_size,
+                                             shard_index=shard.index,
+                                             batch_size=settings.regenerate.get("generation_batch_size", 64),
                                              max_seq_len=settings.max_seq_len, echo=echo)
                           for shard, records in zip(chunk, records_of)]
         for shard, records in zip(chunk, records_of):
@@ -199,15 +200,18 @@ def run_extract(config: ExtractConfig, *, echo: Callable[[str], None] = print,
     """Plan, print the plan, and (unless ``dry_run``) extract this worker's missing shards.
 
     Raises:
-        UserError: missing/unloadable target, unreadable data, store made with other settings, not
-            enough disk, ``--strict`` and a bad record, disk full while writing.
+        UserError: missing/unloadable target (config, weights, tokenizer, chat template), unreadable or
+            empty data, a data file changed since the store registered it, store made with other
+            settings, not enough disk, ``--strict`` and a bad record, disk full while writing.
     """
     import torch
 
     if config.threads:
         torch.set_num_threads(config.threads)
     for path in config.data:  # cheap checks first: a typo should not wait for transformers to import
-        check_data_path(path)
+        check_has_records(path)
+    # The target and the inputs are checked before the store exists (docs/reliability.md): config
+    # and weights (open_target), tokenizer and chat template (store_settings), files (make_plan).
     target = open_target(config.target)
     settings = store_settings(config, target)
     backend_name = resolve_backend_name(config.backend)
@@ -225,10 +229,28 @@ def run_extract(config: ExtractConfig, *, echo: Callable[[str], None] = print,
                     supervised_tokens=plan.estimated_supervised if exact else None,
                     max_skipped_share=config.max_skipped_share, what="the dry run")
         return summary
+    with WriterLock(root) as writers:  # held for as long as this run may write (init_store's restart)
+        return extract_pending(config, plan, target, backend_name, writers, summary, echo=echo, progress=progress)
 
-    init_store(root, settings)
+
+def extract_pending(config: ExtractConfig, plan: ExtractPlan, target: TargetDirectory, backend_name: str,
+                    writers: WriterLock, summary: ExtractSummary, *, echo: Callable[[str], None],
+                    progress: bool) -> ExtractSummary:
+    """Join (or create, or restart) the store, register the inputs and extract this worker's missing
+    shards; ``writers`` held shared by the caller."""
+    root, settings = Path(config.out), plan.settings
+    init_store(root, settings, writers=writers, restart=plan.restart)
     for sub in (S.SHARDS_DIR, S.COMMITS_DIR, S.INPUTS_DIR, ""):
         remove_stale_temps(root / sub)
+    if plan.dropped:  # --replace-changed-inputs
+        if not writers.alone():
+            raise UserError(f"another extract is writing to store {root}; --replace-changed-inputs needs the "
+                            "store to itself: run it again once that one has finished")
+        try:
+            P.drop_registrations(root, plan.dropped)
+            rebuild_manifest(root)
+        finally:
+            writers.share()
     registrations = P.register_inputs(root, plan.files, config.samples_per_shard)
     mine = P.shards_of_worker(P.plan_shards(plan.files, registrations), config.shard_index, config.num_shards)
     done = {r.index for r in list_commits(root)}

@@ -49,14 +49,56 @@ def compute_dtype(config: ExtractConfig) -> str:
     return "bfloat16" if on_gpu else "float32"
 
 
+def check_tokenizer(target: TargetDirectory) -> None:
+    """The target's tokenizer loads, is a fast one and has a chat template: what every record needs.
+
+    Checked before the store exists, so that a target missing them fails naming the target, not
+    record by record as if the input were bad, and leaves no store behind (docs/reliability.md).
+
+    Raises:
+        UserError: one line naming the target and what it lacks.
+    """
+    tokenizer = target.tokenizer  # load_tokenizer names a directory without tokenizer files
+    if not getattr(tokenizer, "is_fast", False):
+        raise UserError(f"target {target.path}'s tokenizer is not a fast tokenizer (extract needs offset "
+                        "mappings): give the target a tokenizer.json")
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(f"target {target.path}'s tokenizer has no chat template (tokenizer_config.json: "
+                        "chat_template, or chat_template.jinja); copy the model's chat template into it")
+
+
+def regeneration_settings(config: ExtractConfig) -> dict[str, Any]:
+    """What decides the text ``--regenerate`` writes, recorded in the store so that no two runs with
+    different ones put their shards in one store: the sampling settings and, with the hf backend,
+    the model dtype that writes the answers and the batches they are written in (each batch draws
+    from its own seed; a run's ``auto`` resolves on its machine, so a worker on another kind of
+    CPU is refused rather than silently writing other text)."""
+    if not config.regenerate:
+        return {}
+    out: dict[str, Any] = {"temperature": config.temperature, "top_p": config.top_p,
+                           "max_new_tokens": config.max_new_tokens, "seed": config.seed}
+    if resolve_backend_name(config.backend) == "hf":
+        import torch
+
+        from peagle.model.target_backend_hf import resolve_generation_dtype
+
+        on_gpu = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+        compute = getattr(torch, compute_dtype(config))
+        device = torch.device("cuda" if on_gpu else "cpu")
+        out["generation_dtype"] = str(resolve_generation_dtype(config.generation_dtype, compute, device)).removeprefix("torch.")
+        out["generation_batch_size"] = config.generation_batch_size or (1024 if on_gpu else 64)
+    return out
+
+
 def store_settings(config: ExtractConfig, target: TargetDirectory) -> S.StoreSettings:
     """The settings this run writes with (a pure function of the config and the target, so every
     worker of a store derives the same ones).
 
     Raises:
-        UserError: bad aux layers for this target, an unloadable tokenizer, or no usable mask token
-            (``choose_mask_token``).
+        UserError: bad aux layers for this target, an unloadable tokenizer or one without a chat
+            template (``check_tokenizer``), or no usable mask token (``choose_mask_token``).
     """
+    check_tokenizer(target)
     aux_ids = resolve_aux_layer_ids(config, target.config.num_hidden_layers)
     mask = choose_mask_token(target.tokenizer, int(target.config.vocab_size), config.mask_token_id)
     identity = target.identity(compute_dtype(config))
@@ -67,5 +109,4 @@ def store_settings(config: ExtractConfig, target: TargetDirectory) -> S.StoreSet
         logprob_dtype=config.logprob_dtype, loss_on=config.loss_on, mask_token_id=mask.token_id,
         mask_token=mask.token, mask_token_source=mask.source, supervise_reasoning=config.supervise_reasoning,
         hidden_dtype=config.hidden_dtype,
-        regenerate=({"temperature": config.temperature, "top_p": config.top_p,
-                     "max_new_tokens": config.max_new_tokens, "seed": config.seed} if config.regenerate else {}))
+        regenerate=regeneration_settings(config))

@@ -123,7 +123,8 @@ def test_rerun_with_other_settings_is_refused_naming_both_values(data, tiny_llam
 
 def test_rerun_with_another_target_is_refused(data, tiny_llama, tiny_qwen3, tmp_path):
     _quiet(_config(data, tiny_llama, tmp_path / "s", samples_per_shard=100, max_seq_len=64))
-    with pytest.raises(UserError, match=f"target.path='{tiny_llama.resolve()}'.*target.path='{tiny_qwen3.resolve()}'"):
+    with pytest.raises(UserError, match=f"extracted from target {tiny_llama.resolve()} .*--target {tiny_qwen3.resolve()} "
+                                        "has other weights"):
         _quiet(_config(data, tiny_qwen3, tmp_path / "s", samples_per_shard=100, max_seq_len=64))
 
 
@@ -180,6 +181,19 @@ def test_regenerate_replaces_assistant_turns_deterministically(tiny_llama, tmp_p
         assert regen["input_ids"] != orig["input_ids"] and sum(regen["loss_mask"]) > 0
 
 
+def test_how_the_answers_were_written_is_part_of_the_store(tiny_llama, tmp_path):
+    """The hf backend records the resolved generation dtype and batch size: a re-run that would write
+    the answers differently (another batch, so other seeds; another dtype) is refused, not mixed in."""
+    data = write_chat_jsonl(tmp_path / "r.jsonl", 4, seed=2)
+    kw = dict(regenerate=True, max_new_tokens=4, temperature=0.0, samples_per_shard=2, topk=4,
+              generation_dtype="float32", generation_batch_size=2)
+    _quiet(_config(data, tiny_llama, tmp_path / "s", **kw))
+    recorded = json.loads((tmp_path / "s" / S.STORE_SETTINGS_FILE).read_text())["regenerate"]
+    assert recorded["generation_dtype"] == "float32" and recorded["generation_batch_size"] == 2
+    with pytest.raises(UserError, match="generation_batch_size"):
+        _quiet(_config(data, tiny_llama, tmp_path / "s", **{**kw, "generation_batch_size": 3}))
+
+
 def test_regenerate_answers_prompt_only_records_and_says_each_round(tiny_llama, tmp_path):
     """Prompts alone are records for --regenerate: a conversation that ends with a user turn, or an
     empty assistant turn, gets the target's answer (without --regenerate both are skipped)."""
@@ -211,12 +225,20 @@ def test_appending_a_data_file_adds_shards_after_the_existing_ones(data, tiny_ll
     assert again.records == [] and "0 to do" in again.printed  # type: ignore[attr-defined]
 
 
-def test_a_changed_file_of_a_known_name_is_noted_in_the_plan(tiny_llama, tmp_path):
+def test_a_changed_file_is_refused_or_replaced(tiny_llama, tmp_path):
+    """An edited input would keep both versions (issue 37): refused naming it; with
+    --replace-changed-inputs its old shards go and it is extracted again."""
     data = write_chat_jsonl(tmp_path / "a.jsonl", 4, seed=3)
     _quiet(_config(data, tiny_llama, tmp_path / "s", topk=4))
-    write_chat_jsonl(data, 5, seed=3)  # edited in place: new content, same name
-    printed = _quiet(_config(data, tiny_llama, tmp_path / "s", topk=4, dry_run=True)).printed  # type: ignore[attr-defined]
-    assert "note: a.jsonl is in the store already with other content: this content gets new shards 1..1" in printed
+    write_chat_jsonl(data, 5, seed=3)  # edited in place: new content, same path
+    for dry_run in (True, False):
+        with pytest.raises(UserError, match=f"data file {data} changed since store .* registered it"):
+            _quiet(_config(data, tiny_llama, tmp_path / "s", topk=4, dry_run=dry_run))
+    printed = _quiet(_config(data, tiny_llama, tmp_path / "s", topk=4, replace_changed_inputs=True)).printed  # type: ignore[attr-defined]
+    assert f"note: data file {data} changed since the store registered it: 1 old shard (0) dropped" in printed
+    assert [(r.index, r.num_records) for r in open_store(tmp_path / "s").shards] == [(0, 5)]  # the index again
+    other = shutil.copy(data, tmp_path / "b.jsonl")  # another file of the same content is the same file
+    assert _quiet(_config(Path(other), tiny_llama, tmp_path / "s", topk=4)).records == []
 
 
 def test_make_batches_is_fixed_and_bounded():
