@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from peagle.model.speculators_format import write_export
+from peagle.model.finite import describe, non_finite_tensors
 from peagle.model.target import CONFIG_FILE, read_config_json
 from peagle.pipeline.checkpoint_files import DraftCheckpoint, read_draft_checkpoint
 from peagle.schemas.errors import UserError
@@ -39,6 +40,10 @@ def export_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *, veri
             that holds something other than an export.
     """
     ckpt = read_draft_checkpoint(source)
+    bad = non_finite_tensors(ckpt.state_dict)
+    if bad:  # `peagle eval RUN_DIR` exports through here too; `peagle export` refused earlier, with a hint
+        raise UserError(f"checkpoint {source} holds non-finite weights (NaN or inf) in {describe(bad)}; "
+                        "a draft exported from it would draft nothing useful")
     target = ckpt.train_config.get("target")
     verifier = verifier_name or (str(Path(target).resolve()) if target else None)
     if not verifier:

@@ -120,6 +120,9 @@ def test_nan_weights_are_refused_by_export_and_by_init_from(train_baseline, runn
     res = runner.run("export", run, "--out", tmp_path / "export")
     one_line_error(res, f"checkpoint {bad} holds non-finite weights", f"export {run / 'checkpoints' / good.name} instead")
     assert not (tmp_path / "export").exists()
+    res = runner.run("eval", bad, "--out", tmp_path / "report")  # eval exports a checkpoint itself
+    one_line_error(res, f"checkpoint {bad} holds non-finite weights")
+    assert not (tmp_path / "report" / "export").exists()
     figures.add(faults_survived=1)
 
     export = tmp_path / "good-export"
