@@ -19,8 +19,8 @@ Per variant: the first call (compile included), the median of ``--iters`` forwar
 forward-only calls (device sync around each), the useful TFLOP/s (4·pairs·D·heads per forward,
 x3.5 for forward+backward, as the reference counts), and the output's largest relative difference
 from ``auto``'s (a variant must compute the same attention). ``flash`` needs ``flash_attn.cute``
-(flash-attn-4 and nvidia-cutlass-dsl, a 92 MB wheel: more than a device run can carry), so where it
-is missing its record says so. ``--deadline`` starts no variant after that many seconds and a
+(flash-attn-4 and nvidia-cutlass-dsl, whose 92 MB library wheel travels to a GPU machine in two
+parts: ``gpu_suite.sh --fa4``), so where it is missing its record says so. ``--deadline`` starts no variant after that many seconds and a
 SIGTERM writes the variant in flight as ``timeout``; JSON: one object per variant, appended to
 ``--out``. The reference's own attention-only mode (``bench.py --mode attn``) runs beside this in
 the GPU suite's ``attention`` part.
@@ -94,8 +94,8 @@ def variant_options(name: str) -> tuple[dict, bool]:
 def flash_missing() -> str | None:
     """Why the FLASH backend cannot run here (None: it can try)."""
     if importlib.util.find_spec("flash_attn") is None or importlib.util.find_spec("flash_attn.cute") is None:
-        return ("flash_attn.cute is not installed (flash-attn-4 needs nvidia-cutlass-dsl, whose 92 MB wheel is "
-                "more than the 64 MiB a device run can carry)")
+        return ("flash_attn.cute is not installed (flash-attn-4 and nvidia-cutlass-dsl: on a GPU machine, "
+                "gpu_suite.sh --fa4 installs them from the parts scripts/download_gpu_wheels.sh makes)")
     return None
 
 

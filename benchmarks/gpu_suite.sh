@@ -39,7 +39,8 @@ set -u
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
 
-SMOKE=0 OUT="" WORK="" ANCHOR="" BUDGET=480
+SMOKE=0 OUT="" WORK="" ANCHOR="" BUDGET=480 FA4=""
+SITE=${PEAGLE_SITE:-/tmp/site}  # where carried wheels are installed (kept between two back-to-back calls)
 ALL_PARTS="env train_step speculators attention train_run cuda_tests longest_context extract"
 PARTS="$ALL_PARTS"
 # A 15-minute lease as two calls (the header): the parts of each and its budget.
@@ -54,6 +55,8 @@ Options:
   --out DIR                  results folder (default: benchmarks/results/gpu; with --smoke: a temp dir)
   --work DIR                 big scratch files: stores, targets, runs (default: /tmp/peagle-gpu-suite)
   --speculators-anchor DIR   the reference harness folder (bench.py); absent: speculators keys are null
+  --fa4 DIR                  this call's FlashAttention-4 wheels and parts (scripts/download_gpu_wheels.sh:
+                             .whl-fa4/call1, then .whl-fa4/call2, which joins and installs them)
   --call 1|2                 one of a lease's two calls: --parts "$CALL1_PARTS" --budget $CALL1_BUDGET,
                              or --parts "$CALL2_PARTS" --budget $CALL2_BUDGET
   --parts "A B"              run only these parts (default: all); the summary reads every part in OUT,
@@ -68,6 +71,7 @@ while [ $# -gt 0 ]; do
     --out) OUT=${2:?--out needs a folder}; shift ;;
     --work) WORK=${2:?--work needs a folder}; shift ;;
     --speculators-anchor) ANCHOR=${2:?--speculators-anchor needs a folder}; shift ;;
+    --fa4) FA4=${2:?--fa4 needs a folder}; shift ;;
     --parts) PARTS=${2:?--parts needs a list}; shift ;;
     --call)
       case ${2:-} in
@@ -109,9 +113,33 @@ if [ -z "$PY" ]; then
 fi
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 if [ "$SMOKE" = 0 ] && ls .whl/*.whl >/dev/null 2>&1; then
-  echo "installing .whl/*.whl into /tmp/site"
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+  echo "installing .whl/*.whl into $SITE"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+    && export PYTHONPATH="$SITE:$PYTHONPATH"
+fi
+
+FA4_STAGING=${PEAGLE_FA4_STAGING:-/tmp/fa4}
+if [ -n "$FA4" ]; then
+  # FlashAttention-4 in parts (scripts/download_gpu_wheels.sh): each call stages what it carries in
+  # /tmp (kept between two calls sent back to back); the call that completes the big wheel joins it,
+  # checked by sha256, and installs it with the small wheels beside it into $SITE.
+  for part in "$FA4"/*.part-*; do
+    [ -e "$part" ] || continue
+    "$PY" scripts/payload.py add "$part" --into "$FA4_STAGING/parts" --manifest "${part%.part-*}.sha256.json" || exit 2
+  done
+  for manifest in "$FA4"/*.sha256.json; do
+    [ -e "$manifest" ] || continue
+    name=$(basename "$manifest" .sha256.json)
+    if "$PY" scripts/payload.py join "$name" --from "$FA4_STAGING/parts" --out "$FA4_STAGING/$name" >/dev/null 2>&1; then
+      echo "FlashAttention-4: $name joined; installing into $SITE"
+      small=()
+      for wheel in "$FA4"/*.whl; do [ -e "$wheel" ] && small+=("$wheel"); done
+      "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+        "$FA4_STAGING/$name" "${small[@]}" && export PYTHONPATH="$SITE:$PYTHONPATH"
+    else
+      echo "FlashAttention-4: $("$PY" scripts/payload.py status "$FA4_STAGING/parts" | head -1) (the next call carries the rest)"
+    fi
+  done
 fi
 
 START=$(date +%s)

@@ -24,8 +24,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from gpu_summary import KEYS, build_summary  # noqa: E402
 
 
-def run_suite(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+def run_suite(*args: str, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(["bash", str(SUITE), *args], capture_output=True, text=True, env=env, timeout=timeout)
 
 
@@ -202,3 +202,34 @@ def test_the_gpu_parts_fit_a_lease_as_two_calls():
     for names, budget in calls:
         assert sum(parts.get(p, 0) for p in names) <= budget <= 600 - 30
     assert 50 + sum(budget + 10 for _, budget in calls) <= 900 - 60  # a minute's margin for the gap between calls
+
+
+def test_a_wheel_too_big_for_one_call_is_staged_then_joined_and_installed_by_the_next(tmp_path):
+    """--fa4: call 1 stages the first part of FlashAttention-4's big wheel, call 2 the second, joins it
+    (sha256-checked) and installs it with the small wheels it carries (here: a stand-in pure wheel)."""
+    import zipfile
+
+    big = tmp_path / "src" / "bigpkg-1.0-py3-none-any.whl"
+    big.parent.mkdir()
+    with zipfile.ZipFile(big, "w") as zf:  # a real (installable) wheel, made larger than one part
+        zf.writestr("bigpkg/__init__.py", "VALUE = 42\n")
+        zf.writestr("bigpkg/blob.bin", os.urandom(3 * 2**20))
+        zf.writestr("bigpkg-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: bigpkg\nVersion: 1.0\n")
+        zf.writestr("bigpkg-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        zf.writestr("bigpkg-1.0.dist-info/RECORD", "")
+    parts = tmp_path / "parts"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "payload.py"), "split", str(big), "--out", str(parts),
+                    "--part-mib", "2"], check=True, capture_output=True)
+    calls = {c: tmp_path / c for c in ("call1", "call2")}
+    for i, folder in enumerate(calls.values()):
+        folder.mkdir()
+        (folder / f"{big.name}.part-00{i}").write_bytes((parts / f"{big.name}.part-00{i}").read_bytes())
+        (folder / f"{big.name}.sha256.json").write_bytes((parts / f"{big.name}.sha256.json").read_bytes())
+    env = {"PEAGLE_FA4_STAGING": str(tmp_path / "staging"), "PEAGLE_SITE": str(tmp_path / "site")}
+    first = run_suite("--parts", "env", "--budget", "30", "--out", str(tmp_path / "out1"), "--fa4", str(calls["call1"]),
+                      env=env)
+    assert "1 of 2 parts present" in first.stdout and not (tmp_path / "site").exists(), first.stdout + first.stderr
+    second = run_suite("--parts", "env", "--budget", "30", "--out", str(tmp_path / "out2"), "--fa4", str(calls["call2"]),
+                       env=env)
+    assert f"{big.name} joined" in second.stdout, second.stdout + second.stderr
+    assert (tmp_path / "site" / "bigpkg" / "__init__.py").read_text() == "VALUE = 42\n"
