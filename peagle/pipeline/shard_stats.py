@@ -26,6 +26,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch import Tensor
+
+from peagle.pipeline import fp8
+from peagle.pipeline.aux_rows import StoredAux
 from peagle.pipeline.raw_reader import RawSample
 from peagle.schemas import store as S
 
@@ -55,48 +59,63 @@ class SampleRows:
         return usable
 
 
-NORM_CHUNK_ROWS = 4096  # states converted to float32 at a time (48 MiB at H = 4096)
+NORM_CHUNK_ROWS = 4096  # states converted to float32 at a time where torch runs on several threads (48 MiB)
 
 
-def state_norms(states_nAH: torch.Tensor, chunk_rows: int = NORM_CHUNK_ROWS) -> torch.Tensor:
+def state_norms(states_nAH: Tensor | StoredAux, chunk_rows: int | None = None) -> Tensor:
     """float32 L2 norm of each (row, layer) state, NaN/inf where a value is: the numbers of
-    ``vector_norm(states.float(), dim=-1)``, computed through a float32 buffer of a few thousand rows.
+    ``vector_norm(states.float(), dim=-1)``, computed through a float32 buffer of ``chunk_rows``
+    (row, layer) states: by default ``fp8.chunk_rows()`` (256) on a thread that runs torch on one core,
+    else ``NORM_CHUNK_ROWS``; fp8 ``StoredAux`` rows are dequantised into it chunk by chunk.
 
     Converting a shard's bf16 states whole allocates twice their size, and with the whole-tensor
     ``isfinite``/``== 0`` passes beside it this cost extract's writer 14 s per 0.6 GB shard of
     8B-shaped states on 2 CPU cores, more than the target's forward on a GPU
-    (benchmarks/results/gpu/2026-11-27-h200-b/NOTES.md).
+    (benchmarks/results/gpu/2026-11-27-h200-b/NOTES.md). On the writer's one torch thread a buffer
+    that stays in the cache (256 rows, 4 MiB) makes the pass 5x faster again than one of 48 MiB, and
+    dequantising an fp8 sample chunk by chunk instead of whole does more (benchmarks/writer_throughput.py).
     """
-    flat_RH = states_nAH.reshape(-1, states_nAH.shape[-1])
+    aux = states_nAH if isinstance(states_nAH, StoredAux) else StoredAux(states_nAH)
+    chunk_rows = chunk_rows or fp8.chunk_rows() or NORM_CHUNK_ROWS
+    hidden = aux.values_TAH.shape[-1]
+    flat_RH = aux.values_TAH.reshape(-1, hidden)
+    scale_R = None if aux.scale_TA is None else aux.scale_TA.reshape(-1)
     if flat_RH.dtype == torch.float32:
-        return torch.linalg.vector_norm(flat_RH, dim=-1).view(states_nAH.shape[:-1])
+        return torch.linalg.vector_norm(flat_RH, dim=-1).view(aux.values_TAH.shape[:-1])
     norms_R = torch.empty(flat_RH.shape[0], dtype=torch.float32)
-    buffer_CH = torch.empty(min(chunk_rows, flat_RH.shape[0]), flat_RH.shape[1], dtype=torch.float32)
+    buffer_CH = torch.empty(min(chunk_rows, flat_RH.shape[0]), hidden, dtype=torch.float32)
     for start in range(0, flat_RH.shape[0], chunk_rows):
-        chunk_CH = buffer_CH[:min(chunk_rows, flat_RH.shape[0] - start)]
-        chunk_CH.copy_(flat_RH[start:start + chunk_CH.shape[0]])
-        torch.linalg.vector_norm(chunk_CH, dim=-1, out=norms_R[start:start + chunk_CH.shape[0]])
-    return norms_R.view(states_nAH.shape[:-1])
+        rows = slice(start, min(start + chunk_rows, flat_RH.shape[0]))
+        chunk_CH = buffer_CH[:rows.stop - start]
+        chunk_CH.copy_(flat_RH[rows] if scale_R is None else fp8.dequantize(flat_RH[rows], scale_R[rows]))
+        torch.linalg.vector_norm(chunk_CH, dim=-1, out=norms_R[rows])
+    return norms_R.view(aux.values_TAH.shape[:-1])
 
 
-def zero_and_non_finite(states_nAH: torch.Tensor, norm_nA: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def zero_and_non_finite(states_nAH: Tensor | StoredAux, norm_nA: Tensor) -> tuple[Tensor, Tensor]:
     """(every value exactly 0, some value NaN or inf) for each state, given its norm.
 
     Exact, and value by value only where the norm leaves doubt: a non-finite value makes the norm
     non-finite and an all-zero state makes it 0, but the squares of finite values can also overflow
-    float32 (norm inf) or underflow it (norm 0), so those rare states are looked at whole."""
+    float32 (norm inf) or underflow it (norm 0), so those rare states are looked at whole (fp8 rows
+    dequantised)."""
+
+    def states_at(mask_nA: Tensor) -> Tensor:
+        rows = states_nAH[mask_nA]
+        return rows.states() if isinstance(rows, StoredAux) else rows
+
     non_finite_nA, zero_nA = ~torch.isfinite(norm_nA), norm_nA == 0
     if non_finite_nA.any():
-        non_finite_nA[non_finite_nA.clone()] = ~torch.isfinite(states_nAH[non_finite_nA]).all(dim=-1)
+        non_finite_nA[non_finite_nA.clone()] = ~torch.isfinite(states_at(non_finite_nA)).all(dim=-1)
     if zero_nA.any():
-        zero_nA[zero_nA.clone()] = (states_nAH[zero_nA] == 0).all(dim=-1)
+        zero_nA[zero_nA.clone()] = (states_at(zero_nA) == 0).all(dim=-1)
     return zero_nA, non_finite_nA
 
 
 def sample_rows(sample: RawSample) -> SampleRows:
     """The row facts of one sample's stored rows (its aux states as read back: fp8 dequantised)."""
-    norm_nA = state_norms(sample.aux_nAH)
-    zero_nA, non_finite_nA = zero_and_non_finite(sample.aux_nAH, norm_nA)
+    norm_nA = state_norms(sample.aux)  # (fp8: dequantised a chunk at a time, never whole)
+    zero_nA, non_finite_nA = zero_and_non_finite(sample.aux, norm_nA)
     logprobs_nk = sample.topk_logprobs_nk.float()
     next_n1 = sample.next_tokens_n1.numpy()
     predicting_n1k = sample.topk_ids_nk[:-1].numpy()  # topk[i] for the rows i that have a next token

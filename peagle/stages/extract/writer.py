@@ -153,9 +153,11 @@ class ShardWriter:
 
     ``max_pending`` shards may wait in the queue (each holds its tensors in memory); ``submit`` blocks
     when the queue is full, so memory stays bounded and the model waits only on a slow disk. With
-    ``num_threads`` > 1 several shards are written at once (file writes and sha256 release the GIL);
-    commit order then varies, which nothing depends on: each commit record stands alone and the
-    manifest is derived from all of them. ``on_commit`` runs on a writer thread after each commit.
+    ``num_threads`` > 1 several shards are written at once (torch's ops, file writes and sha256 release
+    the GIL); commit order then varies, which nothing depends on: each commit record stands alone and
+    the manifest is derived from all of them. Each writer thread runs torch on one core, passing over
+    the states in cache-sized chunks (``peagle.pipeline.fp8.chunk_rows``); the bytes are those of any
+    other thread count. ``on_commit`` runs on a writer thread after each commit.
     """
 
     _STOP = object()
@@ -167,12 +169,25 @@ class ShardWriter:
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._lock = threading.Lock()
         self._error: BaseException | None = None
-        self._threads = [threading.Thread(target=self._loop, name=f"peagle-shard-writer-{i}", daemon=True)
-                         for i in range(num_threads)]
+        num_torch_threads = torch.get_num_threads()  # this thread's, and the default of threads to come
+        started = threading.Barrier(num_threads + 1)
+        self._threads = [threading.Thread(target=self._loop, args=(started,), name=f"peagle-shard-writer-{i}",
+                                          daemon=True) for i in range(num_threads)]
         for t in self._threads:
             t.start()
+        started.wait()
+        # torch.set_num_threads also sets the count that threads started from now on begin with: put
+        # back the caller's, now that every writer thread has set its own.
+        torch.set_num_threads(num_torch_threads)
 
-    def _loop(self) -> None:
+    def _loop(self, started: threading.Barrier) -> None:
+        # One core for this thread's torch ops (the shard's own work runs in chunks that stay in the
+        # cache; several shards at once are the parallelism). torch's OpenMP teams on a loaded machine
+        # wait for each other at every op: 10-20x slower fp8 encoding on 2 shared cores
+        # (benchmarks/writer_throughput.py). The count is per thread once the thread has read it.
+        torch.get_num_threads()
+        torch.set_num_threads(1)
+        started.wait()
         while (item := self._queue.get()) is not self._STOP:
             if self._error is not None:
                 continue  # drain: after a failure nothing more is written

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from peagle.pipeline import fp8
 from peagle.pipeline.store import init_store, list_commits, open_store, sha256_file
 from peagle.pipeline.shard_tensors import open_shard_tensors
 from peagle.schemas import store as S
@@ -157,3 +159,102 @@ def test_shard_writer_commits_in_order_and_reraises_errors(tmp_path):
     with pytest.raises((OSError, UserError)):
         writer.close()
     assert not Path(str(broken) + "/shards").exists()
+
+
+# --------------------------------------------------------------------------------------------------
+# The writer as extract runs it (threads, one torch thread each, rows in cache-sized chunks) writes the
+# bytes the serial writer wrote before: whole-tensor fp8 conversions and norms, on the caller's thread.
+
+
+def _old_quantize(states_TAH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fp8.quantize`` as it was: the whole tensor at once."""
+    x = states_TAH.float()
+    scale_TA = (x.abs().amax(dim=-1) / fp8.FP8_MAX).to(fp8.SCALE_DTYPE)
+    divisor_TA = torch.where(scale_TA == 0, torch.ones_like(scale_TA), scale_TA)
+    return (x / divisor_TA[..., None]).clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8_DTYPE), scale_TA
+
+
+def _old_dequantize(codes_TAH: torch.Tensor, scale_TA: torch.Tensor, dtype: torch.dtype = fp8.STATES_DTYPE):
+    """``fp8.dequantize`` as it was: torch's own float8 conversion, the whole tensor at once."""
+    return (codes_TAH.float() * scale_TA.float()[..., None]).to(dtype)
+
+
+def _big_content(index: int) -> ShardContent:
+    """Samples of several hundred (row, layer) states each, so that every chunked pass takes several
+    chunks; one with a NaN (dropped), one with an all-zero state."""
+    hidden, lengths = 64, (300, 129, 511, 90)
+    samples, outputs = [], []
+    for i, n in enumerate(lengths):
+        g = torch.Generator().manual_seed(100 + i)
+        aux = torch.randn(n, A, hidden, generator=g) * torch.logspace(-2, 2, hidden)
+        if i == 0:
+            aux[7, 1] = 0.0
+        if i == 3:
+            aux[50, 0, 5] = float("nan")
+        samples.append(_sample(i, n))
+        outputs.append(TargetOutput(aux_TAH=aux.to(torch.bfloat16),
+                                    topk_ids_TK=torch.randint(0, 64, (n, K), generator=g, dtype=torch.int32),
+                                    topk_logprobs_TK=-torch.rand(n, K, generator=g).sort(dim=-1).values * 5))
+    return ShardContent(index=index, input_name="a.jsonl", first_record=0, end_record=len(lengths), samples=samples,
+                        outputs=outputs, backend="hf")
+
+
+@pytest.mark.parametrize("hidden_dtype", [S.HIDDEN_BF16, S.HIDDEN_FP8])
+def test_threaded_chunked_writer_writes_the_serial_writers_bytes(tmp_path, monkeypatch, hidden_dtype):
+    settings = replace(SETTINGS, target=replace(TARGET, hidden_size=64), max_seq_len=1024, hidden_dtype=hidden_dtype)
+    contents = [_big_content(i) for i in range(3)]
+    new = tmp_path / "threaded"
+    init_store(new, settings)
+    writer = ShardWriter(new, settings, num_threads=2)  # as run_extract drives it
+    for content in contents:
+        writer.submit(content)
+    records = writer.close()
+
+    old = tmp_path / "serial"
+    init_store(old, settings)
+    with monkeypatch.context() as m:
+        m.setattr(fp8, "quantize", _old_quantize)
+        m.setattr(fp8, "dequantize", _old_dequantize)
+        m.setattr(fp8, "chunk_rows", lambda: None)  # (norms: 4096 rows a pass, as before)
+        old_records = [write_and_commit(old, content, settings) for content in contents]
+
+    here = tmp_path / "caller"  # today's code on the caller's thread (torch's own thread count)
+    init_store(here, settings)
+    assert [write_and_commit(here, content, settings) for content in contents] == old_records
+
+    assert records == old_records and all(r.skipped == {S.NON_FINITE_TARGET: 1} for r in records)
+    assert [layer.zero_rows for layer in records[0].stats.layers] == [0, 1, 0]
+    for i in range(3):
+        for rel in (S.parquet_name(i), S.tensors_name(i), S.commit_name(i)):
+            assert (new / rel).read_bytes() == (old / rel).read_bytes(), rel
+    assert (new / S.MANIFEST_FILE).read_bytes() == (old / S.MANIFEST_FILE).read_bytes()
+
+
+def test_writer_threads_use_one_torch_thread_and_leave_the_callers_count(tmp_path, monkeypatch):
+    """The writer threads' torch ops run on one core each; the caller's count, and that of threads
+    started after the writer, stay what they were."""
+    import peagle.stages.extract.writer as writer_module
+
+    seen = []
+
+    def fake_write(root, content, settings):
+        seen.append(torch.get_num_threads())
+        return S.ShardRecord(index=content.index, parquet="p", safetensors="s", num_samples=0, num_tokens=0,
+                             parquet_bytes=0, safetensors_bytes=0, parquet_sha256="", safetensors_sha256="",
+                             input_file="a", first_record=0, end_record=0, num_records=0)
+
+    monkeypatch.setattr(writer_module, "write_and_commit", fake_write)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        writer = ShardWriter(tmp_path, SETTINGS, num_threads=2)
+        for i in range(4):
+            writer.submit(_content(index=i))
+        assert [r.index for r in writer.close()] == [0, 1, 2, 3]
+        later = []
+        thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        assert seen == [1] * 4 and torch.get_num_threads() == 2 and later == [2]
+    finally:
+        torch.set_num_threads(before)
