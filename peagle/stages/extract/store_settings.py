@@ -71,8 +71,8 @@ def regeneration_settings(config: ExtractConfig) -> dict[str, Any]:
     """What decides the text ``--regenerate`` writes, recorded in the store so that no two runs with
     different ones put their shards in one store: the sampling settings and, with the hf backend,
     the model dtype that writes the answers and the batches they are written in (each batch draws
-    from its own seed; a run's ``auto`` resolves on its machine, so a worker on another kind of
-    CPU is refused rather than silently writing other text)."""
+    from its own seed; a run's ``auto`` batch size resolves on its machine, so a worker on another
+    kind of machine is refused rather than silently writing other text)."""
     if not config.regenerate:
         return {}
     out: dict[str, Any] = {"temperature": config.temperature, "top_p": config.top_p,
@@ -84,8 +84,7 @@ def regeneration_settings(config: ExtractConfig) -> dict[str, Any]:
 
         on_gpu = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
         compute = getattr(torch, compute_dtype(config))
-        device = torch.device("cuda" if on_gpu else "cpu")
-        out["generation_dtype"] = str(resolve_generation_dtype(config.generation_dtype, compute, device)).removeprefix("torch.")
+        out["generation_dtype"] = str(resolve_generation_dtype(config.generation_dtype, compute)).removeprefix("torch.")
         out["generation_batch_size"] = config.generation_batch_size or (1024 if on_gpu else 64)
     return out
 
