@@ -287,8 +287,16 @@ def smoke(work: Path, wheel: Path | None, cache_dir: Path) -> None:
         raise SystemExit(f"the pipeline exported nothing: see {work / 'device' / 'pipeline.log'}")
     import real_scale_serve
 
+    # Every export is restored and checked against the target's embedding; one is served (each vLLM
+    # engine start costs a minute on 2 loaded cores): the 4-layer draft, the largest that travels.
     served = real_scale_serve.serve(work / "received", cached_target_dir("smollm2", cache_dir), work / "serve", ks=[5],
-                                    max_prompts=SMOKE.serve_prompts, max_new_tokens=16)
+                                    max_prompts=SMOKE.serve_prompts, max_new_tokens=16, only=["peagle-4l"])
+    from peagle.model.speculators_format import with_target_embedding
+
+    for transport in sorted((work / "received" / "transport").iterdir()):
+        if not (work / "serve" / "exports" / transport.name).exists():
+            with_target_embedding(transport, cached_target_dir("smollm2", cache_dir),
+                                  work / "serve" / "exports" / transport.name)
     (work / "received" / "served.json").write_text(json.dumps(served, indent=1))
     say(f"smoke done: {work / 'received'}")
 

@@ -22,7 +22,6 @@ from real_scale import (GPU, PARTS, extract_rates, RUNS, SMOKE, Scale, Steps, he
                         templated_train_prompts, train_args, wait_or_stop, write_jsonl)
 
 EXPORT_RESERVE_S = {"gpu": 45.0, "smoke": 90.0}
-PROMPT_CHUNKS = 3
 S2_MAX_S = 120.0
 """At most this long for the second (sampled) answers: new prompts' answers and training steps pay more."""
 TRAIN_SHARE = 0.36
@@ -63,13 +62,13 @@ def make_prompts(steps: Steps, scale: Scale, target: Path, data: Path, budget: f
     (data / "heldout-phrases.txt").write_text("".join(p + "\n" for p in phrases))
     magpie: list[dict] = []
     ends = time.time() + budget
-    for chunk in range(PROMPT_CHUNKS):  # in chunks, so a slow target still leaves the chunks made in time
+    for chunk in range(scale.prompt_chunks):
         out = data / f"magpie-{chunk}.jsonl"
         left = ends - time.time()
         if not out.exists() and (chunk == 0 or left > 20):
             steps.peagle(f"prompts-{chunk}", [
                 "prompts", "--target", str(target), "--out", str(out), "--num-prompts",
-                str(-(-scale.num_magpie // PROMPT_CHUNKS)), "--batch-size", str(scale.prompt_batch),
+                str(-(-scale.num_magpie // scale.prompt_chunks)), "--batch-size", str(scale.prompt_batch),
                 "--max-new-tokens", str(scale.prompt_max_new), "--backend", "hf", "--device", scale.device,
                 "--seed", str(chunk), "--exclude-phrases", str(data / "heldout-phrases.txt"),
                 "--exclude-prompts", str(data / "heldout-all.jsonl")], budget=max(left, 60.0))

@@ -51,11 +51,15 @@ def relative_difference(a: float | None, b: float | None) -> float | None:
     return None if not a or b is None else round((b - a) / a, 4)
 
 
-def serve(results: Path, target: Path, work: Path, *, ks: list[int], max_prompts: int, max_new_tokens: int) -> dict:
+def serve(results: Path, target: Path, work: Path, *, ks: list[int], max_prompts: int, max_new_tokens: int,
+          only: list[str] | None = None) -> dict:
+    """Serve every export in RESULTS/transport (``only``: those named), then the K sweep of the best."""
     prompts = results / "data" / "serve-prompts.jsonl"
     served: dict = {"prompts": str(prompts), "max_prompts": max_prompts, "max_new_tokens": max_new_tokens,
                     "target": str(target), "exports": {}}
     for transport in sorted((results / "transport").iterdir()):
+        if only is not None and transport.name not in only:
+            continue
         export = work / "exports" / transport.name
         if not export.exists():
             with_target_embedding(transport, target, export)
