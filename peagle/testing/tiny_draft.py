@@ -51,3 +51,35 @@ def hf_llama_config(config: DraftConfig):
 
     fields = config.llama_config_dict()
     return LlamaConfig(**{k: v for k, v in fields.items() if k not in ("model_type", "architectures")})
+
+
+def tiny_eval_run(root, target, *, num_chats: int, samples_per_shard: int, max_seq_len: int, step: int):
+    """ROOT/store (a tiny HF extraction on ``target``) and ROOT/run: a run directory with one checkpoint
+    (at ``step``) of a random 1-layer draft over it, as `peagle eval RUN_DIR` reads one. Returns the run."""
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from peagle.model.draft import build_draft_from_target
+    from peagle.schemas.extract_config import ExtractConfig
+    from peagle.stages.extract.run import run_extract
+    from peagle.stages.train import checkpoint as ckpt
+    from peagle.testing.chat_data import write_chat_jsonl
+
+    root = Path(root)
+    data = write_chat_jsonl(root / "chat.jsonl", num_chats, seed=9)
+    run_extract(ExtractConfig(data=(str(data),), target=str(target), out=str(root / "store"), backend="hf",
+                              topk=4, samples_per_shard=samples_per_shard, device="cpu", max_seq_len=max_seq_len),
+                echo=lambda _: None, progress=False)
+    config = DraftConfig.from_target_config(
+        AutoConfig.from_pretrained(target), num_layers=1, draft_vocab_size=512,
+        mask_token_id=AutoTokenizer.from_pretrained(target).convert_tokens_to_ids("<|mask|>"))
+    torch.manual_seed(0)
+    draft = build_draft_from_target(target, config, torch.arange(512))
+    part = {"train_config": {"target": str(target), "num_depths": 3, "store": [str(root / "store")],
+                             "heldout_fraction": 0.0, "eval_store": None},
+            "draft_config": config.to_dict(), "world_size": 1, "store_manifest_hash": "0" * 64}
+    ckpt.Checkpointer(root / "run", keep=1).save(step, {ckpt.MODEL: draft.state_dict(), ckpt.OPTIMIZER: {},
+                                                        ckpt.LR_SCHEDULER: {}, ckpt.TRAIN_STATE: {}, ckpt.CONFIG: part,
+                                                        ckpt.DATALOADER: {}, ckpt.RNG: {}})
+    return root / "run"

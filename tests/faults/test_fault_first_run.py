@@ -23,7 +23,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from faultkit import EXTRACT_FLAGS, ok, one_line_error, snapshot
-from peagle.testing.chat_data import write_chat_jsonl
 
 
 def flags_with(**changes: str) -> list[str]:
@@ -198,32 +197,10 @@ def test_a_changed_input_file_is_refused_or_replaced(extract_baseline, runner, t
 def run_dir(tmp_path_factory, tiny_llama) -> Path:
     """A run directory with one checkpoint of a random draft, over a tiny store (as in
     tests/stages/eval/test_run.py)."""
-    import torch
-    from transformers import AutoConfig, AutoTokenizer
+    from peagle.testing.tiny_draft import tiny_eval_run
 
-    from peagle.model.draft import build_draft_from_target
-    from peagle.schemas.draft_config import DraftConfig
-    from peagle.schemas.extract_config import ExtractConfig
-    from peagle.stages.extract.run import run_extract
-    from peagle.stages.train import checkpoint as ckpt
-
-    root = tmp_path_factory.mktemp("eval-prompts")
-    data = write_chat_jsonl(root / "chat.jsonl", 4, seed=9)
-    run_extract(ExtractConfig(data=(str(data),), target=str(tiny_llama), out=str(root / "store"), backend="hf",
-                              topk=4, samples_per_shard=4, device="cpu", max_seq_len=128),
-                echo=lambda _: None, progress=False)
-    config = DraftConfig.from_target_config(
-        AutoConfig.from_pretrained(tiny_llama), num_layers=1, draft_vocab_size=512,
-        mask_token_id=AutoTokenizer.from_pretrained(tiny_llama).convert_tokens_to_ids("<|mask|>"))
-    torch.manual_seed(0)
-    draft = build_draft_from_target(tiny_llama, config, torch.arange(512))
-    part = {"train_config": {"target": str(tiny_llama), "num_depths": 3, "store": [str(root / "store")],
-                             "heldout_fraction": 0.0, "eval_store": None},
-            "draft_config": config.to_dict(), "world_size": 1, "store_manifest_hash": "0" * 64}
-    ckpt.Checkpointer(root / "run", keep=1).save(1, {ckpt.MODEL: draft.state_dict(), ckpt.OPTIMIZER: {},
-                                                     ckpt.LR_SCHEDULER: {}, ckpt.TRAIN_STATE: {}, ckpt.CONFIG: part,
-                                                     ckpt.DATALOADER: {}, ckpt.RNG: {}})
-    return root / "run"
+    return tiny_eval_run(tmp_path_factory.mktemp("eval-prompts"), tiny_llama, num_chats=4, samples_per_shard=4,
+                         max_seq_len=128, step=1)
 
 
 @pytest.mark.parametrize("name, text", [("empty.txt", ""), ("blank.txt", "\n \n"), ("empty.jsonl", ""),
