@@ -301,8 +301,9 @@ def smoke(work: Path, wheel: Path | None, cache_dir: Path) -> None:
     say(f"smoke done: {work / 'received'}")
 
 
-SMOKE_WINDOW_S = 600
-"""The smoke pipeline's deadline (2 CPU cores: the real target's steps take minutes here)."""
+SMOKE_WINDOW_S = 1200
+"""The smoke pipeline's deadline (2 CPU cores shared with the rest of the test suite: the real target's
+steps take minutes here; seen: its first prompts run cut at 90 s under CI's load)."""
 
 
 def main(argv: list[str] | None = None) -> None:

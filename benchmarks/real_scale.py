@@ -47,6 +47,8 @@ class Scale:
     """Templated training prompts used (None: all of them)."""
     prompt_chunks: int = 3
     """``peagle prompts`` runs (a slow target still leaves the chunks made in time)."""
+    min_prompt_s: float = 60.0
+    """The least time the first prompts run gets, whatever the window's share says."""
     prompt_batch: int = 2048
     prompt_max_new: int = 96
     answer_batch: int = 2048
@@ -76,7 +78,8 @@ class Scale:
 
 
 GPU = Scale()
-SMOKE = Scale(device="cpu", num_magpie=6, num_templated=20, prompt_chunks=1, prompt_batch=6, prompt_max_new=64, answer_batch=16,
+SMOKE = Scale(device="cpu", num_magpie=4, num_templated=20, prompt_chunks=1, min_prompt_s=400.0, prompt_batch=4,
+              prompt_max_new=48, answer_batch=16,
               samples_per_shard=16, max_new_tokens=24, max_seq_len=256, max_batch_tokens=4096, hidden_dtype="bf16",
               heldout_chats=4, serve_prompts=2, vocab=256, token_budget=512, num_workers=0, startup_s=5.0,
               steps_per_s={"peagle-1l": 1.0, "peagle-4l": 1.0, "eagle3-1l": 1.0}, min_steps=3, max_steps=4)

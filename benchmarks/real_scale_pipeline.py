@@ -71,7 +71,7 @@ def make_prompts(steps: Steps, scale: Scale, target: Path, data: Path, budget: f
                 str(-(-scale.num_magpie // scale.prompt_chunks)), "--batch-size", str(scale.prompt_batch),
                 "--max-new-tokens", str(scale.prompt_max_new), "--backend", "hf", "--device", scale.device,
                 "--seed", str(chunk), "--exclude-phrases", str(data / "heldout-phrases.txt"),
-                "--exclude-prompts", str(data / "heldout-all.jsonl")], budget=max(left, 60.0))
+                "--exclude-prompts", str(data / "heldout-all.jsonl")], budget=max(left, 30.0))
         if out.exists():
             magpie += read_jsonl(out)
     seen, chats = set(), []
@@ -115,7 +115,7 @@ def pipeline(work: Path, deadline: float, scale_name: str, *, wheel: Path | None
         target = target_dir
     steps.summary["target"] = str(target)
 
-    parts = make_prompts(steps, scale, target, data, budget=max(60.0, 0.15 * total))
+    parts = make_prompts(steps, scale, target, data, budget=max(scale.min_prompt_s, 0.15 * total))
     stores = work / "stores"
     heldout = stores / "heldout"
     steps.peagle("extract-heldout", extract_args(data / "heldout.jsonl", heldout, target, scale, temperature=0, seed=0),
