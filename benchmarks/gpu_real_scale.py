@@ -260,12 +260,10 @@ def smoke(work: Path, wheel: Path | None, cache_dir: Path) -> None:
     check_wheel(spec, wheel)
     shutil.rmtree(work / "parts", ignore_errors=True)
     run([*PAYLOAD_TOOL, "split", wheel, "--out", work / "parts", "--part-mib", str(PART_MIB)])
-    manifest = work / "parts" / f"{WHEEL_NAME}.sha256.json"
     parts = sorted((work / "parts").glob(f"{WHEEL_NAME}.part-*"))
     if len(parts) != 2:
         raise SystemExit(f"the wheel should travel in two parts, got {len(parts)}")
-    for part in parts:  # one per device call
-        run([*PAYLOAD_TOOL, "add", part, "--into", work / "staging", "--manifest", manifest])
+    stage(work / "parts", work / "staging")  # as calls 1 and 2 do, one part each
     joined = work / "joined" / WHEEL_NAME
     run([*PAYLOAD_TOOL, "join", WHEEL_NAME, "--from", work / "staging", "--out", joined,
          "--expect-sha256", spec.wheel_sha256])

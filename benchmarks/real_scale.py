@@ -30,8 +30,10 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from recipe_curves import read_curve  # the trainer's held-out evaluations, one reader for both benchmarks
 
 from peagle.pipeline.atomic import atomic_write_json
 from peagle.testing.chat_prompts import chat_prompts, is_heldout, _subjects
@@ -217,14 +219,6 @@ def train_args(run: Run, stores: dict[str, Path], weights: dict[str, float], *, 
     return flags
 
 
-def read_curve(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-    return [{"step": r["step"], "al_estimate": round(r["acceptance_length_estimate"], 4), "loss": round(r["loss"], 4),
-             "depth_agreement": [round(a, 4) for a in r["depth_agreement"]]}
-            for r in rows if r.get("kind") == "eval"]
-
-
 def train_rate(run_dir: Path) -> dict:
     """Steps, steps/s and tokens/s of a run, from its metrics.jsonl training lines."""
     path = run_dir / "metrics.jsonl"
@@ -318,22 +312,8 @@ def extract_rates(log: Path) -> dict:
     return out
 
 
-def json_of(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def summary_of_run(run: Run, run_dir: Path, rc: int | None, steps_planned: int) -> dict:
     curve = read_curve(run_dir)
     return {"run": run.name, "headline": run.headline, "stores": list(run.stores), "flags": list(run.flags),
             "rc": rc, "stopped_at_deadline": rc == -1, "steps_planned": steps_planned, **train_rate(run_dir),
             "curve": curve, "final_al_estimate": curve[-1]["al_estimate"] if curve else None}
-
-
-def as_dict(scale: Scale) -> dict:
-    return asdict(scale)
-
-
-

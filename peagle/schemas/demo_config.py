@@ -20,7 +20,7 @@ DEMO_BACKENDS = ("auto", "vllm", "hf")
 
 @dataclass(frozen=True, kw_only=True)
 class DemoConfig:
-    """Settings of `peagle demo` (README "Two commands"; docs/usage.md): which target, how big a run, where it goes."""
+    """Settings of `peagle demo` (README "Quick start"; docs/usage.md): which target, how big a run, where it goes."""
 
     target: str = "smollm2"
     """smollm2: SmolLM2-135M-Instruct, a real instruct model fetched from the package registry
