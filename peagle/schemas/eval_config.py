@@ -8,6 +8,10 @@ from peagle.schemas.dtypes import dtype_choice
 from peagle.schemas.errors import UserError
 
 EVAL_MODES = ("offline", "online", "vllm")
+"""The modes that run on this machine alone (`peagle demo --eval-modes` takes these)."""
+SERVER_MODE = "server"
+"""The mode that measures a running vLLM server (needs --server URL; peagle/stages/eval/server.py)."""
+ALL_EVAL_MODES = (*EVAL_MODES, SERVER_MODE)
 TARGET_DTYPES = ("float32", "bfloat16", "float64")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -36,8 +40,16 @@ class EvalConfig:
     """K: draft tokens per step (all modes). Default: the export's speculative_tokens."""
 
     mode: tuple[str, ...] | None = None
-    """Comma list of offline,online,vllm. Default: every mode that can run here (offline needs a
-    store, vllm needs vLLM)."""
+    """Comma list of offline,online,vllm,server. Default: every mode that can run here (offline needs a
+    store, vllm needs vLLM); with --server: server and online (the reference its acceptance is judged
+    against), offline with a store, no in-process vllm (the server holds the accelerator)."""
+
+    server: str | None = None
+    """URL of a running vLLM server of this export (`vllm serve EXPORT_DIR`, e.g. http://localhost:8000):
+    mode server sends it the same prompts (/v1/completions, token ids, greedy) and reads acceptance from
+    its /metrics before and after. Those counters are server-wide: measure a server nobody else is using
+    (other requests in between are detected and refused). vLLM does not publish whether it drafts in
+    parallel; the report judges it by comparing with the online/vllm modes (docs/usage.md)."""
 
     out: str | None = None
     """Report directory (report.json + PNG plots). Default: RUN_DIR/eval, or EXPORT_DIR-eval."""
@@ -72,9 +84,20 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         if self.mode is not None:
-            unknown = sorted(set(self.mode) - set(EVAL_MODES))
+            unknown = sorted(set(self.mode) - set(ALL_EVAL_MODES))
             if unknown or not self.mode:
-                raise UserError(f"--mode takes a comma list of {','.join(EVAL_MODES)}, got {','.join(self.mode)}")
+                raise UserError(f"--mode takes a comma list of {','.join(ALL_EVAL_MODES)}, got {','.join(self.mode)}")
+            if SERVER_MODE in self.mode and not self.server:
+                raise UserError("--mode server measures a running vLLM server: pass its URL, --server http://HOST:PORT")
+            if self.server and SERVER_MODE not in self.mode:
+                raise UserError(f"--server {self.server} is measured by mode server, which --mode "
+                                f"{','.join(self.mode)} leaves out: add server to --mode")
+        if self.server is not None:
+            if not self.server.startswith(("http://", "https://")):
+                raise UserError(f"--server takes the server's base URL, http://HOST:PORT, got {self.server!r}")
+            if self.temperature > 0:
+                raise UserError(f"--server measures greedy decoding (temperature 0, as the server's acceptance "
+                                f"is compared with our loop's), got --temperature {self.temperature:g}")
         if self.temperature < 0:
             raise UserError(f"--temperature must be >= 0, got {self.temperature}")
         for name in ("max_new_tokens", "max_prompts", "max_samples"):

@@ -4,7 +4,7 @@
 is what `peagle eval` prints of it); the plots are
 
 * ``per_depth_acceptance.png`` -- P(draft d accepted) for d = 1..K, per mode (offline chains, own
-  loop, vLLM), with the conditional acceptance of the offline chains;
+  loop, vLLM, a live server), with the conditional acceptance of the offline chains;
 * ``acceptance_length.png`` -- AL(k) for k = 1..K, per mode;
 * ``training_curves.png`` -- loss, per-depth agreement and acceptance-length estimate against the
   step, from ``RUN_DIR/metrics.jsonl`` (skipped when there is none). Each line says what it is: the
@@ -27,8 +27,9 @@ from typing import Any
 from peagle.pipeline.atomic import atomic_write_json
 
 REPORT_FILE = "report.json"
-MODES = ("offline", "online", "vllm")
-MODE_LABELS = {"offline": "offline (teacher-forced chains)", "online": "own loop", "vllm": "vLLM"}
+MODES = ("offline", "online", "vllm", "server")
+MODE_LABELS = {"offline": "offline (teacher-forced chains)", "online": "own loop", "vllm": "vLLM",
+               "server": "live vLLM server"}
 
 
 def _finite(x: Any) -> Any:
@@ -43,19 +44,20 @@ def _finite(x: Any) -> Any:
 
 
 def compare_modes(sections: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """AL and per-depth acceptance side by side, and the own-loop vs vLLM relative AL gap."""
+    """AL and per-depth acceptance side by side, and the relative AL gaps |a - b| / b of own loop vs
+    vLLM, server vs own loop and server vs vLLM (``A_vs_B_relative_difference``)."""
     out: dict[str, Any] = {mode: {"acceptance_length": s.get("acceptance_length"),
                                   "per_depth_acceptance": s.get("per_depth_acceptance")}
                            for mode, s in sections.items() if s}
-    own, served = sections.get("online"), sections.get("vllm")
-    if own and served and own.get("acceptance_length") and served.get("acceptance_length"):
-        a, b = own["acceptance_length"], served["acceptance_length"]
-        out["online_vs_vllm_relative_difference"] = abs(a - b) / b if b else None
+    for a_mode, b_mode in (("online", "vllm"), ("server", "online"), ("server", "vllm")):
+        a, b = ((sections.get(m) or {}).get("acceptance_length") for m in (a_mode, b_mode))
+        if a and b:
+            out[f"{a_mode}_vs_{b_mode}_relative_difference"] = abs(a - b) / b
     return out
 
 
 def build_report(*, sections: dict[str, dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
-    """``{"meta", "offline", "online", "vllm", "comparison"}`` (absent modes are null)."""
+    """``{"meta", "offline", "online", "vllm", "server", "comparison"}`` (absent modes are null)."""
     report = {"meta": meta, **{m: sections.get(m) for m in MODES}, "comparison": compare_modes(sections)}
     return _finite(report)
 
@@ -188,7 +190,7 @@ CURVE_LABELS = {
 LOSS_LABELS = {"train": "training batches", "eval": "eval store / held-out split"}
 
 MEASURED_LABELS = {"offline": "offline chains on eval's --store", "online": "own loop, eval prompts",
-                   "vllm": "vLLM, eval prompts"}
+                   "vllm": "vLLM, eval prompts", "server": "live vLLM server, eval prompts"}
 
 
 def measured_acceptance(report: dict[str, Any]) -> dict[str, float]:
@@ -251,7 +253,7 @@ def _fmt(x: Any, digits: int = 3) -> str:
 def summary_table(report: dict[str, Any]) -> str:
     """A few lines a person reads first: AL and per-depth acceptance per mode, speedup, output checks."""
     lines = [f"{'mode':<10} {'AL':>6}  per-depth acceptance"]
-    for mode in ("offline", "online", "vllm"):
+    for mode in MODES:
         section = report.get(mode)
         if not section:
             continue
@@ -266,11 +268,19 @@ def summary_table(report: dict[str, Any]) -> str:
     if served.get("speedup") is not None:
         lines.append(f"vLLM: {_fmt(served.get('tokens_per_target_forward'), 2)} tokens/target forward, "
                      f"speedup {_fmt(served.get('speedup'), 2)}x over vLLM serving the target alone (same prompts)")
-    for mode, key in (("online", "greedy_output_matches_plain"), ("vllm", "greedy_output_matches_target_only")):
+    live = report.get("server") or {}
+    if live:
+        lines.append(f"server: {_fmt(live.get('tokens_per_target_forward'), 2)} tokens/target forward, "
+                     f"{_fmt(live.get('spec_tokens_per_second'), 1)} generated tokens/s over HTTP, "
+                     f"drafting {(live.get('drafting') or {}).get('verdict')}")
+    for mode, key in (("online", "greedy_output_matches_plain"), ("vllm", "greedy_output_matches_target_only"),
+                      ("server", "greedy_output_matches_target"), ("server", "greedy_output_matches_vllm_target_only")):
         value = (report.get(mode) or {}).get(key)
         if value is not None:
-            lines.append(f"{mode}: greedy output equals the target's own: {value}")
-    gap = (report.get("comparison") or {}).get("online_vs_vllm_relative_difference")
-    if gap is not None:
-        lines.append(f"own loop vs vLLM acceptance length: {100 * gap:.1f}% apart")
+            lines.append(f"{mode}: greedy output equals the target's own{' (vLLM)' if 'vllm' in key else ''}: {value}")
+    names = {"online": "own loop", "vllm": "vLLM", "server": "server"}
+    for a, b in (("online", "vllm"), ("server", "online"), ("server", "vllm")):
+        gap = (report.get("comparison") or {}).get(f"{a}_vs_{b}_relative_difference")
+        if gap is not None:
+            lines.append(f"{names[a]} vs {names[b]} acceptance length: {100 * gap:.1f}% apart")
     return "\n".join(lines)

@@ -5,9 +5,11 @@ vLLM serves. Modes:
 
 * ``offline`` -- teacher-forced chains on held-out store samples (:mod:`.offline`);
 * ``online`` -- our own speculative-decoding loop with the HF target (:mod:`.online`);
-* ``vllm`` -- the export in vLLM with parallel drafting (:mod:`.vllm_eval`).
+* ``vllm`` -- the export in vLLM with parallel drafting (:mod:`.vllm_eval`);
+* ``server`` -- a running ``vllm serve EXPORT_DIR`` at ``--server URL`` (:mod:`.server`), judged
+  against ``online`` / ``vllm``.
 
-All use the same K (``num_depths``) and, online and vLLM, the same prompts and stop tokens.
+All use the same K (``num_depths``) and, online, vLLM and server, the same prompts and stop tokens.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from peagle.schemas.checkpoint import CHECKPOINTS_DIR
 from peagle.schemas.errors import UserError
 from peagle.schemas.eval_config import EvalConfig
 from peagle.schemas.train_config import parse_store_spec
-from peagle.stages.eval import offline, online, prompts as prompt_sources, report as reporting
+from peagle.stages.eval import offline, online, prompts as prompt_sources, report as reporting, server as serving
 from peagle.stages.eval.vllm_eval import run_vllm, vllm_available
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -95,6 +97,8 @@ def resolve_store(config: EvalConfig, exported: ExportedDraft) -> tuple[Store | 
 
 
 def resolve_modes(config: EvalConfig, has_store: bool) -> list[str]:
+    """``--mode``, checked, or the default (EvalConfig.mode): with ``--server`` no in-process vllm,
+    since the server holds the accelerator."""
     if config.mode is not None:
         if "offline" in config.mode and not has_store:
             raise UserError("--mode offline needs a store: pass --store (the run records none)")
@@ -103,7 +107,9 @@ def resolve_modes(config: EvalConfig, has_store: bool) -> list[str]:
         return list(config.mode)
     modes = ["offline"] if has_store else []
     modes.append("online")
-    if vllm_available():
+    if config.server:
+        modes.append("server")
+    elif vllm_available():
         modes.append("vllm")
     else:
         _warn("vLLM is not importable here: skipping --mode vllm")
@@ -121,14 +127,20 @@ def run_eval(config: EvalConfig, *, echo: Callable[[str], None] = print) -> dict
     target_dir = config.target or exported.verifier
     store, heldout = resolve_store(config, exported)
     modes = resolve_modes(config, store is not None)
-    needs_target = "online" in modes or "vllm" in modes
+    needs_target = bool({"online", "vllm", "server"} & set(modes))
     if needs_target:
         if not (target_dir and (Path(target_dir) / CONFIG_FILE).is_file()):
-            raise UserError(f"online/vLLM modes need the target model: pass --target DIR (export names {target_dir!r})")
+            raise UserError(f"online/vLLM/server modes need the target model (its tokenizer, chat template and stop "
+                            f"tokens at least): pass --target DIR (export names {target_dir!r})")
         if store is not None:  # its samples become prompts: they must be the target's own tokens
             check_store_matches_target(store.settings, open_target(target_dir), store=store.root)
+    probe = None
+    if "server" in modes:  # before any slow mode: a wrong server is one line at once
+        probe = serving.probe_server(config.server, export_dir=where.export_dir,
+                                     verifiers=[exported.verifier, target_dir], num_depths=K)
     torch.manual_seed(config.seed)
     sections: dict[str, dict[str, Any]] = {}
+    greedy_outputs: dict[str, list[list[int]] | None] = {}  # the target's own, for the server's check
 
     if "offline" in modes:
         samples = iter_training_samples(store, heldout_fraction=heldout, max_samples=config.max_samples)
@@ -158,6 +170,8 @@ def run_eval(config: EvalConfig, *, echo: Callable[[str], None] = print) -> dict
                                         temperature=config.temperature, seed=config.seed, stop_ids=set(stops),
                                         progress=not config.quiet)
         sections["online"] = {**result.to_dict(), "prompt_source": prompt_source}
+        if all(r.plain is not None for r in result.prompts):
+            greedy_outputs["target"] = [r.plain.tokens for r in result.prompts]
         del target
 
     if "vllm" in modes:
@@ -168,6 +182,16 @@ def run_eval(config: EvalConfig, *, echo: Callable[[str], None] = print) -> dict
                           ignore_eos=config.ignore_eos, target_only=config.temperature <= 0,
                           target=None if _same_path(target_dir, exported.verifier) else target_dir)
         sections["vllm"] = {**result.to_dict(), "prompt_source": prompt_source}
+        greedy_outputs["vllm_target_only"] = result.target_only_outputs
+
+    if "server" in modes:
+        section, outputs = serving.measure_server(probe, prompt_ids, max_new_tokens=config.max_new_tokens,
+                                                  stop_ids=stops, ignore_eos=config.ignore_eos)
+        sections["server"] = {
+            **section, **serving.greedy_matches(outputs, greedy_outputs),
+            "drafting": serving.judge_drafting(section, {m: sections.get(m) for m in ("online", "vllm")},
+                                               parallel=draft.config.method != "eagle3"),
+            "prompt_source": prompt_source}
 
     meta = {
         "peagle_version": peagle.__version__,

@@ -68,3 +68,20 @@ def test_summary_table_reads_the_report():
     table = summary_table(report)
     assert "offline" in table and "vllm" in table and "% apart" in table
     assert f"{report['online']['acceptance_length']:.3f}" in table
+
+
+def test_a_live_server_is_reported_and_compared_with_both_references(tmp_path):
+    from peagle.stages.eval.report import summary_table
+
+    served = {**section([11, 20, 29, 40]), "spec_tokens_per_second": 812.5, "tokens_per_target_forward": 2.9,
+              "greedy_output_matches_target": True, "drafting": {"verdict": "consistent with parallel drafting"}}
+    report = build_report(sections={**sections(), "server": served}, meta={})
+    for reference in ("online", "vllm"):
+        gap = report["comparison"][f"server_vs_{reference}_relative_difference"]
+        assert gap == pytest.approx(abs(served["acceptance_length"] - report[reference]["acceptance_length"])
+                                    / report[reference]["acceptance_length"])
+    table = summary_table(report)
+    assert "server vs own loop acceptance length" in table and "server vs vLLM acceptance length" in table
+    assert "812.5 generated tokens/s" in table and "consistent with parallel drafting" in table
+    assert "server: greedy output equals the target's own: True" in table
+    assert write_report(tmp_path, report)["per_depth_acceptance"].is_file()
