@@ -58,7 +58,8 @@ class DemoConfig:
     """--target tiny: training steps of the tiny target (first run only; cached by its settings)."""
 
     num_heldout: int = 16
-    """Held-out prompts the eval decodes."""
+    """Held-out prompts, about subjects no training chat is about: the eval decodes them, and the
+    target answers them into the held-out store that train scores the draft on (the held-out curve)."""
 
     seed: int = 0
     """Seed for data split, training and sampling."""
@@ -68,7 +69,8 @@ class DemoConfig:
 
     eval_modes: tuple[str, ...] | None = None
     """Comma list of offline,online,vllm (default: online,vllm for smollm2, all three for tiny; vllm
-    only where it imports). offline is teacher-forced on the training store."""
+    only where it imports). offline is teacher-forced on the held-out store (the held-out prompts,
+    answered by the target)."""
 
     def __post_init__(self) -> None:
         for name, allowed in (("target", DEMO_TARGETS), ("backend", DEMO_BACKENDS), ("method", DRAFT_METHODS)):

@@ -69,11 +69,30 @@ def test_the_root_verbose_flag_reaches_every_stage(tmp_path, run_peagle):
     assert (out / "data" / "train.jsonl").read_text().count("\n") == 2
 
 
+def test_demo_data_keeps_every_heldout_subject_out_of_training(tmp_path):
+    """The held-out prompts (which eval decodes and the held-out store answers) share no subject
+    with a training chat, so the held-out curve and the measured acceptance are on unseen subjects."""
+    from peagle.cli.demo import write_demo_data
+    from peagle.testing.chat_prompts import chat_prompts
+
+    train_path, prompts_path, num_train = write_demo_data(tmp_path, "smollm2", num_train=80, num_heldout=16, seed=0)
+    subject_of = {p.text: p.subject for split in ("train", "heldout") for p in chat_prompts(split=split, seed=0)}
+
+    def subjects(path):
+        return {subject_of[json.loads(line)["messages"][0]["content"]] for line in path.read_text().splitlines()}
+
+    held = [json.loads(line)["messages"] for line in prompts_path.read_text().splitlines()]
+    assert num_train == 80 and len(held) == 16 and all(len(m) == 1 and m[0]["role"] == "user" for m in held)
+    assert subjects(train_path).isdisjoint(subjects(prompts_path))
+
+
 @pytest.mark.slow
 def test_the_tiny_demo_runs_every_stage_and_writes_its_summary(tmp_path, run_peagle):
     """The demo end to end (README's first command runs the same code on SmolLM2), at the smallest
     budget: every stage runs as its own `peagle` process, prints its command and time, and the summary
     holds the store, the training and an acceptance measured in our loop with greedy output unchanged.
+    The held-out prompts eval decodes are also extracted into a held-out store that train scores the
+    draft on at every --eval-every: metrics.jsonl holds the held-out curve, training_curves.png draws it.
     What a demo draft accepts is benchmarks/results/cpu/demo_summary.json's business, not this test's."""
     out = tmp_path / "demo"
     proc = run_peagle("demo", "--target", "tiny", "--target-steps", "2", "--num-train-chats", "3", "--num-heldout", "1",
@@ -82,8 +101,20 @@ def test_the_tiny_demo_runs_every_stage_and_writes_its_summary(tmp_path, run_pea
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for stage in ("extract", "vocab", "train", "export", "eval"):
         assert f"\n$ peagle {stage} " in proc.stdout and f"[demo] {stage}: " in proc.stdout, stage
+    assert f"--out {out / 'heldout-store'} " in proc.stdout and "[demo] extract held-out: " in proc.stdout
+    assert f"--eval-store {out / 'heldout-store'} --eval-every 1" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["store"]["samples"] == 3 and summary["train"]["steps"] == 2
+    assert summary["heldout_store"]["samples"] == 1  # exactly the prompts eval decodes
+    assert summary["eval"]["meta"]["settings"]["prompts"] == str(out / "data" / "heldout_prompts.jsonl")
+    metrics = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    heldout = [m for m in metrics if m["kind"] == "eval"]
+    assert [m["step"] for m in heldout] == [1, 2] and all(m["acceptance_length_estimate"] >= 1.0 for m in heldout)
+    assert summary["estimates"]["heldout_prompts"] == heldout[-1]["acceptance_length_estimate"]
+    assert summary["train"]["num_heldout_points"] == 2 and summary["estimates"]["training_batches"] >= 1.0
+    assert summary["eval"]["plots"]["training_curves"] == "training_curves.png"
+    assert (out / "report" / "training_curves.png").stat().st_size > 0
     online = summary["eval"]["online"]
     assert online["acceptance_length"] >= 1.0 and online["greedy_output_matches_plain"]
     assert "peagle demo summary" in proc.stdout and "online       acceptance length" in proc.stdout
+    assert "estimates    acceptance length " in proc.stdout and " on held-out prompts" in proc.stdout
