@@ -72,7 +72,9 @@ class Trainer:
         self.checkpointer = ckpt.Checkpointer(self.run_dir, keep=config.keep_checkpoints)
         self.extra: dict[str, Any] = {}  # what the config part records besides the configs
         self.lr_used, self.data_wait_s = 0.0, 0.0
-        self.compute_dtype: torch.dtype | None = None  # None: the device's default (step.py)
+        # None: the device's default (device.default_compute_dtype); tests may set it too
+        self.compute_dtype: torch.dtype | None = (None if config.compute_dtype == "auto"
+                                                  else getattr(torch, config.compute_dtype))
         self.roots = [Path(spec.path) for spec in config.stores()]
         self.epoch_began_at: dict[int, int] = {}  # with --follow/--epoch-shards: the step each epoch began at
         self.run_lock: RunLock | None = None  # rank 0's, from build() to close()
@@ -278,10 +280,12 @@ class Trainer:
                 self.data_wait_s, window_start = 0.0, time.perf_counter()
             if bar is not None:
                 bar.update(1)
+            paused = time.perf_counter()  # evals and saves are not training: kept out of the window's tokens/s
             if c.eval_every and (self.step % c.eval_every == 0 or last) and self.eval_loader is not None:
                 self._write_metrics(self.evaluate())
             if (c.save_every and self.step % c.save_every == 0) or last:
                 self.checkpointer.save(self.step, self.state_dict())
+            window_start += time.perf_counter() - paused
         if bar is not None:
             bar.close()
         if c.follow:  # the steps are spent: is the store complete, was every shard trained on?

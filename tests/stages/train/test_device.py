@@ -23,7 +23,10 @@ def test_a_cuda_device_always_gets_an_index():
 
 
 def test_cuda_answers_without_a_gpu():
-    assert default_compute_dtype(CUDA) == torch.bfloat16 and default_compute_dtype(torch.device("cpu")) == torch.float32
+    cpu = torch.device("cpu")
+    assert default_compute_dtype(CUDA) == torch.bfloat16
+    assert default_compute_dtype(cpu, cpu_has_bf16=True) == torch.bfloat16  # AVX512-BF16 / AMX: native bf16 matmuls
+    assert default_compute_dtype(cpu, cpu_has_bf16=False) == torch.float32  # emulated bf16 is slow
     assert uses_copy_stream(CUDA) and not uses_copy_stream(torch.device("cpu"))
     assert uses_fused_optimizer(CUDA) and not uses_fused_optimizer(torch.device("cpu"))
     assert pins_memory(CUDA) and not pins_memory(torch.device("cpu"))

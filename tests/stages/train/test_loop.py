@@ -168,6 +168,18 @@ def test_resume_refuses_a_changed_setting_and_allows_more_steps(finished_run, tm
     assert "nothing to do" in capsys.readouterr().err
 
 
+def test_bf16_compute_on_cpu_trains_finite_steps_and_a_resume_may_not_change_it(tiny_store, tmp_path, capsys):
+    out = tmp_path / "bf16"
+    run_training(run_config(tiny_store, out, max_steps=2, compute_dtype="bf16"))  # any dtype spelling
+    assert "compute bfloat16" in capsys.readouterr().err
+    train = [r for r in metrics(out) if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [1, 2] and all(math.isfinite(r["loss"]) for r in train)
+    with pytest.raises(UserError, match=r"--compute-dtype was 'bfloat16' in the checkpointed run and is 'float32' now"):
+        run_training(run_config(tiny_store, out, max_steps=3, compute_dtype="float32"))
+    with pytest.raises(UserError, match=r"--compute-dtype must be one of auto, float32 \(fp32"):
+        run_config(tiny_store, out, compute_dtype="int8")
+
+
 def test_epochs_become_a_step_count(tiny_store, tmp_path):
     trainer = Trainer(run_config(tiny_store, tmp_path / "e", max_steps=None, epochs=1.0, grad_accum=2))
     trainer.build()
