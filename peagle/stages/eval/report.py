@@ -238,8 +238,8 @@ def plot_training_curves(metrics: list[dict[str, Any]], *, measured: dict[str, f
         ax.set_xlabel("step")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # the AL estimates rise to the top right: keep it clear
+            ax.legend(fontsize=7, loc="lower right" if ax is axes[2] else "best")
     figure.text(0.5, -0.04, "Training-batch figures are scored on text the draft trains on: they read high and are "
                 "not a measurement. The result is the measured acceptance length (report.json).",
                 ha="center", fontsize=8)
