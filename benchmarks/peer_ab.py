@@ -71,7 +71,8 @@ SPECULATORS_CPU = ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager"
 """How speculators runs on this CPU, not what it trains (both configurations): its SDPA attention with
 the same mask rule as its default flex attention (peagle on CPU uses SDPA too), its eager loss (the
 same formula as its fused Triton kernel, which needs a GPU), fp32 compute (its bf16 autocast is a
-GPU setting; peagle computes in fp32 on CPU too) and no DataLoader worker processes (2 cores)."""
+GPU setting; peagle is run with --compute-dtype float32, though its CPU default is bf16 where the
+CPU has native bf16) and no DataLoader worker processes (2 cores)."""
 
 NO_ANCHOR_CAP = 2**31 - 1
 """speculators' ``--max-anchors`` is an int (default 512); peagle's default is no cap."""
@@ -206,7 +207,7 @@ def run_peagle(stages: Stages, work: Path, paths: dict[str, Path], budget: Budge
     run, tag = run_dir(work, "peagle", seed), f"peagle-seed{seed}"
     seconds = {"train": stages.run(f"train-{tag}", ["train", "--store", str(paths["store"]), "--target",
                                                    str(paths["target"]), "--out", str(run), "--eval-store",
-                                                   str(paths["heldout"]), *flags])}
+                                                   str(paths["heldout"]), "--compute-dtype", "float32", *flags])}
     seconds["export"] = stages.run(f"export-{tag}", ["export", str(run), "--out", str(run / "export"),
                                                      "--speculative-tokens", str(EVAL_K)])
     report, seconds["eval"] = evaluate(stages, tag, run / "export", run, paths, budget, modes)
