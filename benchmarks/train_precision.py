@@ -28,6 +28,10 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from peagle.stages.eval.report import read_metrics  # noqa: E402
+
 DTYPES = ("float32", "bfloat16")
 
 
@@ -40,8 +44,8 @@ def train_command(args: argparse.Namespace, dtype: str, seed: int, out: Path) ->
             "--eval-every", str(max(1, args.steps // 5)), "--save-every", str(args.steps), "--num-workers", "1"]
 
 
-def read_metrics(run: Path) -> tuple[list[dict], list[dict]]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+def train_and_eval_rows(run: Path) -> tuple[list[dict], list[dict]]:
+    rows = read_metrics(run)
     return [r for r in rows if r.get("kind") == "train"], [r for r in rows if r.get("kind") == "eval"]
 
 
@@ -62,7 +66,7 @@ def one_run(args: argparse.Namespace, dtype: str, seed: int) -> dict:
     start = time.monotonic()
     subprocess.run(command, check=True)
     wall = time.monotonic() - start
-    train, evals = read_metrics(out)
+    train, evals = train_and_eval_rows(out)
     steady = [r["tokens_per_s"] for r in train if r["step"] > args.steps // 10 and "tokens_per_s" in r]
     return {"dtype": dtype, "seed": seed, "command": " ".join(command[1:]), "wall_s": round(wall, 1),
             "tokens_per_s": statistics.median(steady) if steady else None,

@@ -33,6 +33,7 @@ from peagle.schemas.draft_config import DRAFT_METHODS, METHOD_NAMES
 from peagle.schemas.errors import UserError
 from peagle.schemas.eval_config import EVAL_MODES
 from peagle.schemas.store import HIDDEN_DTYPES
+from peagle.stages.eval.report import read_metrics
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -247,8 +248,7 @@ def summarize(store: Path, run: Path, report: Path, timings: dict[str, float], w
               backend: str, num_train: int, heldout_store: Path) -> dict:
     """summary.json: the stores, the training and its two estimates (last point of each curve: on the
     training batches, on the held-out store), what eval measured, the stage times."""
-    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()] \
-        if (run / "metrics.jsonl").exists() else []
+    metrics = read_metrics(run)
     train_rows = [m for m in metrics if m.get("kind", "train") == "train"]
     eval_rows = [m for m in metrics if m.get("kind") == "eval"]
     last_train = train_rows[-1] if train_rows else {}

@@ -31,6 +31,9 @@ MODES = ("offline", "online", "vllm", "server")
 MODE_LABELS = {"offline": "offline (teacher-forced chains)", "online": "own loop", "vllm": "vLLM",
                "server": "live vLLM server"}
 
+COMPARED_PAIRS = (("online", "vllm"), ("server", "online"), ("server", "vllm"))
+"""The (A, B) modes whose AL gap the report gives, as ``A_vs_B_relative_difference``."""
+
 
 def _finite(x: Any) -> Any:
     """JSON has no NaN: non-finite floats become null, recursively."""
@@ -49,7 +52,7 @@ def compare_modes(sections: dict[str, dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {mode: {"acceptance_length": s.get("acceptance_length"),
                                   "per_depth_acceptance": s.get("per_depth_acceptance")}
                            for mode, s in sections.items() if s}
-    for a_mode, b_mode in (("online", "vllm"), ("server", "online"), ("server", "vllm")):
+    for a_mode, b_mode in COMPARED_PAIRS:
         a, b = ((sections.get(m) or {}).get("acceptance_length") for m in (a_mode, b_mode))
         if a and b:
             out[f"{a_mode}_vs_{b_mode}_relative_difference"] = abs(a - b) / b
@@ -279,7 +282,7 @@ def summary_table(report: dict[str, Any]) -> str:
         if value is not None:
             lines.append(f"{mode}: greedy output equals the target's own{' (vLLM)' if 'vllm' in key else ''}: {value}")
     names = {"online": "own loop", "vllm": "vLLM", "server": "server"}
-    for a, b in (("online", "vllm"), ("server", "online"), ("server", "vllm")):
+    for a, b in COMPARED_PAIRS:
         gap = (report.get("comparison") or {}).get(f"{a}_vs_{b}_relative_difference")
         if gap is not None:
             lines.append(f"{names[a]} vs {names[b]} acceptance length: {100 * gap:.1f}% apart")

@@ -7,7 +7,7 @@ token ids, greedy, in one request, and reads vLLM's Prometheus counters from ``/
 after: ``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``, ``..._num_accepted_tokens`` and
 ``..._num_accepted_tokens_per_pos`` (the counters :mod:`.vllm_eval` reads in process), summed over
 engines and differenced. Per-depth acceptance is ``accepted_per_pos[d-1] / num_drafts`` and AL
-comes from :func:`acceptance_lengths`, as in every mode. Only the standard library speaks HTTP.
+comes from :func:`.vllm_eval.counters_section`, as for the in-process engine. Only the standard library speaks HTTP.
 
 What a server tells and what it does not (vLLM 0.32):
 
@@ -46,8 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from peagle.schemas.errors import UserError
-from peagle.stages.eval.acceptance import acceptance_lengths
-from peagle.stages.eval.vllm_eval import PER_POS_COUNTER, SPEC_COUNTERS
+from peagle.stages.eval.vllm_eval import PER_POS_COUNTER, SPEC_COUNTERS, counters_section
 
 GENERATION_COUNTER = "vllm:generation_tokens"
 FINISHED_COUNTER = "vllm:request_success"
@@ -254,29 +253,17 @@ def measure_server(probe: ServerProbe, prompts: list[list[int]], *, max_new_toke
     while delta.finished_requests < len(prompts) and time.monotonic() < deadline:
         time.sleep(0.2)
         delta = read_counters(probe.url).minus(before)
-    tokens = sum(len(o) for o in outputs)
     K = probe.num_speculative_tokens
-    check_only_ours(delta, num_prompts=len(prompts), num_tokens=tokens, num_depths=K, url=probe.url)
-    by_k = acceptance_lengths(delta.accepted_per_pos, delta.num_drafts)
+    check_only_ours(delta, num_prompts=len(prompts), num_tokens=sum(len(o) for o in outputs), num_depths=K,
+                    url=probe.url)
     section = {
         "url": probe.url,
         "model": probe.model,
-        "num_depths": K,
         "num_prompts": len(prompts),
-        "num_steps": delta.num_drafts,
-        "num_draft_tokens": delta.num_draft_tokens,
-        "num_accepted_tokens": delta.num_accepted_tokens,
         "draft_tokens_per_step": delta.num_draft_tokens / delta.num_drafts if delta.num_drafts else float("nan"),
-        "accepted_at_depth": list(delta.accepted_per_pos),
-        "per_depth_acceptance": [c / delta.num_drafts if delta.num_drafts else float("nan")
-                                 for c in delta.accepted_per_pos],
-        "acceptance_length_by_k": by_k,
-        "acceptance_length": by_k[-1] if by_k else float("nan"),
-        "generated_tokens": tokens,
-        # every prompt's first token comes from its prefill, every later forward verifies a draft
-        "tokens_per_target_forward": tokens / (delta.num_drafts + len(prompts)) if prompts else None,
-        "spec_seconds": seconds,
-        "spec_tokens_per_second": tokens / seconds if seconds else float("nan"),
+        **counters_section(num_depths=K, num_drafts=delta.num_drafts, num_draft_tokens=delta.num_draft_tokens,
+                           num_accepted_tokens=delta.num_accepted_tokens, accepted_per_pos=delta.accepted_per_pos,
+                           outputs=outputs, seconds=seconds),
     }
     return section, outputs
 

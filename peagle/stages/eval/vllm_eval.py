@@ -62,31 +62,13 @@ class VllmResult:
     target_only_seconds: float | None = None
     settings: dict[str, Any] = field(default_factory=dict)
 
-    def per_depth_acceptance(self) -> list[float]:
-        return [c / self.num_drafts if self.num_drafts else float("nan") for c in self.accepted_per_pos]
-
-    def acceptance_lengths(self) -> list[float]:
-        return acceptance_lengths(self.accepted_per_pos, self.num_drafts)
-
     def to_dict(self) -> dict[str, Any]:
-        by_k = self.acceptance_lengths()
-        tokens = sum(len(o) for o in self.outputs)
         out = {
             "parallel_drafting": self.parallel_drafting,
             "method": self.method,
-            "num_depths": self.num_speculative_tokens,
-            "num_steps": self.num_drafts,
-            "num_draft_tokens": self.num_draft_tokens,
-            "num_accepted_tokens": self.num_accepted_tokens,
-            "accepted_at_depth": list(self.accepted_per_pos),
-            "per_depth_acceptance": self.per_depth_acceptance(),
-            "acceptance_length_by_k": by_k,
-            "acceptance_length": by_k[-1] if by_k else float("nan"),
-            "generated_tokens": tokens,
-            # every prompt's first token comes from its prefill, every later forward verifies a draft
-            "tokens_per_target_forward": tokens / (self.num_drafts + len(self.outputs)) if self.outputs else None,
-            "spec_seconds": self.seconds,
-            "spec_tokens_per_second": tokens / self.seconds if self.seconds else float("nan"),
+            **counters_section(num_depths=self.num_speculative_tokens, num_drafts=self.num_drafts,
+                               num_draft_tokens=self.num_draft_tokens, num_accepted_tokens=self.num_accepted_tokens,
+                               accepted_per_pos=self.accepted_per_pos, outputs=self.outputs, seconds=self.seconds),
             "settings": self.settings,
         }
         if self.target_only_outputs is not None:
@@ -97,6 +79,31 @@ class VllmResult:
             out["speedup"] = (out["spec_tokens_per_second"] / out["plain_tokens_per_second"]
                               if out["plain_tokens_per_second"] else None)
         return out
+
+
+def counters_section(*, num_depths: int, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int,
+                     accepted_per_pos: list[int] | tuple[int, ...], outputs: list[list[int]],
+                     seconds: float) -> dict[str, Any]:
+    """A report section's acceptance fields from vLLM's spec-decode counters (differenced over one run)
+    and the run's outputs: what the in-process engine (:class:`VllmResult`) and a live server
+    (:mod:`.server`) both report."""
+    by_k = acceptance_lengths(accepted_per_pos, num_drafts)
+    tokens = sum(len(o) for o in outputs)
+    return {
+        "num_depths": num_depths,
+        "num_steps": num_drafts,
+        "num_draft_tokens": num_draft_tokens,
+        "num_accepted_tokens": num_accepted_tokens,
+        "accepted_at_depth": list(accepted_per_pos),
+        "per_depth_acceptance": [c / num_drafts if num_drafts else float("nan") for c in accepted_per_pos],
+        "acceptance_length_by_k": by_k,
+        "acceptance_length": by_k[-1] if by_k else float("nan"),
+        "generated_tokens": tokens,
+        # every prompt's first token comes from its prefill, every later forward verifies a draft
+        "tokens_per_target_forward": tokens / (num_drafts + len(outputs)) if outputs else None,
+        "spec_seconds": seconds,
+        "spec_tokens_per_second": tokens / seconds if seconds else float("nan"),
+    }
 
 
 def run_vllm(export_dir: str | os.PathLike, prompts: list[list[int]], **kwargs: Any) -> VllmResult:
