@@ -1,9 +1,16 @@
-"""Regeneration throughput: new tokens per second of the hf backend's ``generate`` (what
-``peagle extract --regenerate --backend hf`` spends its time on), by generation dtype, batch size and
-KV cache, on the real target and real chat prompts.
+"""Regeneration throughput: new tokens per second of a backend's ``generate`` (what ``peagle extract
+--regenerate`` spends its time on), by backend, generation dtype, batch size and KV cache, on the
+real target and real chat prompts.
 
     python benchmarks/regenerate_throughput.py --target "$(peagle target fetch smollm2 | tail -1)" \\
         --configs float32:8 bfloat16:16 bfloat16:64 bfloat16:128 --out benchmarks/results/cpu/regenerate_throughput.json
+    python benchmarks/regenerate_throughput.py --target ... --max-new-tokens 256 \\
+        --configs bfloat16:64 vllm-float32:32 vllm-bfloat16:32 vllm-bfloat16:128 --out ...
+
+A configuration is ``DTYPE:BATCH[:CACHE]`` for the hf backend (``HFBackend``, a bf16 copy of the
+model for ``bfloat16``) and ``vllm-DTYPE:SEQS`` for the vllm backend's generating engine
+(``VllmBackend``: every prompt handed over at once, at most SEQS running together, the engine start
+not timed).
 
 Each configuration answers the same prompts (the templated generator's first training prompts,
 greedy, up to ``--max-new-tokens``) in batches of its size; configurations alternate over
@@ -57,7 +64,7 @@ def random_weight_copy(config_dir: Path) -> Path:
     return out
 
 
-def one_round(backend: HFBackend, prompts: list[list[int]], batch: int, max_new_tokens: int) -> dict:
+def one_round(backend, prompts: list[list[int]], batch: int, max_new_tokens: int) -> dict:
     tokens, started = 0, time.perf_counter()
     for start in range(0, len(prompts), batch):
         answers = backend.generate(prompts[start:start + batch], max_new_tokens=max_new_tokens, temperature=0.0,
@@ -71,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", type=Path, required=True)
     parser.add_argument("--configs", nargs="+", default=["float32:8", "bfloat16:16", "bfloat16:64", "bfloat16:128"],
-                        help="DTYPE:BATCH[:CACHE] of generation (CACHE: dynamic or static; default dynamic)")
+                        help="DTYPE:BATCH[:CACHE] (hf; CACHE: dynamic or static, default dynamic) or vllm-DTYPE:SEQS")
     parser.add_argument("--prompts", type=int, default=128)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
@@ -84,17 +91,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.random_weights:
         args.target = random_weight_copy(args.target)
     prompts = prompt_ids(args.target, args.prompts)
-    backends: dict[str, HFBackend] = {}
+    backends: dict = {}
     rows: dict[str, dict] = {}
     for _ in range(args.repeats):
         for config in args.configs:
             dtype, batch, *cache = config.split(":")
-            key = f"{dtype}:{cache[0] if cache else 'dynamic'}"
+            key = f"{dtype}:{batch}" if dtype.startswith("vllm-") else f"{dtype}:{cache[0] if cache else 'dynamic'}"
             if key not in backends:
-                backends[key] = HFBackend(args.target, aux_layer_ids=(), topk=1, dtype="auto", device=args.device,
-                                          generation=cache[0] if cache else "dynamic", generation_dtype=dtype)
-                one_round(backends[key], prompts[:2], 2, 2)  # warm-up: the bf16 copy, first kernels
-            result = one_round(backends[key], prompts, int(batch), args.max_new_tokens)
+                backends[key] = open_backend(args.target, dtype, int(batch), cache, args)
+                one_round(backends[key], prompts[:2], 2, 2)  # warm-up: the bf16 copy, first kernels, an engine
+            batch_size = len(prompts) if dtype.startswith("vllm-") else int(batch)  # vLLM schedules them itself
+            result = one_round(backends[key], prompts, batch_size, args.max_new_tokens)
             best = rows.get(config)
             if best is None or result["new_tokens_per_s"] > best["new_tokens_per_s"]:
                 rows[config] = {"config": config, **result}
@@ -109,6 +116,22 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(out, indent=1))
     if args.out:
         atomic_write_json(args.out, out)
+    for backend in backends.values():
+        if hasattr(backend, "close"):
+            backend.close()
+
+
+def open_backend(target: Path, dtype: str, batch: int, cache: list[str], args: argparse.Namespace):
+    """The backend of one configuration (see the module docstring)."""
+    if dtype.startswith("vllm-"):
+        from peagle.stages.extract.backend_vllm import VllmBackend
+
+        max_seq_len = 1024
+        return VllmBackend(target, aux_layer_ids=[1], topk=1, dtype="float32", generation_dtype=dtype[5:],
+                           max_seq_len=max_seq_len,
+                           engine_kwargs={"max_num_seqs": batch, "max_num_batched_tokens": batch * (max_seq_len + 1)})
+    return HFBackend(target, aux_layer_ids=(), topk=1, dtype="auto", device=args.device,
+                     generation=cache[0] if cache else "dynamic", generation_dtype=dtype)
 
 
 if __name__ == "__main__":

@@ -159,6 +159,9 @@ class VllmBackend:
         aux_layer_ids: HF ``hidden_states`` ids, strictly ascending, each in [1, N).
         topk: how many log-probs to keep per token.
         dtype: ``"float32"``, ``"bfloat16"`` or ``"auto"`` (vLLM's choice); also the head's dtype.
+        generation_dtype: the plain engine's dtype (``generate``: the text ``--regenerate`` writes);
+            ``None`` is ``dtype``. The two engines never run at once, so a bf16 writer costs
+            nothing beside a float32 extractor, and on a CPU with native bf16 it writes ~3.5x faster.
         max_seq_len: the longest sample ``run`` or ``generate`` will be given (prompt + new tokens).
         tensor_parallel_size, gpu_memory_utilization, enforce_eager, seed: passed to ``vllm.LLM``
             (``enforce_eager`` defaults to True on CPU, where graph compilation only costs time).
@@ -182,6 +185,7 @@ class VllmBackend:
         aux_layer_ids: list[int],
         topk: int,
         dtype: str = "auto",
+        generation_dtype: str | None = None,
         max_seq_len: int = 2048,
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float | None = None,
@@ -240,6 +244,7 @@ class VllmBackend:
             self._common_kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         if on_cpu and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             self._common_kwargs["kv_cache_memory_bytes"] = _CPU_KV_CACHE_BYTES
+        self._generation_dtype = generation_dtype or dtype
         self._engine_kwargs = dict(engine_kwargs or {})
         self._llm: Any = None
         self._llm_kind: str | None = None
@@ -311,6 +316,21 @@ class VllmBackend:
         if self._llm_kind == kind:
             return self._llm
         self._shutdown_engine()
+        kwargs = self.engine_kwargs(kind)
+        from peagle.stages.extract.vllm_reaper import EngineReaper
+
+        self._reaper = EngineReaper()  # before the engine starts: a kill mid-start must not orphan it
+        if self._on_cpu:  # read by the engine's processes; os.environ is restored after run/generate
+            os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", _CPU_STEP_TIMEOUT_S)
+        self._llm = self._vllm.LLM(**kwargs)
+        self._llm_kind = kind
+        if self._head is None and kind == "extract":
+            dtype = self._llm.llm_engine.model_config.dtype
+            self._head = TargetHead(self.target_dir, dtype=dtype, device=self._head_device)
+        return self._llm
+
+    def engine_kwargs(self, kind: str) -> dict[str, Any]:
+        """``vllm.LLM``'s keyword arguments for the engine of ``kind`` ("extract" or "generate")."""
         kwargs = dict(self._common_kwargs)
         if kind == "extract":
             from peagle.stages.extract import vllm_connector
@@ -332,18 +352,10 @@ class VllmBackend:
             # cannot do. A step budget that holds every running sequence whole never splits a prefill.
             kwargs["max_num_seqs"] = 32
             kwargs["max_num_batched_tokens"] = 32 * int(kwargs.get("max_model_len") or 2048)
+        if kind == "generate":
+            kwargs["dtype"] = self._generation_dtype
         kwargs.update(self._engine_kwargs)
-        from peagle.stages.extract.vllm_reaper import EngineReaper
-
-        self._reaper = EngineReaper()  # before the engine starts: a kill mid-start must not orphan it
-        if self._on_cpu:  # read by the engine's processes; os.environ is restored after run/generate
-            os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", _CPU_STEP_TIMEOUT_S)
-        self._llm = self._vllm.LLM(**kwargs)
-        self._llm_kind = kind
-        if self._head is None and kind == "extract":
-            dtype = self._llm.llm_engine.model_config.dtype
-            self._head = TargetHead(self.target_dir, dtype=dtype, device=self._head_device)
-        return self._llm
+        return kwargs
 
     def _shutdown_engine(self) -> None:
         """Stop the engine; the backend forgets it and its reaper even if stopping it raises (a dead one)."""

@@ -32,7 +32,7 @@ from peagle.stages.extract.conversation import BLANK_LINE, CONTAINS_MASK_TOKEN
 from peagle.stages.extract.input_check import NUM_EXAMPLES, BadRecord, check_input, words
 from peagle.stages.extract.run_plan import ExtractPlan, check_fits, format_plan, make_plan
 from peagle.stages.extract.template import TokenizedSample, prepare_record
-from peagle.stages.extract.store_settings import resolve_backend_name, store_settings
+from peagle.stages.extract.store_settings import generation_dtype, resolve_backend_name, store_settings
 from peagle.stages.extract.writer import ShardContent, ShardWriter
 
 WRITER_THREADS = 2  # shards written at once: sha256 and file writes release the GIL
@@ -91,7 +91,8 @@ def open_backend(name: str, config: ExtractConfig, settings: S.StoreSettings,
         from peagle.stages.extract.backend_vllm import VllmBackend  # imports vllm: only when asked for
 
         return VllmBackend(target.path, aux_layer_ids=list(settings.aux_layer_ids), topk=settings.topk,
-                           dtype=settings.target.dtype, max_seq_len=settings.max_seq_len, seed=config.seed,
+                           dtype=settings.target.dtype, generation_dtype=generation_dtype(config),
+                           max_seq_len=settings.max_seq_len, seed=config.seed,
                            tensor_parallel_size=config.tensor_parallel_size,
                            gpu_memory_utilization=config.gpu_memory_utilization or None,
                            engine_kwargs=config.vllm_engine_kwargs())

@@ -69,24 +69,32 @@ def check_tokenizer(target: TargetDirectory) -> None:
 
 def regeneration_settings(config: ExtractConfig) -> dict[str, Any]:
     """What decides the text ``--regenerate`` writes, recorded in the store so that no two runs with
-    different ones put their shards in one store: the sampling settings and, with the hf backend,
-    the model dtype that writes the answers and the batches they are written in (each batch draws
+    different ones put their shards in one store: the sampling settings, the model dtype that writes
+    the answers and, with the hf backend, the batches they are written in (each batch draws
     from its own seed; a run's ``auto`` batch size resolves on its machine, so a worker on another
     kind of machine is refused rather than silently writing other text)."""
     if not config.regenerate:
         return {}
     out: dict[str, Any] = {"temperature": config.temperature, "top_p": config.top_p,
                            "max_new_tokens": config.max_new_tokens, "seed": config.seed}
+    out["generation_dtype"] = generation_dtype(config)
     if resolve_backend_name(config.backend) == "hf":
         import torch
 
-        from peagle.model.target_backend_hf import resolve_generation_dtype
-
         on_gpu = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-        compute = getattr(torch, compute_dtype(config))
-        out["generation_dtype"] = str(resolve_generation_dtype(config.generation_dtype, compute)).removeprefix("torch.")
         out["generation_batch_size"] = config.generation_batch_size or (1024 if on_gpu else 64)
     return out
+
+
+def generation_dtype(config: ExtractConfig) -> str:
+    """The dtype the target writes ``--regenerate``'s answers in, either backend (``auto``: the
+    compute dtype, :func:`peagle.model.target_backend_hf.resolve_generation_dtype`)."""
+    import torch
+
+    from peagle.model.target_backend_hf import resolve_generation_dtype
+
+    compute = getattr(torch, compute_dtype(config))
+    return str(resolve_generation_dtype(config.generation_dtype, compute)).removeprefix("torch.")
 
 
 def store_settings(config: ExtractConfig, target: TargetDirectory) -> S.StoreSettings:

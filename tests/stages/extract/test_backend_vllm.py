@@ -197,6 +197,21 @@ def test_refuses_what_it_cannot_do(tiny_llama, monkeypatch):
         VllmBackend(tiny_llama, aux_layer_ids=[2, 4, 5], topk=TOPK)
 
 
+def test_answers_may_be_written_in_another_dtype(tiny_llama):
+    """``generation_dtype`` is the plain engine's dtype only: the extraction engine, whose states
+    and top-k go into the store, keeps ``dtype`` (the engines never run at once)."""
+    backend = VllmBackend(tiny_llama, aux_layer_ids=[2, 4, 5], topk=TOPK, dtype="float32",
+                          generation_dtype="bfloat16")
+    same = VllmBackend(tiny_llama, aux_layer_ids=[2, 4, 5], topk=TOPK, dtype="float32")
+    try:
+        assert backend.engine_kwargs("generate")["dtype"] == "bfloat16"
+        assert backend.engine_kwargs("extract")["dtype"] == "float32"
+        assert same.engine_kwargs("generate")["dtype"] == same.engine_kwargs("extract")["dtype"] == "float32"
+    finally:
+        backend.close()
+        same.close()
+
+
 def test_staging_dirs_of_dead_runs_are_removed():
     """A killed run's dumps (in RAM, on /dev/shm) do not outlive it past the next run's start."""
     from peagle.stages.extract.vllm_connector import STAGING_PREFIX, StagingDir

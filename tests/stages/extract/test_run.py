@@ -194,6 +194,19 @@ def test_how_the_answers_were_written_is_part_of_the_store(tiny_llama, tmp_path)
         _quiet(_config(data, tiny_llama, tmp_path / "s", **{**kw, "generation_batch_size": 3}))
 
 
+def test_the_answers_dtype_is_recorded_for_either_backend():
+    """vLLM writes the answers in ``--generation-dtype`` too (its plain engine): the store records
+    it whatever the backend; ``auto`` is the compute dtype."""
+    from peagle.stages.extract.store_settings import regeneration_settings
+
+    base = dict(data=["x.jsonl"], target="t", out="o", regenerate=True, dtype="float32")
+    for backend in ("hf", "vllm"):
+        assert regeneration_settings(ExtractConfig(**base, backend=backend))["generation_dtype"] == "float32"
+        chosen = ExtractConfig(**base, backend=backend, generation_dtype="bfloat16")
+        assert regeneration_settings(chosen)["generation_dtype"] == "bfloat16"
+    assert "generation_batch_size" not in regeneration_settings(ExtractConfig(**base, backend="vllm"))
+
+
 def test_regenerate_answers_prompt_only_records_and_says_each_round(tiny_llama, tmp_path):
     """Prompts alone are records for --regenerate: a conversation that ends with a user turn, or an
     empty assistant turn, gets the target's answer (without --regenerate both are skipped)."""

@@ -8,7 +8,6 @@ DDP run, where the per-segment backwards run under ``no_sync`` except the last o
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from peagle.schemas.loader_config import CodSettings
 from peagle.stages.train.batch import collate, make_item
 from peagle.stages.train.loop import Trainer
 from peagle.testing.trainer import trainer_for_draft
+from peagle.testing.vllm_server import free_port
 from peagle.stages.train.step import all_reduce_stats
 
 TARGET_VOCAB, DRAFT_VOCAB, MASK_TOKEN, HIDDEN, NUM_AUX, TOPK, K = 96, 48, 95, 32, 3, 4, 5
@@ -101,12 +101,6 @@ def test_segments_give_the_flat_loss_and_gradients(seed):
 # The same under 2-process gloo DDP
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -127,7 +121,7 @@ def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_segments_are_exact_under_two_process_ddp(tmp_path):
-    mp.start_processes(_ddp_worker, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    mp.start_processes(_ddp_worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
     results = torch.load(tmp_path / "ddp.pt")
     for num_segments in (2, 4):
         assert_same(results[1], results[num_segments])

