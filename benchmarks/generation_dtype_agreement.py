@@ -1,6 +1,6 @@
 """How much the answers a bf16 copy of the target writes differ from the float32 target's own, greedy,
 on the same held-out-style prompts: the question behind ``extract --generation-dtype auto`` (bf16 on
-CPUs with native bf16 matmuls, 2-4x faster there).
+CPUs with native bf16 matmuls, ~1.6x faster there).
 
     python benchmarks/generation_dtype_agreement.py --target "$(peagle target fetch smollm2 | tail -1)" \\
         --out benchmarks/results/cpu/generation_dtype_agreement.json

@@ -57,7 +57,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def resolve_generation_dtype(dtype: str, compute: torch.dtype) -> torch.dtype:
     """``auto`` is the compute dtype: the answers are the text the served target writes. ``bfloat16``
-    on a CPU with native bf16 matmuls writes 2-4x faster, but its greedy answers part from the
+    on a CPU with native bf16 matmuls writes ~1.6x faster (regenerate_throughput.json), but its greedy answers part from the
     float32 ones (SmolLM2: at token 38 in the median, 6 of 64 identical,
     benchmarks/results/cpu/generation_dtype_agreement.json). Drafts trained on bf16-written answers
     measured no loss (within seed noise, generation_dtype_acceptance.json), but choosing it by

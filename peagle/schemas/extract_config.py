@@ -138,7 +138,7 @@ class ExtractConfig:
     generation_dtype: str = "auto"
     """`--regenerate`: the dtype the target writes its answers in (`auto`: --dtype): hf a bf16 copy of
     the model, vllm its generating engine. `bfloat16` on a CPU with native bf16 matmuls
-    (AVX512-BF16, AMX) writes 2-4x faster than float32, but its greedy answers part from float32's
+    (AVX512-BF16, AMX) writes ~1.5x faster than float32, but its greedy answers part from float32's
     (on SmolLM2 at token 38 in the median; drafts trained on either measured the same acceptance,
     docs/quality.md). The aux states and top-k always come from --dtype."""
 

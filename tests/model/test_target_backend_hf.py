@@ -141,7 +141,7 @@ def test_a_failed_compile_falls_back_to_uncompiled_and_says_so_once(tiny_llama):
 
 
 def test_answers_in_bf16_states_in_fp32(tiny_llama):
-    """Asked for, a bf16 copy writes the answers (2-4x faster on CPUs with native bf16 matmuls); the
+    """Asked for, a bf16 copy writes the answers (~1.6x faster on CPUs with native bf16 matmuls); the
     aux states and top-k still come from the fp32 model, as vLLM serves it. ``auto`` is --dtype."""
     backend = HFBackend(tiny_llama, aux_layer_ids=AUX, topk=TOPK, dtype="float32", device="cpu",
                         generation_dtype="bfloat16")

@@ -161,7 +161,8 @@ class VllmBackend:
         dtype: ``"float32"``, ``"bfloat16"`` or ``"auto"`` (vLLM's choice); also the head's dtype.
         generation_dtype: the plain engine's dtype (``generate``: the text ``--regenerate`` writes);
             ``None`` is ``dtype``. The two engines never run at once, so a bf16 writer costs
-            nothing beside a float32 extractor, and on a CPU with native bf16 it writes ~3.5x faster.
+            nothing beside a float32 extractor, and on a CPU with native bf16 it writes ~1.5x faster
+            (SmolLM2 on 2 cores: 536 against 352 new tokens/s, regenerate_throughput_vllm.json).
         max_seq_len: the longest sample ``run`` or ``generate`` will be given (prompt + new tokens).
         tensor_parallel_size, gpu_memory_utilization, enforce_eager, seed: passed to ``vllm.LLM``
             (``enforce_eager`` defaults to True on CPU, where graph compilation only costs time).
