@@ -77,14 +77,18 @@ def make_prompts(work: Path, target: Path, magpie: int, prompt_args: list[str]) 
     runs, written = {}, []
     for chunk in range(-(-magpie // PROMPT_CHUNK)):  # chunks of their own seed: a bigger run reuses the smaller's
         out = data / f"magpie-{chunk}.jsonl"
+        wanted = min(PROMPT_CHUNK, magpie - chunk * PROMPT_CHUNK)
         runs[chunk] = {"file": out.name}
         if not out.exists():
             runs[chunk]["seconds"] = run(f"prompts-{chunk}", [
                 "prompts", "--target", str(target), "--out", str(out), "--seed", str(chunk),
-                "--num-prompts", str(min(PROMPT_CHUNK, magpie - chunk * PROMPT_CHUNK)),
-                "--exclude-phrases", str(data / "heldout-phrases.txt"),
+                "--num-prompts", str(wanted), "--exclude-phrases", str(data / "heldout-phrases.txt"),
                 "--exclude-prompts", str(data / "heldout-all.jsonl"), *prompt_args], work)
-        written += read_jsonl(out)
+        chunk_prompts = read_jsonl(out)
+        if len(chunk_prompts) != wanted:  # a last chunk of a smaller run: its seed's file is not this run's
+            raise SystemExit(f"{out} holds {len(chunk_prompts):,} prompts where --magpie-prompts {magpie} wants "
+                             f"{wanted:,}: move it away and run again to write it anew")
+        written += chunk_prompts
         log = work / "logs" / f"prompts-{chunk}.log"
         if log.exists():  # its last line: prompts kept, samples, drops by reason, tokens/s
             runs[chunk]["summary"] = log.read_text(errors="replace").strip().splitlines()[-1]
