@@ -39,8 +39,8 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
-from real_scale import (extract_rates, heldout_chats, heldout_phrases, leaks, normalised, read_jsonl,  # noqa: E402
-                        templated_train_prompts, write_jsonl)
+from real_scale import (distinct_first_turns, extract_rates, heldout_chats, heldout_phrases, leaks,  # noqa: E402
+                        read_jsonl, refuse_leaks, split_prompts, templated_train_prompts, write_jsonl)
 from recipe_curves import Recipe, describe_store, run_recipe, serve_in_vllm  # noqa: E402
 
 from peagle.pipeline.atomic import atomic_write_json  # noqa: E402
@@ -93,25 +93,10 @@ def make_prompts(work: Path, target: Path, magpie: int, prompt_args: list[str]) 
         if log.exists():  # its last line: prompts kept, samples, drops by reason, tokens/s
             runs[chunk]["summary"] = log.read_text(errors="replace").strip().splitlines()[-1]
     templated = templated_train_prompts()
-    seen, chats = set(), []
-    for chat in written + templated:
-        key = normalised(chat["messages"][0]["content"])
-        if key and key not in seen:
-            seen.add(key)
-            chats.append({"messages": [chat["messages"][0]]})
+    chats = distinct_first_turns(written + templated)
     checked = leaks(written, templated, phrases)
-    if any(checked[k] for k in ("equal_to_heldout_prompt", "templated_heldout_subject",
-                                 "target_written_mention_heldout_phrase")):
-        raise SystemExit(f"held-out prompts or subjects leak into training: {checked}")
-    import hashlib
-
-    order = sorted(chats, key=lambda c: hashlib.sha256(c["messages"][0]["content"].encode()).hexdigest())
-    total, start, sizes = sum(PARTS.values()), 0, {}
-    for i, (name, share) in enumerate(PARTS.items()):
-        end = len(order) if i == len(PARTS) - 1 else start + len(order) * share // total
-        write_jsonl(data / f"prompts-{name}.jsonl", order[start:end])
-        sizes[name] = end - start
-        start = end
+    refuse_leaks(checked)
+    sizes = {name: len(read_jsonl(path)) for name, path in split_prompts(chats, work, PARTS).items()}
     return {"target_written": len(written), "templated": len(templated), "training_prompts": len(chats),
             "parts": sizes, "leaks": checked, "prompt_runs": list(runs.values())}
 

@@ -165,14 +165,37 @@ def leaks(magpie: list[dict], templated: list[dict], phrases: list[str]) -> dict
             "phrases": len(phrases), "heldout_prompts": len(held_texts)}
 
 
-def split_prompts(chats: list[dict], work: Path) -> dict[str, Path]:
-    """Training prompts in a fixed shuffled order (sha of the text), cut 1:3:12 into the a-stores' inputs."""
+def distinct_first_turns(chats: list[dict]) -> list[dict]:
+    """Each chat's first user turn alone, in order, dropping empty ones and repeats (compared
+    :func:`normalised`): one answer per distinct prompt."""
+    seen, out = set(), []
+    for chat in chats:
+        key = normalised(chat["messages"][0]["content"])
+        if key and key not in seen:
+            seen.add(key)
+            out.append({"messages": [chat["messages"][0]]})
+    return out
+
+
+LEAK_COUNTS = ("equal_to_heldout_prompt", "templated_heldout_subject", "target_written_mention_heldout_phrase")
+"""The counts of :func:`leaks` that must all be 0 for a run to train."""
+
+
+def refuse_leaks(checked: dict) -> None:
+    """Stop the run, in one line, when :func:`leaks` found any held-out prompt or subject."""
+    if any(checked[k] for k in LEAK_COUNTS):
+        raise SystemExit(f"held-out prompts or subjects leak into training: {checked}")
+
+
+def split_prompts(chats: list[dict], work: Path, parts: dict[str, int] = PARTS) -> dict[str, Path]:
+    """Training prompts in a fixed shuffled order (sha of the text), cut by ``parts``' shares (the
+    a-stores' 1:3:12 by default) into WORK/data/prompts-NAME.jsonl."""
     import hashlib
 
     order = sorted(chats, key=lambda c: hashlib.sha256(c["messages"][0]["content"].encode()).hexdigest())
-    total, paths, start = sum(PARTS.values()), {}, 0
-    for i, (name, share) in enumerate(PARTS.items()):
-        end = len(order) if i == len(PARTS) - 1 else start + len(order) * share // total
+    total, paths, start = sum(parts.values()), {}, 0
+    for i, (name, share) in enumerate(parts.items()):
+        end = len(order) if i == len(parts) - 1 else start + len(order) * share // total
         paths[name] = write_jsonl(work / "data" / f"prompts-{name}.jsonl", order[start:end])
         start = end
     return paths

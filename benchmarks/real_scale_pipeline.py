@@ -17,9 +17,10 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
-from real_scale import (GPU, PARTS, extract_rates, RUNS, SMOKE, Scale, Steps, heldout_chats, heldout_phrases, leaks,  # noqa: E402
-                        normalised, plan_steps, read_jsonl, split_prompts, start_training, summary_of_run,
-                        templated_train_prompts, train_args, wait_or_stop, write_jsonl)
+from real_scale import (GPU, PARTS, extract_rates, RUNS, SMOKE, Scale, Steps, distinct_first_turns,  # noqa: E402
+                        heldout_chats, heldout_phrases, leaks, plan_steps, read_jsonl, refuse_leaks, split_prompts,
+                        start_training, summary_of_run, templated_train_prompts, train_args, wait_or_stop,
+                        write_jsonl)
 
 EXPORT_RESERVE_S = {"gpu": 45.0, "smoke": 90.0}
 S2_MAX_S = 120.0
@@ -74,21 +75,14 @@ def make_prompts(steps: Steps, scale: Scale, target: Path, data: Path, budget: f
                 "--exclude-prompts", str(data / "heldout-all.jsonl")], budget=max(left, 30.0))
         if out.exists():
             magpie += read_jsonl(out)
-    seen, chats = set(), []
     templated = templated_train_prompts(scale.num_templated)
-    for chat in magpie + templated:
-        key = normalised(chat["messages"][0]["content"])
-        if key and key not in seen:
-            seen.add(key)
-            chats.append({"messages": [chat["messages"][0]]})
+    chats = distinct_first_turns(magpie + templated)
     checked = leaks(magpie, templated, phrases)
     steps.summary["prompts"] = {"magpie": len(magpie), "templated": len(templated),
                                 "training_prompts": len(chats), "leaks": checked}
     sample = random.Random(0).sample(magpie, min(200, len(magpie)))
     write_jsonl(data / "prompts-sample.jsonl", sample)
-    if any(checked[k] for k in ("equal_to_heldout_prompt", "templated_heldout_subject",
-                                 "target_written_mention_heldout_phrase")):
-        raise SystemExit(f"held-out prompts or subjects leak into training: {checked}")
+    refuse_leaks(checked)
     return split_prompts(chats, steps.work)
 
 

@@ -73,6 +73,17 @@ def test_leaks_finds_heldout_prompts_and_subjects(scale) -> None:
     assert leaky["equal_to_heldout_prompt"] == 1 and leaky["target_written_mention_heldout_phrase"] >= 1
 
 
+def test_training_prompts_are_distinct_first_turns_and_leaks_stop_the_run(scale) -> None:
+    turn = lambda text: {"role": "user", "content": text}  # noqa: E731
+    chats = [{"messages": [turn("How do I bake bread?"), {"role": "assistant", "content": "Knead."}]},
+             {"messages": [turn("how do I bake  bread")]}, {"messages": [turn("  ")]}, {"messages": [turn("Why?")]}]
+    assert scale.distinct_first_turns(chats) == [{"messages": [turn("How do I bake bread?")]},
+                                                 {"messages": [turn("Why?")]}]
+    scale.refuse_leaks({key: 0 for key in scale.LEAK_COUNTS} | {"phrases": 56})
+    with pytest.raises(SystemExit, match="leak into training"):
+        scale.refuse_leaks({key: 0 for key in scale.LEAK_COUNTS} | {"templated_heldout_subject": 1})
+
+
 def test_extract_rates_reads_the_extract_log(scale, tmp_path) -> None:
     log = tmp_path / "extract.log"
     log.write_text("regenerated shard 0, round 1 of 1: 2,048 answers, 400,000 tokens in 10 s (40000 tokens/s)\n"
