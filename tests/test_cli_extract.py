@@ -207,3 +207,10 @@ def test_the_plan_of_a_regeneration_bounds_the_answers_it_has_not_written(tiny_l
     assert supervised == 4 * 40 and 4 * 40 < tokens < 4 * 256, line
     assert "checked    4 records decoded: all usable" in proc.stdout  # prompts only are what --regenerate reads
     assert not (tmp_path / "s").exists()
+    answers = next(ln for ln in proc.stdout.splitlines() if ln.startswith("  answers"))
+    assert "written by the target, sampled at T 0.7, top-p 0.95, up to 40 tokens, in " in answers, answers
+    greedy = _ok(runner.run("extract", "--data", prompts, "--target", tiny_llama, "--out", tmp_path / "s", *COMMON,
+                            "--regenerate", "--temperature", "0", "--generation-dtype", "bfloat16",
+                            "--max-new-tokens", "40", "--max-seq-len", "256", "--dry-run", "--dtype", "float32"))
+    assert "  answers    written by the target, greedy, up to 40 tokens, in bfloat16 (states in float32; " \
+        "--generation-dtype)" in greedy.stdout, greedy.stdout

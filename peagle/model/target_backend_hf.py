@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from peagle.model.cpu_bf16 import cpu_has_native_bf16
 from peagle.model.target import load_causal_lm
 from peagle.model.target_backend import TargetOutput
 from peagle.schemas.errors import UserError
@@ -55,17 +56,21 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
 
 
-def resolve_generation_dtype(dtype: str, compute: torch.dtype) -> torch.dtype:
-    """``auto`` is the compute dtype: the answers are the text the served target writes. ``bfloat16``
-    on a CPU with native bf16 matmuls writes ~1.6x faster (regenerate_throughput.json), but its greedy answers part from the
-    float32 ones (SmolLM2: at token 38 in the median, 6 of 64 identical,
-    benchmarks/results/cpu/generation_dtype_agreement.json). Drafts trained on bf16-written answers
-    measured no loss (within seed noise, generation_dtype_acceptance.json), but choosing it by
-    default changes every CPU store's text: asked for, not chosen, for now. The states always come
-    from ``compute``."""
-    if dtype == "auto":
-        return compute
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+def resolve_generation_dtype(dtype: str, compute: torch.dtype, device: torch.device, *,
+                             cpu_has_bf16: bool | None = None) -> torch.dtype:
+    """``auto`` is bfloat16 where a float32 target runs on a CPU with native bf16 matmuls, else the
+    compute dtype. There bf16 writes ~1.5x faster (vLLM: 536 against 352 new tokens/s on 2 cores,
+    regenerate_throughput_vllm.json) and drafts trained on its answers accept as much as on float32's
+    (within seed noise, generation_dtype_acceptance.json), although its greedy text parts from
+    float32's (SmolLM2: at token 38 in the median, generation_dtype_agreement.json): the answers are
+    training data, not the served target's output. The states always come from ``compute``.
+    ``cpu_has_bf16`` None asks this machine's CPU."""
+    if dtype != "auto":
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    if compute == torch.float32 and device.type == "cpu":
+        native = cpu_has_native_bf16() if cpu_has_bf16 is None else cpu_has_bf16
+        return torch.bfloat16 if native else torch.float32
+    return compute
 
 
 def decoder_layers(model: Any) -> torch.nn.ModuleList:
@@ -143,7 +148,7 @@ class HFBackend:
             raise UserError(f"generation must be one of {'|'.join(GENERATION_MODES)}, got {generation!r}")
         self.generation = ("static" if on_gpu else "dynamic") if generation == "auto" else generation
         """How ``generate`` keeps its KV cache (:data:`GENERATION_MODES`)."""
-        self.generation_dtype = resolve_generation_dtype(generation_dtype, self.dtype)
+        self.generation_dtype = resolve_generation_dtype(generation_dtype, self.dtype, self.device)
         self._generation_model = self.model if self.generation_dtype == self.dtype else None
         self.generation_notes: list[str] = []
         """One line per thing generation had to give up (a failed compile), for the caller to print."""

@@ -136,11 +136,12 @@ class ExtractConfig:
     """Longest regenerated assistant turn, in tokens (`--regenerate`)."""
 
     generation_dtype: str = "auto"
-    """`--regenerate`: the dtype the target writes its answers in (`auto`: --dtype): hf a bf16 copy of
-    the model, vllm its generating engine. `bfloat16` on a CPU with native bf16 matmuls
-    (AVX512-BF16, AMX) writes ~1.5x faster than float32, but its greedy answers part from float32's
-    (on SmolLM2 at token 38 in the median; drafts trained on either measured the same acceptance,
-    docs/quality.md). The aux states and top-k always come from --dtype."""
+    """`--regenerate`: the dtype the target writes its answers in: hf a bf16 copy of the model, vllm
+    its generating engine. `auto`: bfloat16 where a float32 target runs on a CPU with native bf16
+    matmuls (AVX512-BF16, AMX; ~1.5x faster there, drafts trained on its answers accept as much:
+    docs/quality.md), else --dtype. Its greedy text parts from float32's (on SmolLM2 at token 38
+    in the median): `float32` to write what a float32 target serves. The aux states and top-k
+    always come from --dtype."""
 
     generation_batch_size: int = 0
     """hf backend, `--regenerate`: prompts generated together (0: 64 on CPU, 1024 on CUDA). Larger

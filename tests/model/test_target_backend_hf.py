@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from peagle.schemas.errors import UserError
-from peagle.model.target_backend_hf import HFBackend, topk_logprobs
+from peagle.model.target_backend_hf import HFBackend, resolve_generation_dtype, topk_logprobs
 
 AUX = (2, 4, 5)
 TOPK = 16
@@ -142,7 +142,7 @@ def test_a_failed_compile_falls_back_to_uncompiled_and_says_so_once(tiny_llama):
 
 def test_answers_in_bf16_states_in_fp32(tiny_llama):
     """Asked for, a bf16 copy writes the answers (~1.6x faster on CPUs with native bf16 matmuls); the
-    aux states and top-k still come from the fp32 model, as vLLM serves it. ``auto`` is --dtype."""
+    aux states and top-k still come from the fp32 model, as vLLM serves it."""
     backend = HFBackend(tiny_llama, aux_layer_ids=AUX, topk=TOPK, dtype="float32", device="cpu",
                         generation_dtype="bfloat16")
     assert backend.generation_dtype == torch.bfloat16 and backend.dtype == torch.float32
@@ -158,5 +158,19 @@ def test_answers_in_bf16_states_in_fp32(tiny_llama):
     (out,) = backend.run([[5, 6, 7, 8]])
     reference = backend.model(torch.tensor([[5, 6, 7, 8]]), output_hidden_states=True).hidden_states
     assert torch.equal(out.aux_TAH[:, 0], reference[AUX[0]][0].to(torch.bfloat16))  # fp32 states, stored bf16
-    plain = HFBackend(tiny_llama, aux_layer_ids=AUX, topk=TOPK, dtype="float32", device="cpu")
+    plain = HFBackend(tiny_llama, aux_layer_ids=AUX, topk=TOPK, dtype="float32", device="cpu",
+                      generation_dtype="float32")
     assert plain.generation_dtype == torch.float32 and plain.generation_model() is plain.model
+
+
+def test_auto_writes_the_answers_in_bf16_only_on_a_cpu_that_has_it():
+    """``auto``: bf16 for a float32 target on a CPU with native bf16 matmuls (~1.5x, the same
+    acceptance); the compute dtype on other CPUs (bf16 emulated is slow), on a GPU and for a bf16
+    target; an explicit dtype is kept."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_generation_dtype("auto", torch.float32, cpu, cpu_has_bf16=True) == torch.bfloat16
+    assert resolve_generation_dtype("auto", torch.float32, cpu, cpu_has_bf16=False) == torch.float32
+    assert resolve_generation_dtype("auto", torch.float32, cuda, cpu_has_bf16=True) == torch.float32
+    assert resolve_generation_dtype("auto", torch.bfloat16, cuda) == torch.bfloat16
+    assert resolve_generation_dtype("float32", torch.float32, cpu, cpu_has_bf16=True) == torch.float32
+    assert resolve_generation_dtype("bfloat16", torch.float32, cpu, cpu_has_bf16=False) == torch.bfloat16

@@ -193,6 +193,7 @@ def format_plan(plan: ExtractPlan, config: ExtractConfig, store: Path) -> str:
         f"max len {s.max_seq_len}, loss on {s.loss_on}, hidden states {s.hidden_dtype}"
         + ("" if s.supervise_reasoning else " (reasoning not supervised)"),
         f"  mask token {S.describe_mask_token(s.mask_token_id, s.mask_token, s.mask_token_source)}",
+        *([f"  answers    {describe_regeneration(s.regenerate, t.dtype)}"] if s.regenerate else []),
         f"  tokens     ~{plan.estimated_tokens:,} ({how}), ~{plan.estimated_supervised:,} supervised",
         *([f"  checked    {plan.scan.num_records:,} records decoded: "
            + (f"{sum(plan.scan.skipped.values()):,} unusable ({words(plan.scan.skipped)})" if plan.scan.skipped
@@ -202,6 +203,16 @@ def format_plan(plan: ExtractPlan, config: ExtractConfig, store: Path) -> str:
         *plan.notes,
     ]
     return "\n".join(lines)
+
+
+def describe_regeneration(regenerate: dict, states_dtype: str) -> str:
+    """How ``--regenerate`` writes the answers: sampling, length and the dtype that writes them (on a
+    CPU with native bf16 it is bf16 by default while the states stay float32: worth a line)."""
+    temperature = regenerate.get("temperature", 0.0)
+    sampling = "greedy" if temperature == 0 else f"sampled at T {temperature}, top-p {regenerate.get('top_p')}"
+    written = regenerate.get("generation_dtype", states_dtype)
+    return (f"written by the target, {sampling}, up to {regenerate.get('max_new_tokens')} tokens, in {written}"
+            + (f" (states in {states_dtype}; --generation-dtype)" if written != states_dtype else ""))
 
 
 def _human(num_bytes: float) -> str:

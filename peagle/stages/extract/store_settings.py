@@ -39,14 +39,18 @@ def resolve_backend_name(backend: str) -> str:
     return backend
 
 
+def on_gpu(config: ExtractConfig) -> bool:
+    """Whether the target runs on a GPU (``--device cuda``, or ``auto`` with one visible)."""
+    import torch
+
+    return config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+
+
 def compute_dtype(config: ExtractConfig) -> str:
     """The dtype that goes into the store identity: ``auto`` is bfloat16 on GPU, float32 on CPU."""
     if config.dtype != "auto":
         return config.dtype
-    import torch
-
-    on_gpu = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-    return "bfloat16" if on_gpu else "float32"
+    return "bfloat16" if on_gpu(config) else "float32"
 
 
 def check_tokenizer(target: TargetDirectory) -> None:
@@ -79,22 +83,21 @@ def regeneration_settings(config: ExtractConfig) -> dict[str, Any]:
                            "max_new_tokens": config.max_new_tokens, "seed": config.seed}
     out["generation_dtype"] = generation_dtype(config)
     if resolve_backend_name(config.backend) == "hf":
-        import torch
-
-        on_gpu = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-        out["generation_batch_size"] = config.generation_batch_size or (1024 if on_gpu else 64)
+        out["generation_batch_size"] = config.generation_batch_size or (1024 if on_gpu(config) else 64)
     return out
 
 
 def generation_dtype(config: ExtractConfig) -> str:
-    """The dtype the target writes ``--regenerate``'s answers in, either backend (``auto``: the
-    compute dtype, :func:`peagle.model.target_backend_hf.resolve_generation_dtype`)."""
+    """The dtype the target writes ``--regenerate``'s answers in, either backend (``auto``: bfloat16
+    for a float32 target on a CPU with native bf16, else the compute dtype:
+    :func:`peagle.model.target_backend_hf.resolve_generation_dtype`)."""
     import torch
 
     from peagle.model.target_backend_hf import resolve_generation_dtype
 
     compute = getattr(torch, compute_dtype(config))
-    return str(resolve_generation_dtype(config.generation_dtype, compute)).removeprefix("torch.")
+    device = torch.device("cuda" if on_gpu(config) else "cpu")
+    return str(resolve_generation_dtype(config.generation_dtype, compute, device)).removeprefix("torch.")
 
 
 def store_settings(config: ExtractConfig, target: TargetDirectory) -> S.StoreSettings:

@@ -16,6 +16,8 @@ from typing import Any, Iterator
 
 import torch
 
+from peagle.model.cpu_bf16 import cpu_has_native_bf16
+
 
 def resolve_device(name: str | torch.device | None = None, local_rank: int = 0) -> torch.device:
     """The device to train on, always with an index for CUDA (``cuda`` -> ``cuda:<local_rank>``).
@@ -42,14 +44,6 @@ def default_compute_dtype(device: torch.device, *, cpu_has_bf16: bool | None = N
         native = cpu_has_native_bf16() if cpu_has_bf16 is None else cpu_has_bf16
         return torch.bfloat16 if native else torch.float32
     return torch.float32
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether oneDNN runs bf16 matmuls natively on this CPU (AVX512-BF16 or AMX)."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def uses_copy_stream(device: torch.device) -> bool:

@@ -196,12 +196,16 @@ def test_how_the_answers_were_written_is_part_of_the_store(tiny_llama, tmp_path)
 
 def test_the_answers_dtype_is_recorded_for_either_backend():
     """vLLM writes the answers in ``--generation-dtype`` too (its plain engine): the store records
-    it whatever the backend; ``auto`` is the compute dtype."""
+    it whatever the backend; ``auto`` is bf16 for a float32 target on this CPU if it has native bf16."""
+    from peagle.model.cpu_bf16 import cpu_has_native_bf16
     from peagle.stages.extract.store_settings import regeneration_settings
 
-    base = dict(data=["x.jsonl"], target="t", out="o", regenerate=True, dtype="float32")
+    base = dict(data=["x.jsonl"], target="t", out="o", regenerate=True, dtype="float32", device="cpu")
+    auto = "bfloat16" if cpu_has_native_bf16() else "float32"
     for backend in ("hf", "vllm"):
-        assert regeneration_settings(ExtractConfig(**base, backend=backend))["generation_dtype"] == "float32"
+        assert regeneration_settings(ExtractConfig(**base, backend=backend))["generation_dtype"] == auto
+        pinned = ExtractConfig(**base, backend=backend, generation_dtype="float32")
+        assert regeneration_settings(pinned)["generation_dtype"] == "float32"
         chosen = ExtractConfig(**base, backend=backend, generation_dtype="bfloat16")
         assert regeneration_settings(chosen)["generation_dtype"] == "bfloat16"
     assert "generation_batch_size" not in regeneration_settings(ExtractConfig(**base, backend="vllm"))
