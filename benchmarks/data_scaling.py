@@ -25,12 +25,14 @@ resumes). What it does and why:
   ``recipe_curves.py --serve`` does for its rows in docs/quality.md.
 
 JSON out: the prompts (counts, leak check), each store (samples, tokens, generated tokens/s), each
-point's data tokens, training command, curve and vLLM figures.
+point's data tokens, training command, curve and vLLM figures; a run of other points or ``--steps``
+keeps the records of earlier ones (``--steps 1200 --points all,double`` adds two rows).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import re
@@ -44,7 +46,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 
 from real_scale import (distinct_first_turns, extract_rates, heldout_chats, heldout_phrases, leaks,  # noqa: E402
                         normalised, read_jsonl, refuse_leaks, split_prompts, templated_train_prompts, write_jsonl)
-from recipe_curves import Recipe, describe_store, run_recipe, serve_in_vllm  # noqa: E402
+from recipe_curves import Recipe, describe_store, merged_records, run_recipe, serve_in_vllm  # noqa: E402
 
 from peagle.pipeline.atomic import atomic_write_json  # noqa: E402
 
@@ -179,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     facts = {name: {**describe_store(path), **extract_rates(work / "logs" / f"extract-{name}.log"),
                     "supervised_tokens": supervised_tokens(work / "logs" / f"extract-{name}.log"),
                     "seconds": seconds.get(name)} for name, path in stores.items()}
+    old = json.loads(args.out.read_text()).get("records", []) if args.out.exists() else []
     records = []
     for point in points:
         recipe = Recipe(POINTS[point], steps=args.steps)
@@ -193,11 +196,11 @@ def main(argv: list[str] | None = None) -> None:
         records.append(record)
         print(f"{point}: {record['supervised_tokens']:,} supervised tokens, {args.steps} steps: AL in vLLM "
               f"{record['vllm']['acceptance_length']:.3f}", flush=True)
-        atomic_write_json(args.out, {"prompts": prompts, "stores": facts, "records": records, "settings": {
-            "steps": args.steps, "prompt_args": args.prompt_args, "answer_args": args.answer_args,
-            "magpie_prompts": args.magpie_prompts, "more_magpie_prompts": args.more_magpie_prompts, "machine": {"platform": platform.platform(),
-                                                               "cpu_count": os.cpu_count()}}})
-
+        settings = {"steps": args.steps, "prompt_args": args.prompt_args, "answer_args": args.answer_args,
+                    "magpie_prompts": args.magpie_prompts, "more_magpie_prompts": args.more_magpie_prompts,
+                    "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()}}
+        atomic_write_json(args.out, {"prompts": prompts, "stores": facts, "settings": settings,  # other runs' kept
+                                     "records": merged_records(old, records)})
 
 if __name__ == "__main__":
     main()
