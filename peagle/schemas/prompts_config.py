@@ -61,7 +61,8 @@ class PromptsConfig:
 
     dtype: str = "auto"
     """Compute dtype of the target: `float32`, `bfloat16`, or `auto` (hf: bfloat16 on GPU, float32 on
-    CPU; vllm: its own choice)."""
+    CPU, where a CPU with native bf16 matmuls samples from a bf16 copy, as `extract --regenerate`
+    writes its answers by default; vllm: its own choice)."""
 
     threads: int = 0
     """CPU threads for torch (0 = torch's default). Fix it when the same file across machines matters:

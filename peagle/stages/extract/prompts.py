@@ -364,8 +364,10 @@ def open_generator(config: PromptsConfig, target: TargetDirectory, prefix: Magpi
     from peagle.model.target_backend_hf import HFBackend
 
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    # `auto` samples from a bf16 copy on a CPU with native bf16 (extract's --generation-dtype auto);
+    # a dtype asked for is the one that samples.
     return HFBackend(target.path, aux_layer_ids=(), topk=1, dtype=config.dtype, device=config.device,
-                     pad_token_id=pad)
+                     pad_token_id=pad, generation_dtype=config.dtype)
 
 
 def prompt_records(prompts: list[str]) -> bytes:
