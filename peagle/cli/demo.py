@@ -155,7 +155,7 @@ _HELP = """Run the whole pipeline on a real instruct model (or --target tiny), e
 Fetches SmolLM2-135M-Instruct (once, cached), has it answer chat prompts, runs extract -> vocab
 -> train -> export -> eval, and prints a summary table (store size, train throughput, per-depth
 acceptance, acceptance length in our loop and in vLLM, speedup over plain decoding) and where
-the plots are. About 6.5 minutes on 2 quiet CPU cores as measured (one of them the held-out
+the plots are. About 6 minutes on 2 quiet CPU cores as measured (one of them the held-out
 store), set-up not counted; the time of each stage is printed as it ends. The acceptance
 length is measured on held-out prompts; training_curves.png draws the trainer's estimates beside
 it, on its training batches (reads high) and on the same held-out prompts (answered by the target
