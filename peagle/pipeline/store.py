@@ -182,7 +182,9 @@ def settings_difference(existing: S.StoreSettings, wanted: S.StoreSettings, root
                     f"{str(old[key])[:12]}), --target {wanted.target.path} has other weights or config (content hash "
                     f"{str(new[key])[:12]}); use the store's target or another --out")
         hint = (f" (or convert it: `peagle store convert --store {root} --hidden-dtype {new[key]} --out NEW`)"
-                if key == "hidden_dtype" else "")
+                if key == "hidden_dtype" else
+                f" (--generation-dtype {old[key]}: the default became bfloat16 on CPUs with native bf16)"
+                if key == "regenerate.generation_dtype" and old.get(key) else "")
         return (f"store {root} was made with {key}={old.get(key)!r}, this run asks for "
                 f"{key}={new.get(key)!r}; use another --out or the store's settings{hint}")
     return None

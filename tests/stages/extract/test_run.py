@@ -192,6 +192,9 @@ def test_how_the_answers_were_written_is_part_of_the_store(tiny_llama, tmp_path)
     assert recorded["generation_dtype"] == "float32" and recorded["generation_batch_size"] == 2
     with pytest.raises(UserError, match="generation_batch_size"):
         _quiet(_config(data, tiny_llama, tmp_path / "s", **{**kw, "generation_batch_size": 3}))
+    with pytest.raises(UserError, match=r"regenerate.generation_dtype='float32', this run asks for .*'bfloat16'.* "
+                                        r"\(--generation-dtype float32: the default became"):
+        _quiet(_config(data, tiny_llama, tmp_path / "s", **{**kw, "generation_dtype": "bfloat16"}))
 
 
 def test_the_answers_dtype_is_recorded_for_either_backend():
