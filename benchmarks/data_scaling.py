@@ -126,11 +126,12 @@ def make_more_prompts(work: Path, target: Path, more: int, first_parts: list[dic
     """Part d (WORK/data/prompts-d.jsonl): ``more`` target-written prompts less the first parts' own."""
     runs, written = write_chunks(work, target, "magpie-more", more, MORE_SEED, prompt_args)
     taken = {normalised(c["messages"][0]["content"]) for c in first_parts}
-    part = [c for c in distinct_first_turns(written) if normalised(c["messages"][0]["content"]) not in taken]
+    distinct = distinct_first_turns(written)
+    part = [c for c in distinct if normalised(c["messages"][0]["content"]) not in taken]
     checked = leaks(part, [], phrases)
     refuse_leaks(checked)
     write_jsonl(work / "data" / "prompts-d.jsonl", part)
-    return {"target_written": len(written), "already_in_first_parts": len(distinct_first_turns(written)) - len(part),
+    return {"target_written": len(written), "already_in_first_parts": len(distinct) - len(part),
             "parts": {"d": len(part)}, "leaks": checked, "prompt_runs": runs}
 
 
@@ -182,6 +183,9 @@ def main(argv: list[str] | None = None) -> None:
                     "supervised_tokens": supervised_tokens(work / "logs" / f"extract-{name}.log"),
                     "seconds": seconds.get(name)} for name, path in stores.items()}
     old = json.loads(args.out.read_text()).get("records", []) if args.out.exists() else []
+    settings = {"steps": args.steps, "prompt_args": args.prompt_args, "answer_args": args.answer_args,
+                "magpie_prompts": args.magpie_prompts, "more_magpie_prompts": args.more_magpie_prompts,
+                "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()}}
     records = []
     for point in points:
         recipe = Recipe(POINTS[point], steps=args.steps)
@@ -196,9 +200,6 @@ def main(argv: list[str] | None = None) -> None:
         records.append(record)
         print(f"{point}: {record['supervised_tokens']:,} supervised tokens, {args.steps} steps: AL in vLLM "
               f"{record['vllm']['acceptance_length']:.3f}", flush=True)
-        settings = {"steps": args.steps, "prompt_args": args.prompt_args, "answer_args": args.answer_args,
-                    "magpie_prompts": args.magpie_prompts, "more_magpie_prompts": args.more_magpie_prompts,
-                    "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()}}
         atomic_write_json(args.out, {"prompts": prompts, "stores": facts, "settings": settings,  # other runs' kept
                                      "records": merged_records(old, records)})
 

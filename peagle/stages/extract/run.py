@@ -87,11 +87,12 @@ def make_batches(lengths: list[int], batch_size: int, max_batch_tokens: int) -> 
 def open_backend(name: str, config: ExtractConfig, settings: S.StoreSettings,
                  target: TargetDirectory) -> TargetBackend:
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    answers_dtype = generation_dtype(config)  # resolved once, as the store's settings record it
     if name == "vllm":
         from peagle.stages.extract.backend_vllm import VllmBackend  # imports vllm: only when asked for
 
         return VllmBackend(target.path, aux_layer_ids=list(settings.aux_layer_ids), topk=settings.topk,
-                           dtype=settings.target.dtype, generation_dtype=generation_dtype(config),
+                           dtype=settings.target.dtype, generation_dtype=answers_dtype,
                            max_seq_len=settings.max_seq_len, seed=config.seed,
                            tensor_parallel_size=config.tensor_parallel_size,
                            gpu_memory_utilization=config.gpu_memory_utilization or None,
@@ -100,7 +101,7 @@ def open_backend(name: str, config: ExtractConfig, settings: S.StoreSettings,
 
     return HFBackend(target.path, aux_layer_ids=settings.aux_layer_ids, topk=settings.topk,
                      dtype=settings.target.dtype, device=config.device, pad_token_id=pad,
-                     generation=config.generation, generation_dtype=config.generation_dtype)
+                     generation=config.generation, generation_dtype=answers_dtype)
 
 
 def run_forward(backend: TargetBackend, samples: list[TokenizedSample], config: ExtractConfig) -> list[TargetOutput]:
