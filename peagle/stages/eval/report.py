@@ -6,6 +6,8 @@ is what `peagle eval` prints of it); the plots are
 * ``per_depth_acceptance.png`` -- P(draft d accepted) for d = 1..K, per mode (offline chains, own
   loop, vLLM, a live server), with the conditional acceptance of the offline chains;
 * ``acceptance_length.png`` -- AL(k) for k = 1..K, per mode;
+* ``speed.png`` -- generated tokens/s with the draft and without it, per mode, one request at a time
+  (the headline: speculative decoding is a latency tool) and, in vLLM, every prompt at once;
 * ``training_curves.png`` -- loss, per-depth agreement and acceptance-length estimate against the
   step, from ``RUN_DIR/metrics.jsonl`` (skipped when there is none). Each line says what it is: the
   trainer's estimate on its own training batches reads high (the draft is scored on text it trains
@@ -59,9 +61,12 @@ def compare_modes(sections: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def build_report(*, sections: dict[str, dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
-    """``{"meta", "offline", "online", "vllm", "server", "comparison"}`` (absent modes are null)."""
-    report = {"meta": meta, **{m: sections.get(m) for m in MODES}, "comparison": compare_modes(sections)}
+def build_report(*, sections: dict[str, dict[str, Any]], meta: dict[str, Any],
+                 speed: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``{"meta", "offline", "online", "vllm", "server", "comparison", "speed"}`` (absent modes are
+    null; ``speed``: the step costs and the K recommendation of :mod:`.speed`, when our loop ran)."""
+    report = {"meta": meta, **{m: sections.get(m) for m in MODES}, "comparison": compare_modes(sections),
+              "speed": speed}
     return _finite(report)
 
 
@@ -90,7 +95,8 @@ def write_report(report_dir: str | os.PathLike, report: dict[str, Any], *,
     report_dir = Path(report_dir)
     report_dir.mkdir(parents=True, exist_ok=True)
     written = {}
-    plots = {"per_depth_acceptance": plot_per_depth(report), "acceptance_length": plot_acceptance_length(report)}
+    plots = {"per_depth_acceptance": plot_per_depth(report), "acceptance_length": plot_acceptance_length(report),
+             "speed": plot_speed(report)}
     if metrics:
         plots["training_curves"] = plot_training_curves(metrics, measured=measured_acceptance(report))
     for name, figure in plots.items():
@@ -167,6 +173,34 @@ def plot_acceptance_length(report: dict[str, Any]):
     ax.set_title("Acceptance length vs K (tokens per target forward)")
     ax.grid(alpha=0.3)
     ax.legend()
+    return figure
+
+
+def plot_speed(report: dict[str, Any]):
+    """Tokens/s with the draft and without it, per mode and concurrency (one request at a time, then
+    every prompt at once), with the ratio over each pair."""
+    bars = []
+    for mode in ("online", "vllm"):
+        speed = (report.get(mode) or {}).get("speed") or {}
+        for key in ("concurrency_1", "concurrency_n"):
+            figures = speed.get(key) or {}
+            if figures.get("spec_tokens_per_second") is not None and figures.get("plain_tokens_per_second") is not None:
+                bars.append((f"{MODE_LABELS[mode]}\nconcurrency {figures['concurrency']}", figures))
+    if not bars:
+        return None
+    figure = _figure(width=max(4.0, 2.2 * len(bars)))
+    ax = figure.add_subplot()
+    xs = range(len(bars))
+    ax.bar([x - 0.2 for x in xs], [f["plain_tokens_per_second"] for _, f in bars], width=0.4, label="target alone")
+    ax.bar([x + 0.2 for x in xs], [f["spec_tokens_per_second"] for _, f in bars], width=0.4, label="with the draft")
+    for x, (_, f) in zip(xs, bars):
+        top = max(f["plain_tokens_per_second"], f["spec_tokens_per_second"])
+        ax.text(x, top * 1.02, f"{f['speedup']:.2f}x" if f.get("speedup") else "-", ha="center", fontsize=9)
+    ax.set_xticks(list(xs), [label for label, _ in bars], fontsize=8)
+    ax.set_ylabel("generated tokens/s")
+    ax.set_title("Decoding speed with and without the draft (wall clock)")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
     return figure
 
 
@@ -253,6 +287,19 @@ def _fmt(x: Any, digits: int = 3) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
+def speed_lines(speed: dict[str, Any]) -> list[str]:
+    """Tokens/s with and without the draft, one line per concurrency measured (1 first: the headline)."""
+    lines = []
+    for key, what in (("concurrency_1", "one request at a time"), ("concurrency_n", "{n} requests at once")):
+        figures = speed.get(key)
+        if not figures or figures.get("spec_tokens_per_second") is None:
+            continue
+        lines.append(f"{what.format(n=figures.get('concurrency'))}: {_fmt(figures['spec_tokens_per_second'], 1)} "
+                     f"tokens/s with the draft, {_fmt(figures.get('plain_tokens_per_second'), 1)} without: "
+                     f"{_fmt(figures.get('speedup'), 2)}x")
+    return lines
+
+
 def summary_table(report: dict[str, Any]) -> str:
     """A few lines a person reads first: AL and per-depth acceptance per mode, speedup, output checks."""
     lines = [f"{'mode':<10} {'AL':>6}  per-depth acceptance"]
@@ -262,15 +309,21 @@ def summary_table(report: dict[str, Any]) -> str:
             continue
         per_depth = " ".join(_fmt(v, 2) for v in section.get("per_depth_acceptance") or [])
         lines.append(f"{mode:<10} {_fmt(section.get('acceptance_length')):>6}  {per_depth}")
-    online = report.get("online") or {}
-    if online.get("speedup") is not None:
-        lines.append(f"own loop: {_fmt(online.get('tokens_per_target_forward'), 2)} tokens/target forward, "
-                     f"speedup {_fmt(online.get('speedup'), 2)}x over plain decoding, non-repetitive prompts AL "
-                     f"{_fmt((online.get('non_repetitive') or {}).get('acceptance_length'))}")
-    served = report.get("vllm") or {}
-    if served.get("speedup") is not None:
-        lines.append(f"vLLM: {_fmt(served.get('tokens_per_target_forward'), 2)} tokens/target forward, "
-                     f"speedup {_fmt(served.get('speedup'), 2)}x over vLLM serving the target alone (same prompts)")
+    for mode, name in (("online", "own loop"), ("vllm", "vLLM")):
+        section = report.get(mode) or {}
+        if section.get("tokens_per_target_forward") is not None:
+            lines.append(f"{name}: {_fmt(section.get('tokens_per_target_forward'), 2)} tokens/target forward"
+                         + (f", non-repetitive prompts AL {_fmt(section['non_repetitive'].get('acceptance_length'))}"
+                            if section.get("non_repetitive") else ""))
+        lines += [f"  {line}" for line in speed_lines(section.get("speed") or {})]
+    recommended = (report.get("speed") or {}).get("k_recommendation") or {}
+    if recommended.get("best_k"):
+        gain = recommended.get("predicted_gain_over_served_k")
+        lines.append(f"K: {recommended['best_k']} predicted fastest here ({_fmt(recommended.get('predicted_speedup'), 2)}x "
+                     f"plain decoding; {_fmt(gain, 2)}x the served K = {recommended.get('served_k')}), from "
+                     f"{recommended.get('acceptance_from')}'s per-depth acceptance and our loop's step costs; "
+                     "break-even AL by K: " + " ".join(_fmt(r['break_even_acceptance_length'], 2)
+                                                      for r in recommended.get("by_k") or []))
     live = report.get("server") or {}
     if live:
         lines.append(f"server: {_fmt(live.get('tokens_per_target_forward'), 2)} tokens/target forward, "

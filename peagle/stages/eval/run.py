@@ -32,7 +32,7 @@ from peagle.schemas.checkpoint import CHECKPOINTS_DIR
 from peagle.schemas.errors import UserError
 from peagle.schemas.eval_config import EvalConfig
 from peagle.schemas.train_config import parse_store_spec
-from peagle.stages.eval import offline, online, prompts as prompt_sources, report as reporting, server as serving
+from peagle.stages.eval import offline, online, prompts as prompt_sources, report as reporting, server as serving, speed
 from peagle.stages.eval.vllm_eval import run_vllm, vllm_available
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -154,6 +154,7 @@ def run_eval(config: EvalConfig, *, echo: Callable[[str], None] = print) -> dict
         sections["offline"] = {**result.to_dict(), "store": str(store.root), "heldout_fraction": heldout}
 
     prompt_ids, prompt_source, stops = [], None, []
+    costs = None
     if needs_target:
         tokenizer = load_tokenizer(target_dir)
         prompt_ids, prompt_source = _prompts(config, tokenizer, store, heldout)
@@ -169,9 +170,11 @@ def run_eval(config: EvalConfig, *, echo: Callable[[str], None] = print) -> dict
         result = online.evaluate_online(target, drafter, prompt_ids, num_depths=K, max_new_tokens=config.max_new_tokens,
                                         temperature=config.temperature, seed=config.seed, stop_ids=set(stops),
                                         progress=not config.quiet)
-        sections["online"] = {**result.to_dict(), "prompt_source": prompt_source}
+        sections["online"] = {**result.to_dict(), "speed": online_speed(result), "prompt_source": prompt_source}
         if all(r.plain is not None for r in result.prompts):
             greedy_outputs["target"] = [r.plain.tokens for r in result.prompts]
+        if prompt_ids:  # what each part of a step costs here: the K recommendation reads it
+            costs = speed.measure_step_costs(target, drafter, prompt_ids[0], max_depths=K)
         del target
 
     if "vllm" in modes:
@@ -193,6 +196,11 @@ def run_eval(config: EvalConfig, *, echo: Callable[[str], None] = print) -> dict
                                                parallel=draft.config.method != "eagle3"),
             "prompt_source": prompt_source}
 
+    speed_report = None
+    if costs is not None:
+        speed_report = {"step_costs": costs.to_dict(),
+                        "k_recommendation": speed.k_recommendation(sections, costs, served_k=K)}
+
     meta = {
         "peagle_version": peagle.__version__,
         "export_dir": str(where.export_dir.resolve()),
@@ -203,12 +211,24 @@ def run_eval(config: EvalConfig, *, echo: Callable[[str], None] = print) -> dict
         "modes": modes,
         "settings": {k: v for k, v in asdict(config).items() if k not in ("source", "quiet")},
     }
-    report = reporting.build_report(sections=sections, meta=meta)
+    report = reporting.build_report(sections=sections, meta=meta, speed=speed_report)
     reporting.write_report(where.out, report, metrics=reporting.read_metrics(where.run_dir))
     echo(reporting.summary_table(report))
     echo(f"report: {where.out / reporting.REPORT_FILE}  plots: "
          + ", ".join(str(where.out / p) for p in (report.get("plots") or {}).values()))
     return report
+
+
+def online_speed(result: online.OnlineResult) -> dict[str, Any]:
+    """Our loop decodes one request at a time: its tokens/s with and without the draft are the
+    concurrency-1 figures; it has no concurrency-N figure (vLLM's section does)."""
+    plains = [r.plain for r in result.prompts if r.plain is not None]
+    return {"concurrency_1": speed.speed_figures(
+                concurrency=1, spec_tokens=sum(len(r.spec.tokens) for r in result.prompts),
+                spec_seconds=sum(r.spec.seconds for r in result.prompts),
+                plain_tokens=sum(len(p.tokens) for p in plains) if plains else None,
+                plain_seconds=sum(p.seconds for p in plains) if plains else None),
+            "concurrency_n": None}
 
 
 def _same_path(a: str | None, b: str | None) -> bool:

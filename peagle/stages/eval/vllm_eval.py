@@ -13,12 +13,19 @@ so they are read before and after generation and differenced. ``accepted_per_pos
 is the per-depth acceptance P(a >= d) of :mod:`peagle.stages.eval.acceptance`, and AL comes from the
 same :func:`acceptance_lengths` as every other mode.
 
+Speed is measured twice per engine, after an untimed warm-up: **one request at a time** (concurrency
+1, the headline: speculative decoding is a latency tool, and a batch of N sequences on a few CPU
+cores is compute-bound, where verifying K + 1 tokens costs about K + 1 plain steps), whose run also
+gives the acceptance counters and the outputs; then **every prompt at once** (concurrency N = the
+number of prompts), what a shared server sees. The target alone is timed the same two ways.
+
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set), eager, with a
 small CPU KV cache (``VLLM_CPU_KVCACHE_SPACE`` GiB, default 1) unless the environment says otherwise.
 """
 
 from __future__ import annotations
 
+import copy
 import gc
 import os
 import time
@@ -29,6 +36,7 @@ from typing import Any
 from peagle.pipeline.progress import library_bars_enabled
 from peagle.schemas.errors import UserError
 from peagle.stages.eval.acceptance import acceptance_lengths
+from peagle.stages.eval.speed import speed_figures
 
 SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
@@ -47,7 +55,8 @@ def vllm_available() -> bool:
 
 @dataclass
 class VllmResult:
-    """What one vLLM run measured."""
+    """What one vLLM run measured. Acceptance and the outputs come from the prompts decoded one at a
+    time (concurrency 1, the headline speed); ``batch_*`` from all of them at once (concurrency N)."""
 
     parallel_drafting: bool
     method: str
@@ -58,26 +67,43 @@ class VllmResult:
     accepted_per_pos: list[int]
     outputs: list[list[int]]
     seconds: float
+    batch_tokens: int | None = None
+    batch_seconds: float | None = None
     target_only_outputs: list[list[int]] | None = None
     target_only_seconds: float | None = None
+    target_only_batch_tokens: int | None = None
+    target_only_batch_seconds: float | None = None
     settings: dict[str, Any] = field(default_factory=dict)
 
+    def speed(self) -> dict[str, Any]:
+        """Tokens/s with and without the draft at concurrency 1 and at N = every prompt at once."""
+        plain_tokens = sum(len(o) for o in self.target_only_outputs) if self.target_only_outputs is not None else None
+        return {"concurrency_1": speed_figures(concurrency=1, spec_tokens=sum(len(o) for o in self.outputs),
+                                               spec_seconds=self.seconds, plain_tokens=plain_tokens,
+                                               plain_seconds=self.target_only_seconds),
+                "concurrency_n": speed_figures(concurrency=len(self.outputs), spec_tokens=self.batch_tokens or 0,
+                                               spec_seconds=self.batch_seconds or 0.0,
+                                               plain_tokens=self.target_only_batch_tokens,
+                                               plain_seconds=self.target_only_batch_seconds)
+                if self.batch_seconds else None}
+
     def to_dict(self) -> dict[str, Any]:
+        speed = self.speed()
         out = {
             "parallel_drafting": self.parallel_drafting,
             "method": self.method,
             **counters_section(num_depths=self.num_speculative_tokens, num_drafts=self.num_drafts,
                                num_draft_tokens=self.num_draft_tokens, num_accepted_tokens=self.num_accepted_tokens,
                                accepted_per_pos=self.accepted_per_pos, outputs=self.outputs, seconds=self.seconds),
+            "speed": speed,
             "settings": self.settings,
         }
         if self.target_only_outputs is not None:
-            plain_tokens = sum(len(o) for o in self.target_only_outputs)
+            headline = speed["concurrency_1"]
             out["plain_seconds"] = self.target_only_seconds
-            out["plain_tokens_per_second"] = plain_tokens / self.target_only_seconds if self.target_only_seconds else None
+            out["plain_tokens_per_second"] = headline["plain_tokens_per_second"]
             out["greedy_output_matches_target_only"] = self.outputs == self.target_only_outputs
-            out["speedup"] = (out["spec_tokens_per_second"] / out["plain_tokens_per_second"]
-                              if out["plain_tokens_per_second"] else None)
+            out["speedup"] = headline["speedup"]
         return out
 
 
@@ -155,9 +181,26 @@ def _sampling_params(vllm, n: int, *, temperature: float, max_new_tokens: int, s
 
 
 def _generate(llm, TokensPrompt, prompts: list[list[int]], params: list) -> tuple[list[list[int]], float]:
+    """Every prompt at once (concurrency N = len(prompts)): outputs and wall seconds."""
     start = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - start
+
+
+def _one_at_a_time(llm, TokensPrompt, prompts: list[list[int]], params: list, *, counted: bool = True):
+    """Each prompt alone (concurrency 1), after an untimed warm-up on the first: outputs, the sum of
+    their wall seconds, and (``counted``: an engine that logs stats) vLLM's spec-decode counters before
+    and after them, so the warm-up's drafts are not counted."""
+    warm = copy.copy(params[0])
+    warm.max_tokens = min(8, params[0].max_tokens)
+    llm.generate([TokensPrompt(prompt_token_ids=list(prompts[0]))], [warm], use_tqdm=False)
+    before = spec_decode_counters(llm) if counted else None
+    outputs, seconds = [], 0.0
+    for prompt, param in zip(prompts, params):
+        output, took = _generate(llm, TokensPrompt, [prompt], [param])
+        outputs += output
+        seconds += took
+    return outputs, seconds, before, spec_decode_counters(llm) if counted else None
 
 
 def _run_vllm(export_dir: str | os.PathLike, prompts: list[list[int]], *, num_speculative_tokens: int | None = None,
@@ -214,9 +257,8 @@ def _run_vllm(export_dir: str | os.PathLike, prompts: list[list[int]], *, num_sp
         verifier = str(config.model_config.model)
         params = _sampling_params(vllm, len(prompts), temperature=temperature, max_new_tokens=max_new_tokens,
                                   seed=seed, stop_ids=list(stop_ids), ignore_eos=ignore_eos)
-        before = spec_decode_counters(llm)
-        outputs, seconds = _generate(llm, TokensPrompt, prompts, params)
-        after = spec_decode_counters(llm)
+        outputs, seconds, before, after = _one_at_a_time(llm, TokensPrompt, prompts, params)
+        batch_outputs, batch_seconds = _generate(llm, TokensPrompt, prompts, params)
         result = VllmResult(
             parallel_drafting=bool(spec.parallel_drafting), method=str(spec.method),
             num_speculative_tokens=int(spec.num_speculative_tokens),
@@ -225,7 +267,8 @@ def _run_vllm(export_dir: str | os.PathLike, prompts: list[list[int]], *, num_sp
             num_accepted_tokens=after["num_accepted_tokens"] - before["num_accepted_tokens"],
             accepted_per_pos=[a - b for a, b in zip(after["accepted_per_pos"],
                                                     before["accepted_per_pos"] or [0] * len(after["accepted_per_pos"]))],
-            outputs=outputs, seconds=seconds,
+            outputs=outputs, seconds=seconds, batch_tokens=sum(len(o) for o in batch_outputs),
+            batch_seconds=batch_seconds,
             settings={"vllm_version": vllm.__version__, "route": route, "verifier": verifier, **engine_args,
                       "temperature": temperature, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos,
                       "draft_sample_method": str(getattr(spec, "draft_sample_method", "greedy"))},
@@ -236,7 +279,10 @@ def _run_vllm(export_dir: str | os.PathLike, prompts: list[list[int]], *, num_sp
     if target_only:
         llm = vllm.LLM(model=verifier, use_tqdm_on_load=bars, **engine_args)
         try:
-            result.target_only_outputs, result.target_only_seconds = _generate(llm, TokensPrompt, prompts, params)
+            result.target_only_outputs, result.target_only_seconds, _, _ = _one_at_a_time(
+                llm, TokensPrompt, prompts, params, counted=False)
+            plain_batch, result.target_only_batch_seconds = _generate(llm, TokensPrompt, prompts, params)
+            result.target_only_batch_tokens = sum(len(o) for o in plain_batch)
         finally:
             del llm
             gc.collect()

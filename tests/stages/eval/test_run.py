@@ -31,8 +31,16 @@ def test_cli_eval_on_a_run_directory(run_dir, tiny_llama, run_peagle):
     assert report["offline"]["num_samples"] == 4 and report["offline"]["num_chains"] > 0
     assert report["online"]["num_prompts"] == 2 and report["online"]["greedy_output_matches_plain"] is True
     assert "store" in report["online"]["prompt_source"]
-    assert set(report["plots"]) == {"per_depth_acceptance", "acceptance_length", "training_curves"}
-    assert "offline" in done.stdout and "report:" in done.stdout
+    assert set(report["plots"]) == {"per_depth_acceptance", "acceptance_length", "training_curves", "speed"}
+    one_at_a_time = report["online"]["speed"]["concurrency_1"]  # our loop decodes one request at a time
+    assert one_at_a_time["concurrency"] == 1 and one_at_a_time["speedup"] == pytest.approx(
+        one_at_a_time["spec_tokens_per_second"] / one_at_a_time["plain_tokens_per_second"])
+    assert report["online"]["speed"]["concurrency_n"] is None
+    costs, recommended = report["speed"]["step_costs"], report["speed"]["k_recommendation"]
+    assert len(costs["verify_s"]) == 4 and len(costs["draft_s"]) == 3 and all(s > 0 for s in costs["step_s"])
+    assert recommended["acceptance_from"] == "online" and recommended["served_k"] == 3
+    assert recommended["best_k"] in (1, 2, 3) and [r["k"] for r in recommended["by_k"]] == [1, 2, 3]
+    assert "offline" in done.stdout and "report:" in done.stdout and "one request at a time" in done.stdout
 
 
 @pytest.mark.skipif(vllm_available(), reason="checks the message shown when vLLM is missing")

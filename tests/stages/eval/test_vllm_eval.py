@@ -114,6 +114,11 @@ def test_fitted_draft_own_loop_and_vllm_agree(setup, tmp_path):
     assert ours["acceptance_length"] > 2.5  # the mask slots work: depths >= 2 are accepted
     assert vllm["acceptance_length"] == pytest.approx(ours["acceptance_length"], rel=0.05)
     assert vllm["per_depth_acceptance"] == pytest.approx(ours["per_depth_acceptance"], abs=0.08)
+    # speed one request at a time (the headline, where acceptance was counted) and every prompt at once
+    one, many = vllm["speed"]["concurrency_1"], vllm["speed"]["concurrency_n"]
+    assert one["concurrency"] == 1 and many["concurrency"] == len(setup["prompts"])
+    assert vllm["speedup"] == one["speedup"] == pytest.approx(one["spec_tokens_per_second"] / one["plain_tokens_per_second"])
+    assert many["spec_tokens_per_second"] > 0 and many["plain_tokens_per_second"] > 0
 
 
 def test_random_draft_own_loop_and_vllm_agree(setup, tmp_path):

@@ -1,0 +1,185 @@
+"""How fast decoding runs with and without the draft, what one speculative step costs on this
+machine, and the K that makes the most tokens per second.
+
+:func:`speed_figures` is the one shape every mode reports its speed in: tokens/s with the draft and
+without it, and their ratio, at a concurrency (1: one request at a time, the headline; N: all the
+prompts at once, what a shared server sees).
+
+Speculative decoding is a latency tool: one request at a time, a plain step is one target forward
+for one token, and a speculative step is the draft's proposal of K tokens plus one target forward
+that verifies K + 1. Whether a draft pays is then a ratio of costs, not of forwards:
+
+    tokens/s with the draft   AL(K) · t_plain
+    ----------------------- = ------------------------------------------,   AL(K) = 1 + Σ_{d<=K} P(a >= d)
+    tokens/s without          t_verify(K + 1) + t_draft(K) + t_bookkeeping
+
+so the **break-even acceptance length** at K is ``t_step(K) / t_plain``: a draft whose AL(K) is
+below it makes decoding slower whatever its AL looks like. :func:`measure_step_costs` times each
+term in our own loop (:mod:`.online`) at one context length, medians of a few repeats after a
+warm-up; :func:`recommend_k` reads the per-depth acceptance a draft was measured at (depth d's draft
+never depends on how many drafts follow it, so AL(k) for every k <= K comes from the same steps:
+:mod:`.acceptance`) and predicts tokens/s at each K from these costs.
+
+vLLM's costs per K are not timed here (one engine start per K); benchmarks/step_cost.py times both
+loops at every K and docs/performance.md compares the two.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+
+from peagle.stages.eval.acceptance import acceptance_lengths
+from peagle.stages.eval.online import (DecodeState, Drafter, Sampler, TargetLM, accept_greedy, commit, prefill,
+                                       propose, verify)
+
+def speed_figures(*, concurrency: int, spec_tokens: int, spec_seconds: float, plain_tokens: int | None = None,
+                  plain_seconds: float | None = None) -> dict[str, Any]:
+    """Tokens/s with the draft, without it (when plain decoding ran) and their ratio, at ``concurrency``
+    requests in flight."""
+    spec = spec_tokens / spec_seconds if spec_seconds else None
+    plain = plain_tokens / plain_seconds if plain_seconds and plain_tokens is not None else None
+    return {"concurrency": concurrency, "spec_tokens_per_second": spec, "plain_tokens_per_second": plain,
+            "speedup": spec / plain if spec and plain else None, "spec_seconds": spec_seconds,
+            "plain_seconds": plain_seconds}
+
+
+DEFAULT_CONTEXT = 256
+"""Tokens of context the costs are timed at: a chat prompt and a few hundred tokens of answer."""
+
+
+def median_seconds(fn: Callable[[], Any], *, repeats: int, warmup: int = 1) -> float:
+    """The median wall time of ``fn()`` over ``repeats`` calls, after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Seconds of each part of a step, at ``context`` tokens: ``verify_s[L-1]`` one target forward
+    over L new tokens (L = 1 is a plain step's forward), ``draft_s[K-1]`` the draft's proposal of K
+    tokens (over the target vocab, drafts picked), ``bookkeeping_s`` acceptance and the cache crop."""
+
+    context: int
+    verify_s: list[float]
+    draft_s: list[float]
+    bookkeeping_s: float
+    pick_s: float
+
+    @property
+    def max_depths(self) -> int:
+        return len(self.draft_s)
+
+    @property
+    def plain_s(self) -> float:
+        """One plain decoding step: a forward over one token and the pick of the next."""
+        return self.verify_s[0] + self.pick_s
+
+    def step_s(self, k: int) -> float:
+        """One speculative step with K = k drafts."""
+        return self.verify_s[k] + self.draft_s[k - 1] + self.bookkeeping_s
+
+    def break_even(self, k: int) -> float:
+        """The acceptance length at which K = k drafts neither speed nor slow decoding."""
+        return self.step_s(k) / self.plain_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "plain_s": self.plain_s,
+                "step_s": [self.step_s(k) for k in range(1, self.max_depths + 1)],
+                "break_even_acceptance_length": [self.break_even(k) for k in range(1, self.max_depths + 1)]}
+
+
+def _crop_to(cache, length: int) -> None:
+    """Keep the first ``length`` positions of a transformers cache (its negative form: the count to drop)."""
+    surplus = cache.get_seq_length() - length
+    if surplus > 0:
+        cache.crop(-surplus)
+
+
+def _state_at(target: TargetLM, prompt_ids: list[int], context: int) -> DecodeState:
+    """A decoding state of ``context`` tokens: the prompt repeated (its content does not change a
+    forward's cost) and prefilled."""
+    ids = (list(prompt_ids) * (context // max(1, len(prompt_ids)) + 1))[: context - 1]
+    return prefill(target, ids, Sampler())
+
+
+@torch.no_grad()
+def measure_step_costs(target: TargetLM, drafter: Drafter, prompt_ids: list[int], *, max_depths: int,
+                       context: int = DEFAULT_CONTEXT, repeats: int = 5) -> StepCosts:
+    """Time each part of a step in our own loop (module docstring) at ``context`` tokens of context;
+    the cache is cropped back after every timed verification, so every repeat sees the same state."""
+    state = _state_at(target, prompt_ids, context)
+    sampler = Sampler()
+    kept = state.cache.get_seq_length()
+
+    def forward(num_tokens: int) -> Callable[[], None]:
+        def run() -> None:
+            verify(target, state, [state.tokens[-1]] * (num_tokens - 1))
+            _crop_to(state.cache, kept)
+        return run
+
+    verify_s = [median_seconds(forward(n), repeats=repeats) for n in range(1, max_depths + 2)]
+    draft_s = [median_seconds(lambda k=k: propose(drafter, state, k, sampler), repeats=repeats)
+               for k in range(1, max_depths + 1)]
+    logits_LV, aux_LAH = verify(target, state, [state.tokens[-1]] * max_depths)
+    _crop_to(state.cache, kept)
+    pick_s = median_seconds(lambda: sampler.pick(logits_LV[0]), repeats=repeats)
+
+    def bookkeeping() -> None:
+        trial = DecodeState(tokens=list(state.tokens), cache=state.cache, aux_PAH=state.aux_PAH)
+        verify(target, trial, [state.tokens[-1]] * max_depths)  # the crop needs K + 1 new cache rows
+        start = time.perf_counter()
+        a, token = accept_greedy([state.tokens[-1]] * max_depths, logits_LV)
+        commit(trial, [state.tokens[-1]] * max_depths, a, token, aux_LAH)
+        timed.append(time.perf_counter() - start)
+        _crop_to(state.cache, kept)
+
+    timed: list[float] = []
+    for _ in range(repeats + 1):
+        bookkeeping()
+    return StepCosts(context=context, verify_s=verify_s, draft_s=draft_s,
+                     bookkeeping_s=statistics.median(timed[1:]), pick_s=pick_s)
+
+
+def recommend_k(per_depth_acceptance: list[float], costs: StepCosts) -> dict[str, Any]:
+    """Predicted tokens/s against plain decoding at every K the acceptance was measured for (and the
+    costs were timed for), and the K with the most; ``per_depth_acceptance[d-1]`` = P(a >= d)."""
+    usable = [p for p in per_depth_acceptance[: costs.max_depths] if p is not None]
+    if not usable or any(p != p for p in usable):  # NaN: nothing measured
+        return {"best_k": None, "by_k": [], "reason": "no per-depth acceptance measured"}
+    lengths = acceptance_lengths(usable, 1.0)
+    by_k = [{"k": k, "acceptance_length": al, "break_even_acceptance_length": costs.break_even(k),
+             "predicted_speedup": al / costs.break_even(k)} for k, al in enumerate(lengths, start=1)]
+    best = max(by_k, key=lambda row: row["predicted_speedup"])
+    return {"best_k": best["k"], "predicted_speedup": best["predicted_speedup"], "by_k": by_k}
+
+
+RECOMMENDATION_SOURCES = ("vllm", "online", "offline")
+"""Whose per-depth acceptance the K recommendation reads, first found first: what vLLM served, else
+our loop's, else the teacher-forced chains'."""
+
+
+def k_recommendation(sections: dict[str, dict[str, Any]], costs: StepCosts, *, served_k: int) -> dict[str, Any]:
+    """:func:`recommend_k` on the first mode of :data:`RECOMMENDATION_SOURCES` that measured a
+    per-depth acceptance, with the predicted gain of the best K over the K this evaluation served."""
+    for mode in RECOMMENDATION_SOURCES:
+        per_depth = (sections.get(mode) or {}).get("per_depth_acceptance")
+        if per_depth and all(p is not None and p == p for p in per_depth):
+            break
+    else:
+        return {"best_k": None, "by_k": [], "reason": "no mode measured a per-depth acceptance"}
+    found = recommend_k(per_depth, costs)
+    served = next((row for row in found["by_k"] if row["k"] == served_k), None)
+    gain = found["predicted_speedup"] / served["predicted_speedup"] if served and found.get("best_k") else None
+    return {"acceptance_from": mode, "costs_from": "own loop, this machine", "context": costs.context,
+            "served_k": served_k, **found, "predicted_gain_over_served_k": gain}
