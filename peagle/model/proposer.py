@@ -127,3 +127,93 @@ def propose_sequential(draft: PEagleDraft, token_ids: Tensor, aux_PAH: Tensor, n
         chosen.append(choose(logits[-1][0]).reshape(1).to(device=device, dtype=token_ids.dtype))
     token_ids_K = torch.cat(chosen)
     return Proposal(torch.cat(logits), draft.target_to_draft(token_ids_K), token_ids_K)
+
+
+class CachedProposer:
+    """:func:`propose` / :func:`propose_sequential` with the draft's keys and values of the context
+    slots kept between calls, as vLLM's proposer keeps them: a call runs the draft over the slots it
+    has not seen (the tokens accepted since the last call) and the K − 1 mask slots (P-EAGLE) or
+    the K − 1 chain steps (EAGLE-3), not over the whole context again.
+
+    What a cached row holds depends only on the context before it (real slot i reads ``x_{i+1}``
+    and ``aux[i]``, causal), so the cache is valid for any later call whose context starts with the
+    same tokens (aux rows of committed positions never change): a call checks that prefix and starts
+    over when it differs (a new prompt). Only real slots are kept; mask slots and chain steps are
+    recomputed each call, as vLLM overwrites them. The proposals equal the uncached functions'
+    (tests/model/test_proposer.py).
+    """
+
+    def __init__(self, draft: PEagleDraft):
+        self.draft = draft
+        self.past: list | None = None
+        self.slot_tokens: Tensor | None = None  # the cached slots' tokens (x_1 .. x_P)
+
+    def _new_rows(self, token_ids: Tensor, num_real: int) -> int:
+        """How many leading real slots the cache still holds for this context (0: start over). The
+        last real slot is always recomputed: its output gives the first draft."""
+        cached = 0 if self.slot_tokens is None else self.slot_tokens.shape[0]
+        if cached > num_real or cached and not torch.equal(self.slot_tokens, token_ids[1:cached + 1]):
+            self.past, self.slot_tokens, cached = None, None, 0
+        if cached == num_real:  # the same context again: only its last slot is run again
+            cached -= 1
+            self._keep_real(self.past, cached)
+        return cached
+
+    def _keep_real(self, cache: list, num_real: int) -> None:
+        self.past = [(k[:, :num_real], v[:, :num_real]) for k, v in cache]
+
+    @torch.no_grad()
+    def propose(self, token_ids: Tensor, aux_PAH: Tensor, num_depths: int,
+                choose: Callable[[Tensor], Tensor] | None = None) -> Proposal:
+        """K drafts for the context ``token_ids`` (``x_0 .. x_{p+1}``) and its aux rows (``0 .. p``):
+        P-EAGLE's parallel drafting or, for an EAGLE-3 draft, sequential drafting with ``choose``."""
+        draft = self.draft
+        num_real = aux_PAH.shape[0]
+        if token_ids.shape[0] != num_real + 1:
+            raise ValueError(f"need {num_real + 1} token ids for {num_real} aux states, got {token_ids.shape[0]}")
+        cached = self._new_rows(token_ids, num_real)
+        device = token_ids.device
+        embeds_XH = draft.embed_tokens(token_ids[cached + 1:])
+        hidden_XH = combined_aux(draft, aux_PAH[cached:])
+        parallel = draft.config.method != "eagle3"
+        num_mask = num_depths - 1 if parallel else 0
+        if num_mask:
+            mask_ids = token_ids.new_full((num_mask,), draft.config.mask_token_id)
+            mask_hidden_1H = draft.combine_hidden_states(draft.mask_hidden.reshape(1, -1).to(hidden_XH.dtype))
+            embeds_XH = torch.cat([embeds_XH, draft.embed_tokens(mask_ids)])
+            hidden_XH = torch.cat([hidden_XH, mask_hidden_1H.expand(num_mask, -1)])
+        rows = num_real - cached + num_mask
+        sees_XP = torch.ones(rows, cached, dtype=torch.bool, device=device)
+        causal_XX = torch.ones(rows, rows, dtype=torch.bool, device=device).tril()
+        normed_XH, prenorm_XH, cache = decode_step(draft, embeds_XH, hidden_XH,
+                                                   torch.arange(cached, num_real + num_mask, device=device),
+                                                   torch.cat([sees_XP, causal_XX], dim=1), self.past)
+        self._keep_real(cache, num_real)
+        self.slot_tokens = token_ids[1:].clone()
+        last_real = num_real - cached - 1
+        if parallel:
+            logits_KV = draft.compute_logits(normed_XH[last_real:last_real + num_depths])
+            draft_ids_K = logits_KV.argmax(dim=-1)
+            return Proposal(logits_KV, draft_ids_K, draft.draft_to_target(draft_ids_K))
+        return self._chain(normed_XH[last_real:last_real + 1], prenorm_XH[last_real:last_real + 1], cache,
+                           num_real, num_depths, choose, token_ids.dtype)
+
+    def _chain(self, normed_1H: Tensor, prenorm_1H: Tensor, cache: list, num_real: int, num_depths: int,
+               choose: Callable[[Tensor], Tensor] | None, dtype: torch.dtype) -> Proposal:
+        """EAGLE-3's K − 1 further forwards over the context's cache (as :func:`propose_sequential`)."""
+        draft = self.draft
+        device = normed_1H.device
+        if choose is None:
+            def choose(logits_V: Tensor) -> Tensor:
+                return draft.draft_to_target(logits_V.argmax(dim=-1, keepdim=True))
+        logits = [draft.compute_logits(normed_1H)]
+        chosen = [choose(logits[-1][0]).reshape(1).to(device=device, dtype=dtype)]
+        past = cache
+        for j in range(1, num_depths):
+            sees_all = torch.ones(1, num_real + j, dtype=torch.bool, device=device)
+            normed_1H, prenorm_1H, past = decode_step(draft, draft.embed_tokens(chosen[-1]), prenorm_1H,
+                                                      torch.tensor([num_real - 1 + j], device=device), sees_all, past)
+            logits.append(draft.compute_logits(normed_1H))
+            chosen.append(choose(logits[-1][0]).reshape(1).to(device=device, dtype=dtype))
+        token_ids_K = torch.cat(chosen)
+        return Proposal(torch.cat(logits), draft.target_to_draft(token_ids_K), token_ids_K)

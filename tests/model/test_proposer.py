@@ -108,3 +108,29 @@ def test_proposal_tokens_are_target_ids_of_the_argmax():
     assert proposal.logits_KV.shape == (3, 64)
     assert torch.equal(proposal.draft_ids_K, proposal.logits_KV.argmax(-1))
     assert torch.equal(proposal.token_ids_K, proposal.draft_ids_K * 4)  # draft vocab = target ids 0, 4, 8, ...
+
+
+@pytest.mark.parametrize("method", ["peagle", "eagle3"])
+@pytest.mark.parametrize("overrides", [{}, {"norm_before_residual": True, "num_layers": 3},
+                                       {"architecture": "qwen3", "norm_before_fc": True, "fc_norm": True}])
+def test_the_cached_proposer_equals_the_uncached_one_as_a_context_grows_and_changes(method, overrides):
+    """Contexts as a decoding loop sees them (growing by 1..K+1 tokens a step), then another prompt
+    sharing the first one's opening tokens, the same context twice, then a shorter one: every
+    proposal as without a cache."""
+    from peagle.model.proposer import CachedProposer, propose_sequential
+
+    extra = {"method": "eagle3", "mask_token_id": None} if method == "eagle3" else {}
+    draft = random_draft(seed=4, **overrides, **extra)
+    uncached = propose_sequential if method == "eagle3" else propose
+    cached = CachedProposer(draft)
+    tokens, aux = make_sample(30, torch.Generator().manual_seed(5))
+    other_tokens, other_aux = make_sample(20, torch.Generator().manual_seed(6))
+    other_tokens[:8], other_aux[:7] = tokens[:8], aux[:7]  # a shared prefix (a chat template's opening)
+    contexts = [(tokens, aux, p) for p in (3, 4, 7, 8, 12, 17, 18, 24)] + \
+               [(other_tokens, other_aux, p) for p in (9, 15, 15)] + [(tokens, aux, 5)]
+    for num_depths in (1, 3):
+        for sample_tokens, sample_aux, p in contexts:
+            want = uncached(draft, sample_tokens[: p + 2], sample_aux[: p + 1], num_depths)
+            got = cached.propose(sample_tokens[: p + 2], sample_aux[: p + 1], num_depths)
+            torch.testing.assert_close(got.logits_KV, want.logits_KV, atol=2e-5, rtol=1e-5)
+            assert torch.equal(got.token_ids_K, want.token_ids_K)

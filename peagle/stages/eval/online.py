@@ -22,8 +22,8 @@ last one, and the target's aux states of the same positions. A step:
 
 Plain decoding (:func:`plain_generate`: one target forward per token, same cache) is the baseline
 for the output check (greedy speculative output equals greedy plain output) and for the speedup.
-The proposer recomputes the draft over the whole context each step (no draft KV cache), so the
-measured speedup is a lower bound that shrinks with context length.
+The drafter keeps the draft's keys and values of the context between steps, as vLLM does, so a
+step runs the draft over the newly accepted tokens and the K - 1 mask slots (or chain steps) only.
 
 Shape letters: S tokens so far, P = S − 1 positions with aux states, A aux layers, H hidden, K
 drafts, V target vocab.
@@ -40,8 +40,7 @@ from torch import Tensor
 
 from peagle.model.draft import PEagleDraft
 from peagle.model.target import load_causal_lm
-from peagle.model.proposer import propose as proposer_propose
-from peagle.model.proposer import propose_sequential
+from peagle.model.proposer import CachedProposer
 from peagle.pipeline.progress import track
 from peagle.stages.eval.acceptance import AcceptanceHistogram
 
@@ -89,10 +88,13 @@ class HFTarget:
 
 
 def proposer_drafter(draft: PEagleDraft, target_vocab_size: int) -> Drafter:
-    """The draft's proposer as a Drafter (P-EAGLE's one forward, or EAGLE-3's K, by ``config.method``):
-    draft-vocab logits scattered into the target vocab (on CPU)."""
+    """The draft's proposer as a Drafter (P-EAGLE's one forward, or EAGLE-3's K, by ``config.method``),
+    with the draft's KV cache of the context kept between steps as vLLM keeps it
+    (:class:`peagle.model.proposer.CachedProposer`: a new prompt starts it over): draft-vocab logits
+    scattered into the target vocab (on CPU)."""
     device, dtype = draft.fc.weight.device, draft.fc.weight.dtype
     target_of_draft = draft.draft_to_target(torch.arange(draft.config.draft_vocab_size, device=device)).cpu()
+    proposer = CachedProposer(draft)
 
     def over_target_vocab(logits_XV: Tensor) -> Tensor:
         out_XV = torch.full((logits_XV.shape[0], target_vocab_size), float("-inf"))
@@ -100,7 +102,7 @@ def proposer_drafter(draft: PEagleDraft, target_vocab_size: int) -> Drafter:
         return out_XV
 
     def parallel(tokens_S: Tensor, aux_PAH: Tensor, num_depths: int, pick: Pick) -> tuple[Tensor, list[int]]:
-        proposal = proposer_propose(draft, tokens_S.to(device), aux_PAH.to(device=device, dtype=dtype), num_depths)
+        proposal = proposer.propose(tokens_S.to(device), aux_PAH.to(device=device, dtype=dtype), num_depths)
         logits_KV = over_target_vocab(proposal.logits_KV)
         return logits_KV, [pick(row) for row in logits_KV]
 
@@ -112,7 +114,7 @@ def proposer_drafter(draft: PEagleDraft, target_vocab_size: int) -> Drafter:
             drafts.append(pick(rows[-1]))
             return torch.tensor(drafts[-1])
 
-        propose_sequential(draft, tokens_S.to(device), aux_PAH.to(device=device, dtype=dtype), num_depths, choose)
+        proposer.propose(tokens_S.to(device), aux_PAH.to(device=device, dtype=dtype), num_depths, choose)
         return torch.stack(rows), drafts
 
     return sequential if draft.config.method == "eagle3" else parallel
