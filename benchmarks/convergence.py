@@ -12,8 +12,9 @@ other), the recipe of recipe_curves.py's ``BASE`` but the steps, with every
 held-out prompts (``peagle eval --mode vllm``: AL, per-depth acceptance, tokens/s with and without
 the draft one request at a time and all at once). While a checkpoint is served the trainer is
 paused (SIGSTOP, then SIGCONT), so the two never share the 2 cores and every speed figure is a
-quiet one. P-EAGLE trains with ``--no-train-embeddings`` (measured equal in docs/quality.md), so
-its export travels without the target's embedding (``peagle export STRIPPED --target T``).
+quiet one. Both methods train with ``--no-train-embeddings`` (EAGLE-3's own choice; for P-EAGLE
+measured equal in docs/quality.md), so an export travels without the target's embedding
+(``peagle export SOURCE --without-target-embedding``; back: ``peagle export STRIPPED --target T``).
 
 Killed at any point, the same command resumes: `peagle train` resumes exactly from its newest
 checkpoint, and checkpoints already served are not served again (their reports stay under
@@ -54,10 +55,9 @@ def train_args(args: argparse.Namespace, target: Path, run: Path) -> list[str]:
               for part in ("--store", f"{args.work / 'stores' / p}:{describe_store(args.work / 'stores' / p)['records']}")]
     base = [w for pair in zip(BASE[::2], BASE[1::2]) if pair[0] != "--save-every" for w in pair]  # BASE: end only
     flags = ["--method", args.method, "--max-steps", str(args.steps), "--save-every", str(args.serve_every),
-             "--keep-checkpoints", "2", "--eval-store", str(args.work / "stores" / "heldout")]
-    if args.method == "peagle":
-        flags.append("--no-train-embeddings")
-    else:  # EAGLE-3 trains every chain: drop P-EAGLE's COD-only flags, as recipe_curves does
+             "--keep-checkpoints", "2", "--eval-store", str(args.work / "stores" / "heldout"),
+             "--no-train-embeddings"]  # the target's rows, frozen: the export travels without them
+    if args.method == "eagle3":  # EAGLE-3 trains every chain: drop P-EAGLE's COD-only flags, as recipe_curves does
         base = [w for pair in zip(base[::2], base[1::2]) if pair[0] != "--max-anchors" for w in pair]
     return ["train", *stores, "--target", str(target), "--out", str(run), *base, *flags, *shlex.split(args.extra)]
 

@@ -33,7 +33,7 @@ from peagle.schemas.draft_config import DRAFT_METHODS, METHOD_NAMES
 from peagle.schemas.errors import UserError
 from peagle.schemas.eval_config import EVAL_MODES
 from peagle.schemas.store import HIDDEN_DTYPES
-from peagle.stages.eval.report import read_metrics
+from peagle.stages.eval.report import read_metrics, speed_lines
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -308,10 +308,15 @@ def print_summary(summary: dict) -> None:
         if calm:
             lines.append(f"{'':<12} on {calm.get('num_prompts')} prompts with non-repetitive continuations: "
                          f"acceptance length {_fmt(calm.get('acceptance_length'))}")
-        if section.get("speedup") is not None:
-            plain = "vLLM serving the target alone" if mode == "vllm" else "plain decoding in our loop"
+        if section.get("tokens_per_target_forward") is not None:
             lines.append(f"{'':<12} {_fmt(section.get('tokens_per_target_forward'))} tokens per target forward; "
-                         f"wall-clock speedup {_fmt(section.get('speedup'))}x over {plain} (CPU)")
+                         f"tokens/s against {'vLLM serving the target alone' if mode == 'vllm' else 'plain decoding in our loop'}:")
+        lines += [f"{'':<14}{line}" for line in speed_lines(section.get("speed") or {})]
+    recommended = (rep.get("speed") or {}).get("k_recommendation") or {}
+    if recommended.get("best_k"):
+        lines.append(f"{'K':<12} {recommended['best_k']} speculative tokens predicted fastest on this machine "
+                     f"({_fmt(recommended.get('predicted_speedup'))}x plain decoding, from {recommended.get('acceptance_from')}'s "
+                     f"acceptance and our loop's step costs; served: K = {recommended.get('served_k')})")
     times = ", ".join(f"{k} {v:.0f}s" for k, v in summary["timings_s"].items())
     lines += [f"time         {summary['wall_s']:.0f} s total ({times})",
               f"report       {summary['report_dir']}/report.json and its PNG plots",

@@ -36,7 +36,7 @@ def test_the_parts_are_weighted_by_their_samples_and_each_method_gets_its_flags(
     assert "--no-train-embeddings" in peagle and "--max-anchors" in peagle  # it travels; COD as BASE
     assert peagle.count("--save-every") == 1
     eagle3 = convergence.train_args(_args(tmp_path, "eagle3"), Path("/t"), Path("/r"))
-    assert "--max-anchors" not in eagle3 and "--no-train-embeddings" not in eagle3  # EAGLE-3 keeps the target's
+    assert "--max-anchors" not in eagle3 and "--no-train-embeddings" in eagle3
 
 
 def test_the_record_reads_the_curve_and_the_served_checkpoints_with_their_epochs(convergence, tmp_path):

@@ -118,3 +118,5 @@ def test_the_tiny_demo_runs_every_stage_and_writes_its_summary(tmp_path, run_pea
     assert online["acceptance_length"] >= 1.0 and online["greedy_output_matches_plain"]
     assert "peagle demo summary" in proc.stdout and "online       acceptance length" in proc.stdout
     assert "estimates    acceptance length " in proc.stdout and " on held-out prompts" in proc.stdout
+    assert online["speed"]["concurrency_1"]["speedup"] > 0 and "one request at a time: " in proc.stdout
+    assert summary["eval"]["speed"]["k_recommendation"]["best_k"] in (1, 2, 3, 4, 5) and "predicted fastest" in proc.stdout
