@@ -16,6 +16,10 @@ runs parallel drafting (peagle) or drafts one token per forward (eagle3). (For a
 plain `speculative_config` without `"parallel_drafting": true` would silently draft one token at a
 time.) A checkpoint whose weights hold a NaN or inf is refused, naming the run's newest checkpoint
 with finite weights.
+
+The form that travels: `--without-target-embedding` leaves out the target's embedding, frozen in a
+draft trained with `--no-train-embeddings` (most of a small draft's bytes), and records its sha256;
+`peagle export THAT_DIR --target T --out DIR` puts the target's rows back, checked against it.
 """
 
 
@@ -26,5 +30,6 @@ def _run(config: ExportConfig) -> None:
 
 
 COMMAND = ConfigCommand(name="export", config_class=ExportConfig, run=_run, help=_HELP, arguments=("source",),
-                        metavars={"source": "SOURCE", "out": "DIR", "dtype": "|".join(EXPORT_DTYPES)})
+                        metavars={"source": "SOURCE", "out": "DIR", "target": "DIR",
+                                  "dtype": "|".join(EXPORT_DTYPES)})
 COMMAND.register(app)

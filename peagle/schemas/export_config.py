@@ -15,8 +15,9 @@ class ExportConfig:
     """Settings of `peagle export` (docs/draft-and-export.md)."""
 
     source: str
-    """Training run directory (its newest valid checkpoint is exported) or one checkpoint directory
-    (RUN_DIR/checkpoints/step-N)."""
+    """Training run directory (its newest valid checkpoint is exported), one checkpoint directory
+    (RUN_DIR/checkpoints/step-N), or an export written without the target's embedding (it holds
+    target_embedding.json; give --target to make it whole again)."""
 
     out: str
     """Export directory to create (an existing export there is replaced whole; anything else there
@@ -28,6 +29,16 @@ class ExportConfig:
 
     speculative_tokens: int | None = None
     """K: draft tokens vLLM proposes per step. Default: the trained number of depths."""
+
+    target: str | None = None
+    """Target model directory whose embedding a SOURCE written without it gets back: its rows are
+    checked against the recorded sha256, so another target is refused."""
+
+    without_target_embedding: bool = False
+    """Write the export without `embed_tokens` when the draft kept the target's, frozen (trained with
+    `--no-train-embeddings`; most of a small draft's bytes), and record its sha256 in
+    target_embedding.json: the form that travels. `peagle export OUT --target T --out DIR` makes it
+    whole again."""
 
     dtype: str = "float32"
     """Weight dtype in model.safetensors: float32 (lossless) or bfloat16 (half the size; vLLM casts to

@@ -9,33 +9,92 @@ re-exporting replaces an export whole.
 
 A checkpoint whose weights are not all finite (NaN, inf) is refused before anything is written
 (:func:`refuse_non_finite_checkpoint`): vLLM would serve it without a word, drafting nothing useful.
+
+**The form that travels.** A draft trained with ``--no-train-embeddings`` holds a copy of the
+target's embedding, most of a small draft's bytes (SmolLM2's 49,152 x 576 rows: 108 MiB of a 128 MiB
+export). ``--without-target-embedding`` leaves it out and records its sha256
+(:func:`~peagle.model.speculators_format.without_target_embedding`); such an export as SOURCE with
+``--target`` gets the target's rows back, checked against that sha256
+(:func:`~peagle.model.speculators_format.with_target_embedding`): how the drafts committed under
+benchmarks/results/cpu/drafts/ are served.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Callable
 
 from peagle.model.checkpoint_export import export_checkpoint
 from peagle.model.finite import describe, non_finite_tensors, recorded_finite
-from peagle.pipeline.checkpoint_files import checkpoint_step, list_checkpoints, read_checkpoint_part, resolve_checkpoint
+from peagle.model.speculators_format import (EMBEDDING_RECORD, PROVENANCE_KEY, is_export_dir, read_export_config,
+                                              with_target_embedding, without_target_embedding)
+from peagle.pipeline.checkpoint_files import (checkpoint_step, list_checkpoints, read_checkpoint_part,
+                                             read_draft_checkpoint, resolve_checkpoint)
 from peagle.schemas.checkpoint import CHECKPOINTS_DIR, MODEL
 from peagle.schemas.errors import UserError
 from peagle.schemas.export_config import ExportConfig
 
 
 def run_export(config: ExportConfig, *, echo: Callable[[str], None] = print) -> Path:
-    """Export the checkpoint ``config.source`` to ``config.out``; returns the export directory.
+    """Export the checkpoint ``config.source`` to ``config.out`` (whole, or without the target's
+    embedding), or make an export that travelled without it whole; returns the export directory.
 
     Raises:
-        UserError: no usable checkpoint, non-finite weights, or what ``export_checkpoint`` refuses.
+        UserError: no usable checkpoint, non-finite weights, a travelling export without --target,
+            another target, or what ``export_checkpoint`` refuses.
     """
+    source, out = Path(config.source), Path(config.out)
+    if (source / EMBEDDING_RECORD).is_file():
+        if config.target is None:
+            raise UserError(f"{source} was written without the target's embedding ({EMBEDDING_RECORD}): "
+                            "pass --target DIR, the target it was trained on, to make it whole")
+        path = with_target_embedding(source, config.target, out)
+        echo(f"restored {source} with {config.target}'s embedding -> {path}  (serve: vllm serve {path})")
+        return path
+    if is_export_dir(source):
+        if not config.without_target_embedding:
+            raise UserError(f"{source} is an export already; serve it as it is, or pass --without-target-embedding "
+                            "to write the copy that travels")
+        refuse_trained_embedding((read_export_config(source).get(PROVENANCE_KEY) or {}).get("run_config"), source)
+        path = without_target_embedding(source, out)
+        echo(f"wrote {path} without the target's embedding (whole again: peagle export {path} --target T --out DIR)")
+        return path
     checkpoint = resolve_checkpoint(config.source)
     refuse_non_finite_checkpoint(checkpoint)
-    path = export_checkpoint(checkpoint, config.out, verifier_name=config.verifier_name,
-                             speculative_tokens=config.speculative_tokens, dtype=config.dtype)
-    echo(f"exported {config.source} -> {path}  (serve: vllm serve {path})")
+    if not config.without_target_embedding:
+        path = export_checkpoint(checkpoint, out, verifier_name=config.verifier_name,
+                                 speculative_tokens=config.speculative_tokens, dtype=config.dtype)
+        echo(f"exported {config.source} -> {path}  (serve: vllm serve {path})")
+        return path
+    refuse_trained_embedding(read_draft_checkpoint(checkpoint).train_config, checkpoint)
+    # the whole export beside --out under a name a later run's clean-up knows (.OUT.tmp-PID-*), then stripped
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
+    try:
+        whole = export_checkpoint(checkpoint, work / "whole", verifier_name=config.verifier_name,
+                                  speculative_tokens=config.speculative_tokens, dtype=config.dtype)
+        path = without_target_embedding(whole, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    echo(f"exported {config.source} -> {path} without the target's embedding "
+         f"(whole again: peagle export {path} --target T --out DIR)")
     return path
+
+
+def refuse_trained_embedding(run_config: dict | None, source: Path) -> None:
+    """Refuse to leave out an embedding the draft trained: the target's rows put back in its place
+    would be another draft. A run config that does not say trained it (the default before
+    ``--no-train-embeddings`` existed).
+
+    Raises:
+        UserError: in one line.
+    """
+    if (run_config or {}).get("train_embeddings", True):
+        raise UserError(f"{source} trained its embedding (its run had no --no-train-embeddings): it cannot "
+                        "travel without it; export it whole")
 
 
 def refuse_non_finite_checkpoint(checkpoint: Path) -> None:

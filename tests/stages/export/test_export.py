@@ -19,11 +19,13 @@ sys.path.insert(0, str(Path(__file__).parents[2] / "model"))  # test helpers of 
 from test_speculators_format import tiny_draft  # noqa: E402
 
 
-def write_checkpoint(run_dir: Path, draft: PEagleDraft, target: Path, step: int, *, num_depths: int = 3) -> Path:
+def write_checkpoint(run_dir: Path, draft: PEagleDraft, target: Path, step: int, *, num_depths: int = 3,
+                     train_embeddings: bool = True) -> Path:
     """A checkpoint exactly as the trainer commits it (its Checkpointer, its config part's keys)."""
     from peagle.stages.train import checkpoint as ckpt
 
-    config_part = {"train_config": {"target": str(target), "num_depths": num_depths, "store": ["/data/store"]},
+    config_part = {"train_config": {"target": str(target), "num_depths": num_depths, "store": ["/data/store"],
+                                    "train_embeddings": train_embeddings},
                    "draft_config": draft.config.to_dict(), "world_size": 1, "store_manifest_hash": "ab" * 32,
                    "provenance": {"peagle_version": "0.0.9", "git_revision": "0123abcd", "host": {"hostname": "trainer"}}}
     state = {ckpt.MODEL: draft.state_dict(), ckpt.OPTIMIZER: {}, ckpt.LR_SCHEDULER: {}, ckpt.TRAIN_STATE: {"step": step},
@@ -109,3 +111,44 @@ def test_a_checkpoint_with_non_finite_weights_is_refused_naming_a_finite_one(tmp
     out = run_export(ExportConfig(source=str(tmp_path / "run" / "checkpoints" / "step-00000010"),
                                   out=str(tmp_path / "export")), echo=lambda _: None)
     assert (out / "model.safetensors").is_file()
+
+
+def test_an_export_travels_without_the_target_embedding_and_comes_back_whole(tmp_path, tiny_llama, tiny_qwen3,
+                                                                               run_peagle):
+    """`--without-target-embedding` (a draft that kept the target's rows) -> the small form; `--target`
+    puts them back: byte-equal to the whole export; another target, no --target, a draft that trained
+    its embedding: one line each, nothing written."""
+    from safetensors import safe_open
+
+    draft = tiny_draft(tiny_llama)  # its embedding is the target's
+    run = tmp_path / "run"
+    write_checkpoint(run, draft, tiny_llama, 5, train_embeddings=False)
+    assert run_peagle("export", run, "--out", tmp_path / "whole").returncode == 0
+    done = run_peagle("export", run, "--out", tmp_path / "travel", "--without-target-embedding")
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in (tmp_path / "travel").iterdir()) == ["config.json", "model.safetensors",
+                                                                        "target_embedding.json"]
+    with safe_open(tmp_path / "travel" / "model.safetensors", framework="pt") as f:
+        assert "embed_tokens.weight" not in f.keys()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # the whole copy it stripped is gone
+
+    back = run_peagle("export", tmp_path / "travel", "--target", tiny_llama, "--out", tmp_path / "back")
+    assert back.returncode == 0, back.stderr
+    with safe_open(tmp_path / "whole" / "model.safetensors", framework="pt") as whole, \
+            safe_open(tmp_path / "back" / "model.safetensors", framework="pt") as restored:
+        assert sorted(whole.keys()) == sorted(restored.keys())
+        for key in whole.keys():
+            assert torch.equal(whole.get_tensor(key), restored.get_tensor(key)), key
+    assert (tmp_path / "back" / "config.json").read_bytes() == (tmp_path / "whole" / "config.json").read_bytes()
+    # an export already whole can be made to travel too
+    assert run_peagle("export", tmp_path / "whole", "--out", tmp_path / "travel2", "--without-target-embedding"
+                      ).returncode == 0
+
+    for args, needle in ((("--target", tiny_qwen3), "not the one"), ((), "pass --target DIR")):
+        refused = run_peagle("export", tmp_path / "travel", *args, "--out", tmp_path / "refused")
+        assert refused.returncode == 2 and needle in refused.stderr, refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1 and not (tmp_path / "refused").exists()
+    write_checkpoint(tmp_path / "trained", draft, tiny_llama, 5)  # trained its embedding (the default)
+    refused = run_peagle("export", tmp_path / "trained", "--out", tmp_path / "refused", "--without-target-embedding")
+    assert refused.returncode == 2 and "trained its embedding" in refused.stderr, refused.stderr
+    assert not (tmp_path / "refused").exists()
