@@ -99,6 +99,13 @@ def _field_type(cls: type, name: str) -> tuple[Any, bool]:
     return hint, False
 
 
+def _own_fields_first(cls: type) -> list[dataclasses.Field]:
+    """The config's fields, its own before those it takes from a base (the tracker flags train and eval
+    share come last in ``--help``, after the command's own)."""
+    own = set(vars(cls).get("__annotations__", {}))
+    return sorted(dataclasses.fields(cls), key=lambda f: f.name not in own)
+
+
 def _tuple_item(tp: Any) -> Any | None:
     """``X`` for ``tuple[X, ...]``, else None."""
     if typing.get_origin(tp) is tuple:
@@ -166,7 +173,7 @@ class ConfigCommand:
     def parameters(self) -> list[inspect.Parameter]:
         docs = field_docs(self.config_class)
         params = []
-        for f in dataclasses.fields(self.config_class):
+        for f in _own_fields_first(self.config_class):
             tp, optional = _field_type(self.config_class, f.name)
             item = _tuple_item(tp)
             required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING

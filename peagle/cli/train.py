@@ -9,6 +9,7 @@ from __future__ import annotations
 from peagle.cli import app
 from peagle.cli.config_command import ConfigCommand
 from peagle.schemas.draft_config import DRAFT_METHODS
+from peagle.schemas.tracking_config import TRACKING_METAVARS
 from peagle.schemas.train_config import ATTENTION_BACKENDS, DRAFT_ARCHITECTURES, LOSSES, OPTIMIZERS, TrainConfig
 
 _HELP = """Train a draft on shard stores written by `peagle extract`: P-EAGLE (the default, all K tokens in
@@ -20,7 +21,8 @@ second run into the same --out is refused, naming the first's pid and host. A st
 gradient norm is NaN or inf is not applied; its samples go to RUN_DIR/bad_steps.jsonl, and more than
 --max-bad-steps of them stop the run after a checkpoint of the last good weights. Under torchrun (`-m peagle train`, as below) it trains with DDP (--fsdp:
 FSDP2, with --optimizer adamw). With --follow it trains while extraction still commits into the
-store (RUN_DIR/epochs.json records the shards of every epoch). Examples:
+store (RUN_DIR/epochs.json records the shards of every epoch). With --logger it logs live to TensorBoard, W&B,
+MLflow or Trackio (RUN_DIR/trackers.json names the runs a resume continues). Examples:
 
 \b
   peagle vocab --store STORE --draft-vocab-size SIZE
@@ -42,5 +44,5 @@ COMMAND = ConfigCommand(
               "attention": "|".join(ATTENTION_BACKENDS),
               "draft_architecture": "|".join(DRAFT_ARCHITECTURES),
               "eval_store": "STORE", "init_from": "EXPORT_DIR", "optimizer": "|".join(OPTIMIZERS),
-              "loss": "|".join(LOSSES), "epoch_shards": "FILE", "follow_timeout": "SECONDS"})
+              "loss": "|".join(LOSSES), "epoch_shards": "FILE", "follow_timeout": "SECONDS", **TRACKING_METAVARS})
 COMMAND.register(app)

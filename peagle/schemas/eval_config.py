@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from peagle.schemas.dtypes import dtype_choice
 from peagle.schemas.errors import UserError
+from peagle.schemas.tracking_config import TrackingOptions
 
 EVAL_MODES = ("offline", "online", "vllm")
 """The modes that run on this machine alone (`peagle demo --eval-modes` takes these)."""
@@ -17,7 +18,7 @@ DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass(frozen=True, kw_only=True)
-class EvalConfig:
+class EvalConfig(TrackingOptions):
     """Settings of `peagle eval` (docs/draft-and-export.md): what to measure, on which prompts, how to decode."""
 
     source: str
@@ -108,3 +109,4 @@ class EvalConfig:
         if self.device not in DEVICES:
             raise UserError(f"--device must be one of {'|'.join(DEVICES)}, got {self.device!r}")
         object.__setattr__(self, "target_dtype", dtype_choice("target-dtype", self.target_dtype, TARGET_DTYPES))
+        self.check_tracking()

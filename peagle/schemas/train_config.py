@@ -17,6 +17,7 @@ from typing import Any
 from peagle.schemas.draft_config import DRAFT_ARCHITECTURES, DRAFT_METHODS
 from peagle.schemas.dtypes import dtype_choice
 from peagle.schemas.errors import UserError
+from peagle.schemas.tracking_config import TrackingOptions
 
 ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
 COMPILE_MODES = ("auto", "layers", "flex", "off")
@@ -57,8 +58,9 @@ def parse_store_spec(text: str) -> StoreSpec:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    """Settings of `peagle train` (docs/cod.md, docs/draft-and-export.md, docs/reliability.md): data, draft shape, optimisation, run mechanics."""
+class TrainConfig(TrackingOptions):
+    """Settings of `peagle train` (docs/cod.md, docs/draft-and-export.md, docs/reliability.md): data, draft shape, optimisation, run mechanics
+    (and the experiment trackers of :class:`TrackingOptions`)."""
 
     store: tuple[str, ...]
     """Shard store(s) written by `peagle extract`, as STORE or STORE:WEIGHT. Repeat the flag to mix
@@ -349,6 +351,7 @@ class TrainConfig:
             raise UserError(f"--loss must be one of {'|'.join(LOSSES)}, got {self.loss!r}")
         if not 0 <= self.heldout_fraction < 1:
             raise UserError(f"--heldout-fraction must be in [0, 1), got {self.heldout_fraction}")
+        self.check_tracking()
 
     def _check_eagle3(self) -> None:
         """What --method eagle3 does not take: P-EAGLE's COD and mask-token settings (it trains every

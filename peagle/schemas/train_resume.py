@@ -12,15 +12,16 @@ from pathlib import Path
 from typing import Any
 
 from peagle.schemas.errors import show_value
+from peagle.schemas.tracking_config import TRACKING_FIELDS
 from peagle.schemas.train_config import TrainConfig, parse_store_spec
 
 SAFE_TO_CHANGE = frozenset({
     "out", "max_steps", "epochs", "eval_every", "save_every", "keep_checkpoints", "log_every", "num_workers",
     "verify", "eval_store", "allow_bad_aux_rows", "compile", "flex_kernel", "allow_incomplete", "follow_timeout",
-    "max_bad_steps",
+    "max_bad_steps", *TRACKING_FIELDS,
 })
 """Fields a resumed run may change: they steer how long the run goes, what it reports and where it
-lives (a run directory may be moved), not what a step computes (``max_bad_steps``: how many
+lives (a run directory may be moved) and where it is watched (the tracker flags), not what a step computes (``max_bad_steps``: how many
 skipped non-finite steps stop the run, so a stopped run can be resumed with a larger budget). (Changing the run length re-times
 the cosine decay from the resume step on.)"""
 
