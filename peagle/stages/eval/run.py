@@ -28,6 +28,7 @@ from peagle.model.speculators_format import (PROVENANCE_KEY, ExportedDraft, is_e
 from peagle.model.target import CONFIG_FILE, check_store_matches_target, load_tokenizer, open_target
 from peagle.pipeline.store import Store, open_store
 from peagle.pipeline.store_reader import iter_training_samples
+from peagle.pipeline.tracking.tracker import eval_plan, log_eval_report
 from peagle.schemas.checkpoint import CHECKPOINTS_DIR
 from peagle.schemas.errors import UserError
 from peagle.schemas.eval_config import EvalConfig
@@ -121,6 +122,7 @@ def run_eval(config: EvalConfig, *, echo: Callable[[str], None] = print) -> dict
     if config.prompts:  # before any export or model load: an empty file is a mistake, not 0 prompts
         prompt_sources.prompt_lines(config.prompts)
     where = resolve_source(config)
+    tracking = eval_plan(config, run_dir=where.run_dir, out=where.out)  # before any mode: one line if it cannot
     exported = load_export(where.export_dir)
     draft = exported.draft
     K = config.num_depths or exported.speculative_tokens
@@ -213,6 +215,7 @@ def run_eval(config: EvalConfig, *, echo: Callable[[str], None] = print) -> dict
     }
     report = reporting.build_report(sections=sections, meta=meta, speed=speed_report)
     reporting.write_report(where.out, report, metrics=reporting.read_metrics(where.run_dir))
+    log_eval_report(tracking, report, run_dir=where.run_dir, out=where.out, config=meta["settings"])
     echo(reporting.summary_table(report))
     echo(f"report: {where.out / reporting.REPORT_FILE}  plots: "
          + ", ".join(str(where.out / p) for p in (report.get("plots") or {}).values()))

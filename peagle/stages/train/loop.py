@@ -21,7 +21,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,9 @@ from peagle.pipeline.failpoints import failpoint
 from peagle.pipeline.progress import Progress
 from peagle.pipeline.provenance import provenance
 from peagle.pipeline.store import read_settings
+from peagle.pipeline.tracking.preflight import plan_tracking
+from peagle.pipeline.tracking.scalars import describe_stores
+from peagle.pipeline.tracking.tracker import Tracker, open_tracker
 from peagle.schemas.checkpoint import (CHECKPOINTS_DIR, DRAFT_CONFIG_KEY, PROVENANCE_KEY, TRAIN_CONFIG_KEY,
                                        step_dir_name)
 from peagle.schemas.draft_config import METHOD_NAMES, DraftConfig
@@ -79,6 +82,7 @@ class Trainer:
         self.epoch_began_at: dict[int, int] = {}  # with --follow/--epoch-shards: the step each epoch began at
         self.run_lock: RunLock | None = None  # rank 0's, from build() to close()
         self.bad_steps = BadSteps(self.run_dir, max_bad_steps=config.max_bad_steps)
+        self.tracker: Tracker | None = None  # rank 0's experiment trackers (--logger), from build() to close()
 
     # ---------------------------------------------------------------------------------------- build
 
@@ -89,6 +93,9 @@ class Trainer:
         self.setup_world()
         self.run_lock = lock_run_dir(self.run_dir, rank=self.rank, agree=self._agree)
         resume_from = find_resume_point(self.run_dir, c, rank=self.rank, world_size=self.world_size)
+        tracking = self._on_rank0(lambda: plan_tracking(  # before any slow work: a tracker that cannot run is one line
+            c, log_dir=self.run_dir / "logs", run_name=self.run_dir.resolve().name,
+            mlflow_default=f"file:{(self.run_dir / 'mlruns').resolve()}"))
         if c.follow:  # extraction may not have committed anything yet
             follow.wait_for_first_commit(self.roots, timeout_s=c.follow_timeout, say=self._say)
         target = open_target(c.target)
@@ -147,6 +154,9 @@ class Trainer:
             truncate_metrics(self.run_dir, self.step)
             self.run_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_json(self.run_dir / RUN_FILE, self._config_part())
+        self.tracker = self._on_rank0(lambda: open_tracker(tracking, state_dir=self.run_dir, start=self.step, config=(
+            c.to_dict()), extras={"stores": describe_stores(self.loader.stores, [s.weight for s in c.stores()],
+                                                           self.loader.manifest_hashes)}))
         num_params = sum(p.numel() for p in self.draft.parameters())
         num_trainable = sum(p.numel() for p in self.draft.parameters() if p.requires_grad)
         self._say(f"draft ({METHOD_NAMES[c.method]}, K = {c.num_depths}): {c.num_layers} layers, "
@@ -172,6 +182,19 @@ class Trainer:
             return None
         return loader
 
+    def _on_rank0(self, work: Callable[[], Any]) -> Any:
+        """``work()`` on rank 0, None elsewhere (the trackers: preflight, opening them); a UserError there
+        ends every rank with its line instead of leaving the others at their next collective."""
+        result, problem = None, None
+        try:
+            result = None if self.rank else work()
+        except UserError as err:
+            problem = str(err)
+        problem = self._agree(problem)
+        if problem:
+            raise UserError(problem)
+        return result
+
     def _agree(self, decided: Any) -> Any:
         """Rank 0's ``decided`` on every rank (the shards an epoch covers must be the same everywhere)."""
         if self.world_size == 1:
@@ -185,6 +208,8 @@ class Trainer:
         from the loader's state (after a resume)."""
         if epoch is not None:
             self.epoch_began_at[epoch] = self.step
+            if self.tracker is not None:  # --follow: each epoch shows as it begins, with how many shards it holds
+                self.tracker.log(self.step, {"train/epoch_began": epoch, "train/epoch_shards": sum(map(len, shards.shards))})
         if self.rank == 0:
             began = {e: s for e, s in self.epoch_began_at.items() if e in self.loader.epoch_shards}
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -267,7 +292,7 @@ class Trainer:
                                 f"{max(b.num_elements for b in micro_batches)} COD elements): lower --token-budget, "
                                 "raise --sequence-partitions or turn on --activation-checkpointing") from err
             if not result.applied and self.bad_steps.over_budget:  # the weights are the last good ones: keep them
-                self.checkpointer.save(self.step, self.state_dict())
+                self.save()
                 raise self.bad_steps.stop_error(self.run_dir / CHECKPOINTS_DIR / step_dir_name(self.step))
             last = self.step == self.total_steps
             if self.step % c.log_every == 0 or last:  # the one host read of the window's device sums
@@ -284,7 +309,7 @@ class Trainer:
             if c.eval_every and (self.step % c.eval_every == 0 or last) and self.eval_loader is not None:
                 self._write_metrics(self.evaluate())
             if (c.save_every and self.step % c.save_every == 0) or last:
-                self.checkpointer.save(self.step, self.state_dict())
+                self.save()
             window_start += time.perf_counter() - paused
         if bar is not None:
             bar.close()
@@ -300,6 +325,13 @@ class Trainer:
                                   data_wait_s=self.data_wait_s)
 
     # ---------------------------------------------------------------------------------------- state
+
+    def save(self) -> None:
+        """A checkpoint, then the trackers' queue written out: a resume from it hides TensorBoard's events
+        past its step, so the ones up to it must be on disk."""
+        self.checkpointer.save(self.step, self.state_dict())
+        if self.tracker is not None:
+            self.tracker.flush()
 
     def state_dict(self) -> dict[str, Any]:
         """Every Stateful part under the checkpoint's constant keys; the model is the unwrapped draft."""
@@ -343,6 +375,9 @@ class Trainer:
             self.step_fn = self.cpu_group = None
             gc.collect()
             dist.destroy_process_group()
+        if self.tracker is not None:
+            self.tracker.close(failed=not finished)
+            self.tracker = None
         if self.run_lock is not None:
             self.run_lock.release()
             self.run_lock = None
@@ -352,6 +387,8 @@ class Trainer:
     def _write_metrics(self, record: dict[str, Any]) -> None:
         if self.rank == 0:
             append_metrics(self.run_dir, record)
+            if self.tracker is not None:  # queued: the trackers' thread sends it (tracker.py)
+                self.tracker.log_record(record)
 
     def _config_part(self) -> dict[str, Any]:
         """What export and resume read: the run config, the draft config, the stores trained on and the

@@ -3,7 +3,8 @@
 The sums stay on the device (a step adds to them without a host read) and are read once per logged
 line (:meth:`MetricsWindow.record`). Each line also says how many graphs torch.compile built in its
 window (``graphs_compiled``: after the first steps it must stay 0, or every new COD length pays a
-recompile) and how many of its steps were skipped as non-finite (``bad_steps``, ``bad_steps.py``).
+recompile), how many of its steps were skipped as non-finite (``bad_steps``, ``bad_steps.py``) and, on
+CUDA, the memory the caching allocator holds for tensors now and at its peak.
 
 A checkpoint holds the window in flight (:meth:`state_dict`), so the first line after a resume covers
 the same steps as the uninterrupted run's.
@@ -60,6 +61,9 @@ class MetricsWindow:
                   "tokens_per_s": self.tokens / max(seconds, 1e-9),
                   "data_wait_share": min(1.0, data_wait_s / max(seconds, 1e-9)), "step_time_s": seconds,
                   "graphs_compiled": graphs - self.graphs_at_start, "bad_steps": self.bad_steps}
+        if torch.device(self.device).type == "cuda":  # the allocator's counters: host-side, no sync
+            record["memory_allocated_gib"] = torch.cuda.memory_allocated(self.device) / 2**30
+            record["max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self.reset()
         return record
 

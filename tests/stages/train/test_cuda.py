@@ -29,7 +29,11 @@ from peagle.stages.train.batch import CodSettings
 from peagle.stages.train.loader import LoaderConfig, TrainLoader
 from peagle.stages.train.device import DevicePrefetcher
 from peagle.stages.train.loop import Trainer
+from peagle.testing import tracker_readers
 from peagle.testing.trainer import trainer_for_draft
+from peagle.pipeline.tracking.preflight import plan_tracking
+from peagle.pipeline.tracking.tracker import open_tracker
+from peagle.schemas.tracking_config import TrackingOptions
 from peagle.stages.train.optim import clip_and_step
 
 pytestmark = pytest.mark.cuda
@@ -154,21 +158,42 @@ def test_block_mask_from_loader_indices_equals_create_block_mask_on_the_device(t
     assert checked >= 8
 
 
-def test_a_step_does_not_sync_with_the_host_before_the_optimizer_is_done(tiny_store):
+def test_a_step_does_not_sync_with_the_host_before_the_optimizer_is_done(tiny_store, tmp_path):
+    """Also with a tracker on (--logger tensorboard, where installed): handing it the last metrics line
+    while the next step is in flight syncs nothing (the line is host numbers; the writes are its thread's)."""
     trainer = _trainer(tiny_store, "flex")
     warmup, timed = _batches(tiny_store, 2), _batches(tiny_store, 1, epoch=1)
     for batch in warmup:  # compiling (and autotuning) may sync; the steady state may not
         trainer.train_step([batch])
+    record = {**trainer.window_metrics(1.0), "epoch": 0}  # the logged step's one host read
+    tracker = _tensorboard_tracker(tmp_path)
     torch.cuda.synchronize()
     params = [p for p in trainer.draft.parameters() if p.requires_grad]
     trainer.step_fn.optimizer.zero_grad(set_to_none=True)
     torch.cuda.set_sync_debug_mode("error")
     try:
         stats, _ = trainer.step_fn.forward_backward(timed)
+        if tracker is not None:
+            tracker.log_record(record)
         clip_and_step(trainer.step_fn.optimizer, params, 1.0)  # the clip folded into the fused AdamW
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert float(stats.depth_count.sum()) > 0
+    if tracker is not None:
+        tracker.close()
+        assert "train/memory_allocated_gib" in tracker_readers.tensorboard_scalars(tmp_path / "logs" / "tensorboard")
+
+
+def _tensorboard_tracker(run_dir):
+    """A real TensorBoard tracker into ``run_dir``; None where the extra is not installed."""
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        return None
+    options = TrackingOptions(logger="tensorboard")
+    options.check_tracking()
+    plan = plan_tracking(options, log_dir=run_dir / "logs", run_name="cuda", mlflow_default="file:unused")
+    return open_tracker(plan, state_dir=run_dir, start=0, config={}, extras={}, say=lambda _: None)
 
 
 def test_kill_and_resume_on_cuda_gives_the_same_losses(tiny_store, tmp_path, run_peagle):
