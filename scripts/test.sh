@@ -14,6 +14,10 @@ bash scripts/setup.sh
 if [ "${PEAGLE_WITH_VLLM:-1}" = "1" ] && [ -f scripts/install_vllm.sh ]; then
   bash scripts/install_vllm.sh .venv
 fi
+# the experiment trackers of `peagle train --logger` (PEAGLE_WITH_LOGGERS=0: their tests skip)
+if [ "${PEAGLE_WITH_LOGGERS:-1}" = "1" ]; then
+  bash scripts/install_loggers.sh .venv
+fi
 # speculators 0.9.0 in its own venv, for benchmarks/peer_ab.py's test (PEAGLE_WITH_SPECULATORS=0: it skips)
 if [ "${PEAGLE_WITH_SPECULATORS:-1}" = "1" ]; then
   bash scripts/speculators_venv.sh
