@@ -36,6 +36,7 @@ from peagle.model.speculators_config import (ARCHITECTURE, PROVENANCE_KEY, SPECU
                                              SPECULATORS_VERSION, VARIANT_FLAGS, build_config,
                                              draft_config_from_speculators, variant_of)
 from peagle.pipeline.atomic import atomic_dir, canonical_json
+from peagle.pipeline.failpoints import failpoint
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.errors import UserError
 
@@ -198,6 +199,7 @@ def write_export(state_dict: dict[str, Tensor], draft_config: DraftConfig, out: 
         raise UserError(f"--out {out} exists and is not a peagle export; choose an empty or new directory")
     with atomic_dir(out) as tmp:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        failpoint("export.write")  # the weights written under the temp name, config.json not yet
         (tmp / CONFIG_FILE).write_bytes(canonical_json(config_json))
     return out
 

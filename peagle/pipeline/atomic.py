@@ -1,23 +1,30 @@
 """Crash-safe file writes: temp name, fsync, rename, fsync the directory (docs/reliability.md).
 
 Nothing written through here is ever visible half-written: a reader sees the old file, no file, or
-the whole new file. Temp files are named ``.<name>.tmp-<pid>-<random>`` in the target's directory
-(same filesystem, so ``os.replace`` is atomic) and are ignored by every reader.
+the whole new file (a directory: the old one or the new one, swapped in one step). Temp files and
+directories are named ``.<name>.tmp-<pid>-<random>`` in the target's directory (same filesystem, so
+``os.replace`` is atomic) and are ignored by every reader; what a killed writer left is removed by
+the next writer of the same name, by name and dead pid only (``clean_dead_dirs``,
+``remove_stale_temps``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
+import functools
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from peagle.pipeline.failpoints import failpoint
 from peagle.schemas.errors import UserError, as_os_error, os_error_line
 
 
@@ -77,15 +84,19 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
 
     Yields the temp directory (``.<name>.tmp-<pid>-<random>``). When the block ends normally every
     file in it is fsynced, files and directory get the umask's modes (``mkdtemp`` makes 0700: a
-    server running as another user must read them), the directory is fsynced, and is renamed onto ``final``; an existing
-    ``final`` is renamed away first and deleted after, so a reader sees the old directory or the
-    new one, never a mix. When the block raises, the temp directory is removed; a full disk becomes
-    the one-line UserError of :func:`raise_if_disk_full` (also when a library, safetensors, reports it).
+    server running as another user must read them), the directory is fsynced and takes ``final``'s
+    place (:func:`publish_dir`): an existing ``final`` is swapped with it in one step, so a reader
+    sees the old directory or the new one, never a mix and never none. When the block raises, the
+    temp directory is removed; a full disk becomes the one-line UserError of :func:`raise_if_disk_full`
+    (also when a library, safetensors, reports it).
+
+    A process killed on the way leaves only hidden directories named after ``final`` and its pid;
+    the next ``atomic_dir(final)`` removes them (:func:`clean_dead_dirs`) before it starts.
     """
     final = Path(final)
-    old = final.with_name(f".{final.name}.deleted-{os.getpid()}")
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
+        clean_dead_dirs(final)
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{os.getpid()}-", dir=final.parent))
     except OSError as err:
         raise_if_disk_full(err, final)
@@ -99,20 +110,115 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
                     os.fsync(f.fileno())
         os.chmod(tmp, 0o777 & ~_umask())
         fsync_dir(tmp)
-        if final.exists():
-            os.replace(final, old)
-        os.replace(tmp, final)
-        fsync_dir(final.parent)
+        failpoint("dir.before_publish")
+        publish_dir(tmp, final)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
-        if old.exists() and not final.exists():  # the rename onto final failed: put the old one back
-            os.replace(old, final)
         # also a library's report of one (safetensors: "... File too large (os error 27)")
         os_error = as_os_error(err) if isinstance(err, Exception) else None
         if os_error is not None:
             raise_if_disk_full(os_error, final)
         raise
+    failpoint("dir.after_publish")
+    shutil.rmtree(tmp, ignore_errors=True)  # after a swap it holds the old directory
+
+
+def publish_dir(tmp: Path, final: Path) -> None:
+    """Put the whole directory ``tmp`` in ``final``'s place and fsync the parent.
+
+    A new ``final`` is a rename. An existing one is swapped with ``tmp`` in one step (Linux's
+    ``renameat2(RENAME_EXCHANGE)``), so ``final`` is never missing, and ``tmp`` then holds the old
+    directory for the caller to delete. Where the file system cannot swap, the old directory is
+    renamed to ``.<name>.replaced-<pid>`` first and deleted after: a kill between those two renames
+    leaves ``final`` missing until the next :func:`clean_dead_dirs` (any ``atomic_dir(final)``) puts
+    the old one back.
+    """
+    if not final.exists():
+        os.replace(tmp, final)
+    elif not exchange(tmp, final):
+        replace_in_two_renames(tmp, final)
+    fsync_dir(final.parent)
+
+
+def replace_in_two_renames(tmp: Path, final: Path) -> None:
+    """Where no swap is possible: the old ``final`` renamed to ``.<name>.replaced-<pid>``, ``tmp`` onto
+    ``final``, the old one deleted (:func:`clean_dead_dirs` puts it back after a kill in between)."""
+    old = final.with_name(f".{final.name}.replaced-{os.getpid()}")
+    os.replace(final, old)
+    failpoint("dir.between_renames")
+    try:
+        os.replace(tmp, final)
+    except BaseException:
+        os.replace(old, final)  # the rename onto final failed: put the old one back
+        raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+@functools.cache
+def _renameat2() -> Any:
+    """libc's ``renameat2`` (glibc 2.28+), or None where there is none."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def exchange(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Swap two existing paths in one atomic step; False, and nothing changed, where the system or
+    the file system cannot (no ``renameat2``, or EINVAL: NFS, some FUSE file systems).
+
+    Raises:
+        OSError: any other failure of the swap.
+    """
+    fn = _renameat2()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def clean_dead_dirs(final: str | os.PathLike) -> list[Path]:
+    """Remove what killed writers of ``final`` left beside it, and put back one it lacks; returns
+    what was removed.
+
+    Only entries named after ``final`` by this module (``.<name>.tmp-<pid>-*``: a half-built or an
+    unused whole directory, or an old one swapped out; ``.<name>.deleted-<pid>``;
+    ``.<name>.replaced-<pid>``: the old directory renamed away) whose pid runs no process here.
+    A ``replaced`` one is renamed back when ``final`` is missing (its writer died between the two
+    renames of :func:`publish_dir`), else removed.
+    """
+    final = Path(final)
+    pattern = re.compile(rf"^\.{re.escape(final.name)}\.(?:tmp-(\d+)-[^/]+|deleted-(\d+)|replaced-(\d+))$")
+    removed = []
+    if not final.parent.is_dir():
+        return removed
+    for entry in sorted(final.parent.iterdir()):
+        match = pattern.match(entry.name)
+        if match is None:
+            continue
+        pid = int(next(g for g in match.groups() if g is not None))
+        if pid == os.getpid() or pid_alive(pid):
+            continue
+        if match.group(3) is not None and not final.exists() and entry.is_dir():
+            os.replace(entry, final)
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        removed.append(entry)
+    return removed
 
 
 def remove_dir(path: str | os.PathLike) -> None:

@@ -3,7 +3,9 @@
 ``PEAGLE_FAILPOINT=name`` kills at the first hit of ``failpoint("name")``; ``name:N`` at the N-th
 hit (1-based). Unset, a failpoint is one dict lookup: cheap enough to leave in hot loops.
 Names in use: extract.forward, extract.write, extract.before_commit, extract.after_commit,
-train.step, train.checkpoint_write, train.before_checkpoint_rename, train.after_checkpoint_rename.
+train.step, train.checkpoint_write, train.before_checkpoint_rename, train.after_checkpoint_rename,
+export.write, dir.before_publish, dir.after_publish, dir.between_renames, store.before_settings,
+store.after_settings (docs/reliability.md says where each is and what a kill there leaves).
 """
 
 from __future__ import annotations

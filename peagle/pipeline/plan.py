@@ -15,8 +15,12 @@ all (their union), recorded the moment a run registers its inputs, before its fi
 *complete* when every planned shard has a commit record (:class:`Completeness`): `peagle store info`
 shows it, `store verify` fails without it, and `vocab` and `train` refuse an incomplete store.
 
-Everything except ``read_registrations``, ``register_inputs`` and ``store_completeness`` is pure and
-does no I/O.
+A store is *usable* when it also holds something to train on (:func:`usability_problem`): a store
+with neither plan nor shard, or whose every planned shard is committed without a usable sample, is
+refused by every reader (docs/store.md, "The plan and completeness").
+
+Everything except ``read_registrations``, ``register_inputs``, ``replace_registrations``,
+``drop_registrations``, ``store_completeness`` and ``usability_problem`` is pure and does no I/O.
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from peagle.pipeline.atomic import atomic_write_json, file_lock
-from peagle.pipeline.store import LOCK_FILE
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 
@@ -205,7 +208,7 @@ def register_inputs(root: str | os.PathLike, files: list[InputFile],
     """
     root = Path(root)
     (root / S.INPUTS_DIR).mkdir(parents=True, exist_ok=True)
-    with file_lock(root / LOCK_FILE):
+    with file_lock(root / S.STORE_LOCK_FILE):
         existing = read_registrations(root)
         changed = changed_inputs(existing, files)
         if changed:
@@ -214,6 +217,20 @@ def register_inputs(root: str | os.PathLike, files: list[InputFile],
         for reg in new:
             atomic_write_json(registration_path(root, reg.sha256), asdict(reg))
     return existing + new
+
+
+def replace_registrations(root: str | os.PathLike, registrations: Iterable[InputRegistration]) -> None:
+    """Make ``registrations`` the store's whole plan, removing any other; the caller holds the store
+    lock. A first run records its plan so, before it publishes ``store.json`` (``init_store``): a
+    store never exists without the plan of the run that made it."""
+    root = Path(root)
+    keep = {r.sha256: r for r in registrations}
+    (root / S.INPUTS_DIR).mkdir(parents=True, exist_ok=True)
+    for p in (root / S.INPUTS_DIR).glob("[0-9a-f]*.json"):
+        if p.stem not in keep:
+            p.unlink()
+    for reg in keep.values():
+        atomic_write_json(registration_path(root, reg.sha256), asdict(reg))
 
 
 def drop_registrations(root: str | os.PathLike, registrations: list[InputRegistration]) -> None:
@@ -228,7 +245,7 @@ def drop_registrations(root: str | os.PathLike, registrations: list[InputRegistr
     new one is renamed over it.
     """
     root = Path(root)
-    with file_lock(root / LOCK_FILE):
+    with file_lock(root / S.STORE_LOCK_FILE):
         for reg in registrations:
             for shard in range(reg.first_shard, reg.end_shard):
                 (root / S.commit_name(shard)).unlink(missing_ok=True)
@@ -308,6 +325,36 @@ def store_completeness(root: str | os.PathLike, committed: Iterable[int]) -> Com
     """The store's plan (its registrations) against ``committed`` (the indices of its commit records)."""
     return Completeness(root=Path(root), registrations=tuple(read_registrations(root)),
                         committed=frozenset(committed))
+
+
+def usability_problem(root: str | os.PathLike, records: list[S.ShardRecord], commands: list[str] | None = None) -> str | None:
+    """Why no reader can use a store whose files are intact, or None: nothing committed and no plan
+    recorded (its first run stopped before registering its inputs: a store of an older peagle, which
+    published ``store.json`` first), or every planned shard committed and none holding a usable
+    sample (``ShardRecord.usable``: e.g. a chat template that failed on every record). The line ends
+    with what to run: ``commands`` (``peagle store info`` and ``verify`` derive them from the plan),
+    else where to find them.
+
+    A store still being extracted (planned shards missing) is not judged here: it is incomplete,
+    which readers refuse on their own unless told to go on, and ``train --follow`` waits for it.
+    """
+    root = Path(root)
+    completeness = store_completeness(root, (r.index for r in records))
+    if not records and not completeness.recorded:
+        return (f"store {root} holds nothing: no shard committed and no plan recorded (the run that made it "
+                "stopped before registering its inputs); run that `peagle extract` or `peagle store convert` "
+                "command again")
+    if records and completeness.complete and not any(r.usable for r in records):
+        skipped: dict[str, int] = {}
+        for r in records:
+            for reason, n in r.skipped.items():
+                skipped[reason] = skipped.get(reason, 0) + n
+        why = ", ".join(f"{reason} {n:,}" for reason, n in sorted(skipped.items(), key=lambda kv: -kv[1]))
+        return (f"store {root} holds no usable sample: its {len(records)} committed shards hold no sample with a "
+                f"supervised token ({sum(r.num_records for r in records):,} records; skipped: {why or 'none'}); "
+                "mend the cause and run its extract command again, which starts such a store afresh"
+                + (f": {' ; '.join(commands)}" if commands else f" (`peagle store info --store {root}` prints it)"))
+    return None
 
 
 def format_ranges(indices: Iterable[int]) -> str:

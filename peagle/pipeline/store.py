@@ -40,12 +40,13 @@ from peagle.pipeline.atomic import (
 )
 from peagle.pipeline.content_check import ContentChecks, blocks_touched, check_blocks, file_digests
 from peagle.pipeline.failpoints import failpoint
+from peagle.pipeline.plan import InputRegistration, replace_registrations, usability_problem
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 
 log = logging.getLogger(__name__)
 
-LOCK_FILE = ".lock"
+LOCK_FILE = S.STORE_LOCK_FILE
 WRITERS_LOCK_FILE = f"{S.INPUTS_DIR}/.lock"
 """Held shared by every extract run while it may write (``WriterLock``); named ``.lock`` like the store
 lock, so that tools comparing stores file by file leave both out."""
@@ -101,43 +102,65 @@ def _make_dirs(root: Path) -> None:
 
 
 def init_store(root: str | os.PathLike, settings: S.StoreSettings, *, writers: WriterLock | None = None,
-               restart: bool = False) -> Path:
+               restart: bool = False, plan: Iterable[InputRegistration] = ()) -> Path:
     """Create the store (or join an existing one) with these settings.
 
-    ``restart`` (``writers`` held): a store that has no commit record and no other live writer is
-    started afresh: its input registrations and manifest removed, ``store.json`` rewritten with
-    ``settings``. So a first run that failed before its first commit (a target without weights, a
-    killed worker) does not fix the store's settings or plan for good; a store with a commit record
-    is never restarted.
+    A new store gets its plan (``plan``: the input registrations of the run that makes it) before
+    its ``store.json``, under the store lock: a run killed in between leaves a directory that is no
+    store (``read_settings`` says so) and that the same command makes whole; never a store that has
+    settings but no plan, which a reader could not tell from a finished empty one.
+
+    ``restart`` (``writers`` held): a store none of whose commit records holds a usable sample
+    (``ShardRecord.usable``; none at all, or only empty shards) and that no other writer is using
+    is started afresh with ``settings`` and ``plan`` (:func:`restart_unused`). So a first run that
+    failed (a target without weights, a killed worker, a chat template that fails on every record)
+    does not fix the store's settings or plan for good; a store with a usable shard is never restarted.
 
     Raises UserError naming both values when the store was made with other settings (and was not
-    restarted).
+    restarted), or when the directory holds commit records but no ``store.json``.
     """
     root = Path(root)
     _make_dirs(root)
-    created = create_exclusive(root / S.STORE_SETTINGS_FILE, canonical_json(settings.to_dict()))
+    created = False
+    if not (root / S.STORE_SETTINGS_FILE).exists():
+        with file_lock(root / LOCK_FILE):
+            if not (root / S.STORE_SETTINGS_FILE).exists():
+                if list_commits(root):
+                    raise UserError(f"{root} holds commit records but no {S.STORE_SETTINGS_FILE} (removed by hand?): "
+                                    f"restore it, or extract into another --out")
+                replace_registrations(root, plan)
+                failpoint("store.before_settings")
+                created = create_exclusive(root / S.STORE_SETTINGS_FILE, canonical_json(settings.to_dict()))
+                failpoint("store.after_settings")
     if restart and not created and writers is not None:
-        restart_unused(root, settings, writers)
+        restart_unused(root, settings, writers, plan)
     existing = read_settings(root)
     check_same_settings(existing, settings, root)
     return root
 
 
-def restart_unused(root: Path, settings: S.StoreSettings, writers: WriterLock) -> bool:
-    """Start a store without commit records afresh with ``settings`` (``init_store``); False, and
-    nothing changed, when it has a commit record or another writer is live.
+def restart_unused(root: Path, settings: S.StoreSettings, writers: WriterLock,
+                   plan: Iterable[InputRegistration] = ()) -> bool:
+    """Start a store without a usable commit record afresh with ``settings`` and ``plan``
+    (``init_store``); False, and nothing changed, when a shard is usable or another writer is live.
 
-    Crash-safe in this order: registrations and manifest go first, ``store.json`` is replaced last
-    (atomically), so a run killed half-way leaves a store that is still unused, and restarted again.
+    Crash-safe in this order: commit records first (their shards leave every reader's view), then
+    their shard files, the plan and the manifest, and ``store.json`` is replaced last (atomically),
+    so a run killed half-way leaves a store that is still unused, and restarted again.
     """
-    if list_commits(root) or not writers.alone():
+    if any(r.usable for r in list_commits(root)) or not writers.alone():
         return False
     try:
         with file_lock(root / LOCK_FILE):
-            if list_commits(root):
+            records = list_commits(root)
+            if any(r.usable for r in records):
                 return False
-            for p in (root / S.INPUTS_DIR).glob("[0-9a-f]*.json"):
-                p.unlink()
+            for r in records:
+                (root / S.commit_name(r.index)).unlink(missing_ok=True)
+            for r in records:
+                (root / r.parquet).unlink(missing_ok=True)
+                (root / r.safetensors).unlink(missing_ok=True)
+            replace_registrations(root, plan)
             (root / S.MANIFEST_FILE).unlink(missing_ok=True)
             atomic_write_json(root / S.STORE_SETTINGS_FILE, settings.to_dict())
     finally:
@@ -172,15 +195,17 @@ def settings_difference(existing: S.StoreSettings, wanted: S.StoreSettings, root
     # hidden_dtype in full: to_dict leaves out the default (bf16)
     old = _flatten({**existing.to_dict(), "hidden_dtype": existing.hidden_dtype})
     new = _flatten({**wanted.to_dict(), "hidden_dtype": wanted.hidden_dtype})
-    # The target's identity first: with another target everything differs.
-    first = [f"target.{f}" for f in ("content_hash", "architecture", "dtype")]
+    # The target's identity first: with another target everything differs. A store from before the full
+    # weights hash records none: it is matched by its sampled content hash, as it always was.
+    first = [f"target.{f}" for f in ("content_hash", "weights_sha256", "architecture", "dtype")]
     for key in first + sorted((set(old) | set(new)) - set(first) - {"target.path"}):
-        if old.get(key) == new.get(key):
+        if old.get(key) == new.get(key) or (key == "target.weights_sha256" and key not in old):
             continue
-        if key == "target.content_hash":
-            return (f"store {root} was extracted from target {existing.target.path} (content hash "
-                    f"{str(old[key])[:12]}), --target {wanted.target.path} has other weights or config (content hash "
-                    f"{str(new[key])[:12]}); use the store's target or another --out")
+        if key in ("target.content_hash", "target.weights_sha256"):
+            what = "content hash" if key == "target.content_hash" else "weights sha256"
+            return (f"store {root} was extracted from target {existing.target.path} ({what} "
+                    f"{str(old[key])[:12]}), --target {wanted.target.path} has other weights or config ({what} "
+                    f"{str(new.get(key))[:12]}); use the store's target or another --out")
         hint = (f" (or convert it: `peagle store convert --store {root} --hidden-dtype {new[key]} --out NEW`)"
                 if key == "hidden_dtype" else
                 f" (--generation-dtype {old[key]}: the default became bfloat16 on CPUs with native bf16)"
@@ -398,6 +423,9 @@ def open_store(root: str | os.PathLike, *, verify: bool = False) -> Store:
     if problems:
         more = f" (and {len(problems) - 1} more; run `peagle store verify --store {root}`)" if len(problems) > 1 else ""
         raise UserError(f"store {root} is damaged: {problems[0]}{more}")
+    unusable = usability_problem(root, records)
+    if unusable is not None:
+        raise UserError(unusable)
     store = Store(root=root, settings=settings, shards=records)
     if verify:
         store.mark_checked()

@@ -21,6 +21,11 @@ DEVICES = ("auto", "cpu", "cuda")
 GENERATION_MODES = ("auto", "dynamic", "static", "compiled")
 """The hf backend's KV cache for generation (peagle/model/target_backend_hf.py says what each costs)."""
 
+MAX_RECORD_BYTES = 4 << 20
+"""Default of ``--max-record-bytes``. A chat is ~4 bytes a token, so 4 MiB is ~1 M tokens, several times
+the longest context a target reads; a record past it would be cut to ``--max-seq-len`` anyway, after
+costing gigabytes to decode and render (one 5 MB record lifted extract's peak memory from ~0.5 to ~2.3 GB)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class ExtractConfig:
@@ -71,6 +76,11 @@ class ExtractConfig:
     """Fail (exit 2, naming the first bad records and why) when more than this share of the records a
     run reads are skipped as unusable; 1 never fails on skips. A run that reads no usable record, or
     commits no supervised token, fails whatever this says."""
+
+    max_record_bytes: int = MAX_RECORD_BYTES
+    """A record (a JSONL line, a Parquet row) of more bytes than this is skipped and counted as
+    `too_large` without being decoded, so one giant record cannot take the process's memory; 0: no bound.
+    Default 4 MiB (~1 M tokens of text)."""
 
     replace_changed_inputs: bool = False
     """An input file whose content changed since the store registered it is refused (its old shards
@@ -201,6 +211,8 @@ class ExtractConfig:
             raise UserError(f"--threads must be >= 0, got {self.threads}")
         if self.temperature < 0:
             raise UserError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.max_record_bytes < 0:
+            raise UserError(f"--max-record-bytes must be >= 0 (0: no bound), got {self.max_record_bytes}")
         if not 0 <= self.max_skipped_share <= 1:
             raise UserError(f"--max-skipped-share must be in [0, 1], got {self.max_skipped_share}")
         if not 0 < self.top_p <= 1:

@@ -26,6 +26,9 @@ COMMITS_DIR = "commits"
 SHARDS_DIR = "shards"
 VOCAB_DIR = "vocab"
 INPUTS_DIR = "inputs"
+STORE_LOCK_FILE = ".lock"
+"""The store lock (``flock``): serialises the read-modify-write of registrations, manifest and a first
+run's ``store.json``."""
 
 AUX_HIDDEN = "aux_hidden"  # [T, A, H]
 TOPK_IDS = "topk_ids"  # [T, k]
@@ -100,6 +103,9 @@ class TargetIdentity:
     vocab_size: int
     dtype: str
     content_hash: str  # sha256 over config.json and, per weight file, its name, size and byte samples
+    # sha256 over config.json and, per weight file, its name, size and sha256: every tensor (peagle.model.
+    # weights_hash). "" in stores written before it: they are matched by content_hash alone.
+    weights_sha256: str = ""
 
 
 HIDDEN_BF16 = "bf16"
@@ -154,6 +160,8 @@ class StoreSettings:
         for key, default in _ADDED_LATER.items():
             if d[key] == default:
                 del d[key]
+        if not d["target"]["weights_sha256"]:  # as above: an older store's files stay byte-identical
+            del d["target"]["weights_sha256"]
         return d
 
     @classmethod
@@ -195,6 +203,15 @@ class ShardRecord:
     # default. It finds changed bytes, not someone who edits the record too. ---
     parquet_crc32: tuple[str, ...] = ()
     safetensors_crc32: tuple[str, ...] = ()
+
+    @property
+    def usable(self) -> bool:
+        """Whether the shard holds a sample a draft learns from: one with a supervised token (records
+        from before token counts: any sample). A store none of whose shards is usable is refused by
+        every reader and started afresh by the next extract with other settings."""
+        if not self.num_samples:
+            return False
+        return not self.token_counts or any(n for k, n in self.token_counts.items() if k.startswith(SUPERVISED + "."))
 
     def crc32_of(self, rel: str) -> tuple[str, ...]:
         """The recorded block checksums of this shard's file ``rel`` (its ``parquet`` or ``safetensors``);

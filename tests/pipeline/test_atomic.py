@@ -168,3 +168,63 @@ def test_failpoint_kills_the_process_at_the_nth_hit():
         assert proc.stdout == printed
         assert proc.returncode == (0 if spec == "other" else -signal.SIGKILL)
 
+
+
+def _dead_pid() -> int:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    return dead.pid
+
+
+def test_atomic_dir_swaps_an_existing_directory_in_one_step(tmp_path):
+    """Replacing a directory never leaves ``final`` missing: it is swapped with the new one in one
+    rename (RENAME_EXCHANGE), so at every instant ``final`` is the old or the new directory."""
+    final = tmp_path / "out"
+    with A.atomic_dir(final) as tmp:
+        (tmp / "old").write_bytes(b"1")
+    inode = final.stat().st_ino
+    with A.atomic_dir(final) as tmp:
+        (tmp / "new").write_bytes(b"2")
+        new_inode = tmp.stat().st_ino
+    assert sorted(p.name for p in final.iterdir()) == ["new"] and final.stat().st_ino == new_inode != inode
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    (a / "x").write_bytes(b"a")
+    assert A.exchange(a, b) and (b / "x").read_bytes() == b"a" and not (a / "x").exists()
+
+
+def test_clean_dead_dirs_removes_only_what_dead_writers_of_that_name_left(tmp_path):
+    """By name and owner pid, never anything else: a live writer's directory, another name's, and a
+    file that only looks alike stay."""
+    final, dead, live = tmp_path / "out", _dead_pid(), os.getpid()
+    gone = [f".out.tmp-{dead}-abc_12", f".out.deleted-{dead}"]
+    kept = [f".out.tmp-{live}-xyz", f".outer.tmp-{dead}-abc", f".out.tmp-x{dead}-abc", "out.tmp-1-abc"]
+    for name in gone + kept:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "f").write_bytes(b"x")
+    assert sorted(p.name for p in A.clean_dead_dirs(final)) == sorted(gone)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
+
+
+def test_a_kill_between_the_two_renames_is_undone_by_the_next_writer(tmp_path):
+    """Where the file system cannot swap, the old directory is renamed away first; a writer killed
+    before the second rename leaves ``final`` missing and the old one beside it, which the next
+    ``atomic_dir(final)`` (any writer of it) puts back before it starts."""
+    final, new = tmp_path / "out", tmp_path / ".out.tmp-new"
+    for d, name in ((final, "old"), (new, "new")):
+        d.mkdir()
+        (d / name).write_bytes(name.encode())
+    code = ("import sys\nfrom pathlib import Path\nfrom peagle.pipeline.atomic import replace_in_two_renames\n"
+            "replace_in_two_renames(Path(sys.argv[1]), Path(sys.argv[2]))\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(new), str(final)], timeout=120,
+                          env={**os.environ, "PEAGLE_FAILPOINT": "dir.between_renames"})
+    assert proc.returncode == -signal.SIGKILL
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith(".out.replaced-")]
+    assert not final.exists() and (aside / "old").is_file()
+    A.clean_dead_dirs(final)
+    assert sorted(p.name for p in final.iterdir()) == ["old"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".out.tmp-new", "out"]  # a name of no pid stays
+    A.replace_in_two_renames(new, final)  # uninterrupted: the new one in place, nothing beside it
+    assert sorted(p.name for p in final.iterdir()) == ["new"] and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+

@@ -200,3 +200,55 @@ def test_only_an_unused_store_without_other_writers_is_restarted(tmp_path):
     assert ST.read_settings(tmp_path) == other
     with pytest.raises(UserError, match="topk=8"):  # without the writer lock: never restarted
         ST.init_store(tmp_path / "fresh", SETTINGS, restart=True)
+
+
+def test_a_new_store_has_its_plan_before_its_settings(tmp_path):
+    """``init_store(plan=...)`` records the plan before ``store.json``, replacing what a killed first run
+    left; a directory with a plan and no ``store.json`` is no store to any reader."""
+    from peagle.pipeline.plan import InputRegistration, read_registrations
+
+    reg = InputRegistration(sha256="b" * 64, name="a.jsonl", num_records=3, records_per_shard=2, first_shard=0,
+                            end_shard=2, path="/data/a.jsonl")
+    stale = tmp_path / S.INPUTS_DIR / ("c" * 64 + ".json")
+    stale.parent.mkdir(parents=True)
+    stale.write_text("{}")  # a killed first run's plan, of other inputs
+    with pytest.raises(UserError, match="is not a peagle store"):
+        ST.open_store(tmp_path)
+    ST.init_store(tmp_path, SETTINGS, plan=[reg])
+    assert read_registrations(tmp_path) == [reg] and ST.read_settings(tmp_path) == SETTINGS
+    ST.init_store(tmp_path, SETTINGS, plan=[])  # joining leaves the plan alone
+    assert read_registrations(tmp_path) == [reg]
+
+
+def _empty_shard(root: Path, index: int) -> S.ShardRecord:
+    """A committed shard whose records were all skipped (a chat template failing on each)."""
+    record = replace(_write_shard(root, index), num_samples=0, num_tokens=0, skipped={"template_error": 4},
+                     num_records=4)
+    ST.commit_shard(root, record)
+    return record
+
+
+def test_a_store_without_a_usable_sample_is_refused_and_restarted(tmp_path):
+    """Every planned shard committed and none usable, or neither plan nor shard: ``open_store`` refuses
+    in one line; ``init_store(restart=True)`` with other settings starts it afresh (commit records and
+    shard files gone), as it never does once a shard is usable."""
+    from peagle.pipeline.plan import InputRegistration
+
+    ST.init_store(tmp_path / "bare", SETTINGS)
+    with pytest.raises(UserError, match="holds nothing: no shard committed and no plan recorded"):
+        ST.open_store(tmp_path / "bare")
+    reg = InputRegistration(sha256="b" * 64, name="a.jsonl", num_records=8, records_per_shard=4, first_shard=0,
+                            end_shard=2, path="/data/a.jsonl")
+    root = ST.init_store(tmp_path / "s", SETTINGS, plan=[reg])
+    records = [_empty_shard(root, 0), _empty_shard(root, 1)]
+    assert not any(r.usable for r in records) and _write_shard(ST.init_store(tmp_path / "other", SETTINGS), 0).usable
+    with pytest.raises(UserError, match=r"holds no usable sample: its 2 committed shards .*template_error 8"):
+        ST.open_store(root)
+    other = replace(SETTINGS, chat_template_hash="m" * 64)
+    with ST.WriterLock(root) as mine:
+        ST.init_store(root, other, writers=mine, restart=True, plan=[reg])
+    assert ST.read_settings(root) == other and not ST.list_commits(root)
+    assert not list((root / S.SHARDS_DIR).iterdir())
+    _write_shard(root, 0)
+    with ST.WriterLock(root) as mine, pytest.raises(UserError, match="chat_template_hash"):
+        ST.init_store(root, SETTINGS, writers=mine, restart=True, plan=[reg])

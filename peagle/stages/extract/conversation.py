@@ -28,6 +28,7 @@ MALFORMED_JSON = "malformed_json"
 INVALID_UTF8 = "invalid_utf8"
 NOT_AN_OBJECT = "not_an_object"
 BLANK_LINE = "blank_line"
+TOO_LARGE = "too_large"  # more bytes than --max-record-bytes: never decoded
 # Structure (set here).
 NO_MESSAGES = "no_messages"
 MESSAGES_NOT_A_LIST = "messages_not_a_list"
@@ -49,7 +50,7 @@ CONTAINS_MASK_TOKEN = "contains_mask_token"  # the draft's mask token occurs in 
 TRUNCATED_NO_LOSS = "truncated_no_loss"
 
 SKIP_REASONS: tuple[str, ...] = (
-    MALFORMED_JSON, INVALID_UTF8, NOT_AN_OBJECT, BLANK_LINE,
+    MALFORMED_JSON, INVALID_UTF8, NOT_AN_OBJECT, BLANK_LINE, TOO_LARGE,
     NO_MESSAGES, MESSAGES_NOT_A_LIST, EMPTY_CONVERSATION, MESSAGE_NOT_AN_OBJECT, MISSING_ROLE,
     UNKNOWN_ROLE, MISSING_CONTENT, NON_STRING_CONTENT, EMPTY_ASSISTANT_TURN, BAD_TOOL_CALLS, BAD_TOOLS,
     NO_ASSISTANT_TURN,

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from peagle.schemas.errors import UserError
+from peagle.schemas.extract_config import MAX_RECORD_BYTES
 from peagle.stages.extract import conversation as C
 from peagle.stages.extract.readers import SourceRecord, iter_file_records
 
@@ -30,6 +31,7 @@ SKIP_WORDS = {
     C.INVALID_UTF8: "not UTF-8 text",
     C.NOT_AN_OBJECT: "not a JSON object",
     C.BLANK_LINE: "a blank line",
+    C.TOO_LARGE: "larger than --max-record-bytes",
     C.NO_MESSAGES: "no `messages` (or `conversations`) list",
     C.MESSAGES_NOT_A_LIST: "`messages` (or `conversations`) is not a list",
     C.EMPTY_CONVERSATION: "an empty conversation",
@@ -99,16 +101,17 @@ def structure_problem(record: SourceRecord, *, to_regenerate: bool = False) -> B
     return None
 
 
-def scan_records(ranges: Iterable[tuple[str, int, int]], *, strict: bool, to_regenerate: bool = False) -> InputScan:
+def scan_records(ranges: Iterable[tuple[str, int, int]], *, strict: bool, to_regenerate: bool = False,
+                 max_record_bytes: int = MAX_RECORD_BYTES) -> InputScan:
     """Decode and check every record of ``(path, first, end)`` ranges (``to_regenerate``: as
-    ``--regenerate`` reads them, prompts only allowed).
+    ``--regenerate`` reads them, prompts only allowed; records above ``max_record_bytes`` not decoded).
 
     Raises:
         UserError: ``strict`` and a record is unusable (naming it).
     """
     scan = InputScan(skipped=Counter(), examples=[])
     for path, first, end in ranges:
-        for record in iter_file_records(path, first, end):
+        for record in iter_file_records(path, first, end, max_record_bytes=max_record_bytes):
             scan.num_records += 1
             bad = structure_problem(record, to_regenerate=to_regenerate)
             if bad is None:

@@ -8,6 +8,12 @@ indices never depend on content.
 
 A file that cannot be opened or read (missing, a directory, corrupt Parquet) is a ``UserError``
 naming the file; a bad line inside a readable file is not.
+
+**Records have a size bound** (``max_record_bytes``: ``peagle extract --max-record-bytes``, 4 MiB by
+default): a record of more bytes is yielded as ``too_large`` without being decoded, so one giant line cannot take the process's memory (a 5 MB record lifted extract's peak from ~0.5
+to ~2.3 GB; a line of some hundred MB would end it). A JSONL line is read at most that far and the
+rest skipped unread; a Parquet row is measured in Arrow (its buffers' bytes) before it becomes Python
+objects (Arrow reads the column chunk it is in either way).
 """
 
 from __future__ import annotations
@@ -19,13 +25,16 @@ from pathlib import Path
 from typing import Any
 
 from peagle.schemas.errors import UserError
-from peagle.stages.extract.conversation import BLANK_LINE, INVALID_UTF8, MALFORMED_JSON, NOT_AN_OBJECT
+from peagle.schemas.extract_config import MAX_RECORD_BYTES
+from peagle.stages.extract.conversation import BLANK_LINE, INVALID_UTF8, MALFORMED_JSON, NOT_AN_OBJECT, TOO_LARGE
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
 _PARQUET_BATCH_ROWS = 256
 _COUNT_CHUNK_BYTES = 1 << 22
 _UTF8_BOM = b"\xef\xbb\xbf"
+_SKIP_CHUNK_BYTES = 1 << 20
+PREVIEW_BYTES = 64  # of a too-large record, kept as its ``raw`` for error lines
 
 
 @dataclass(frozen=True)
@@ -109,8 +118,10 @@ def count_records(paths: Iterable[str | Path]) -> list[int]:
     return [_count_file(check_data_path(p)) for p in paths]
 
 
-def iter_file_records(path: str | Path, start: int = 0, stop: int | None = None) -> Iterator[SourceRecord]:
-    """Records ``start <= index < stop`` of one file; records before ``start`` are not decoded.
+def iter_file_records(path: str | Path, start: int = 0, stop: int | None = None, *,
+                      max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[SourceRecord]:
+    """Records ``start <= index < stop`` of one file; records before ``start`` are not decoded, nor is
+    a record of more than ``max_record_bytes`` bytes (0: no bound): it comes with ``error`` ``too_large``.
 
     For Parquet, row groups outside the range are not read at all, so a worker that owns one shard
     of a large file does not pay for the rest.
@@ -120,8 +131,8 @@ def iter_file_records(path: str | Path, start: int = 0, stop: int | None = None)
     """
     path = check_data_path(path)
     if is_parquet(path):
-        return _iter_parquet(path, start, stop)
-    return _iter_jsonl(path, start, stop)
+        return _iter_parquet(path, start, stop, max_record_bytes)
+    return _iter_jsonl(path, start, stop, max_record_bytes)
 
 
 def decode_jsonl_line(line: bytes, *, first: bool = False) -> tuple[dict[str, Any] | bytes, str | None]:
@@ -164,21 +175,41 @@ def nesting_depth(value: Any) -> int:
     return deepest
 
 
-def _iter_jsonl(path: Path, start: int, stop: int | None) -> Iterator[SourceRecord]:
+def _iter_jsonl(path: Path, start: int, stop: int | None, max_record_bytes: int = MAX_RECORD_BYTES
+                ) -> Iterator[SourceRecord]:
     try:
         with open(path, "rb") as f:
-            for index, line in enumerate(f):  # binary mode splits on b"\n" only
-                if stop is not None and index >= stop:
+            index = 0
+            while stop is None or index < stop:
+                line, whole = _read_line(f, max_record_bytes)  # binary mode splits on b"\n" only
+                if not line:
                     return
-                if index < start:
-                    continue
-                raw, error = decode_jsonl_line(line, first=index == 0)
-                yield SourceRecord(path, index, raw, error)
+                if index >= start:
+                    if whole:
+                        raw, error = decode_jsonl_line(line, first=index == 0)
+                    else:
+                        raw, error = line[:PREVIEW_BYTES], TOO_LARGE
+                    yield SourceRecord(path, index, raw, error)
+                index += 1
     except OSError as err:
         raise UserError(f"cannot read data file {path}: {err.strerror or err}") from None
 
 
-def _iter_parquet(path: Path, start: int, stop: int | None) -> Iterator[SourceRecord]:
+def _read_line(f: Any, limit: int) -> tuple[bytes, bool]:
+    """(the next line, True), or, for a line of more than ``limit`` bytes before its newline, (its first
+    ``limit`` bytes, False) with the rest read past in bounded chunks, never held; (b"", True) at the end."""
+    if not limit:
+        return f.readline(), True
+    line = f.readline(limit + 1)
+    if len(line) <= limit or line.endswith(b"\n"):
+        return line, True
+    while (rest := f.readline(_SKIP_CHUNK_BYTES)) and not rest.endswith(b"\n"):
+        pass
+    return line[:limit], False
+
+
+def _iter_parquet(path: Path, start: int, stop: int | None, max_record_bytes: int = MAX_RECORD_BYTES
+                  ) -> Iterator[SourceRecord]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -194,14 +225,27 @@ def _iter_parquet(path: Path, start: int, stop: int | None) -> Iterator[SourceRe
                 batch_start = first_row
                 for batch in pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS, row_groups=[group]):
                     a, b = max(lo, batch_start), min(hi, batch_start + batch.num_rows)
-                    if a < b:  # decode only the rows in range
-                        rows = batch.slice(a - batch_start, b - a).to_pylist()
-                        for offset, row in enumerate(rows):
-                            yield SourceRecord(path, a + offset, row)
+                    if a < b:  # decode only the rows in range, and of those only rows within the bound
+                        yield from _rows(path, batch.slice(a - batch_start, b - a), a, max_record_bytes)
                     batch_start += batch.num_rows
             first_row += num_rows
     except (OSError, pa.ArrowException) as err:
         raise UserError(f"cannot read Parquet data file {path}: {err}") from None
+
+
+def _rows(path: Path, piece: Any, first: int, max_record_bytes: int) -> Iterator[SourceRecord]:
+    """The rows of a Parquet record batch as records, numbered from ``first``; a row whose Arrow buffers
+    hold more than ``max_record_bytes`` bytes is ``too_large`` and never made into Python objects."""
+    sizes = [piece.slice(i, 1).nbytes for i in range(piece.num_rows)] if max_record_bytes else []
+    if all(size <= max_record_bytes for size in sizes):
+        for offset, row in enumerate(piece.to_pylist()):
+            yield SourceRecord(path, first + offset, row)
+        return
+    for offset, size in enumerate(sizes):
+        if size > max_record_bytes:
+            yield SourceRecord(path, first + offset, b"", TOO_LARGE)
+        else:
+            yield SourceRecord(path, first + offset, piece.slice(offset, 1).to_pylist()[0])
 
 
 def _count_file(path: Path) -> int:

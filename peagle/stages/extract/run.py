@@ -186,7 +186,8 @@ def prepared_shards(pending: list[P.PlannedShard], backend: TargetBackend, targe
     window = REGENERATE_WINDOW if config.regenerate and backend.name == "vllm" else 1
     for start in range(0, len(pending), window):
         chunk = pending[start:start + window]
-        records_of = [list(iter_file_records(s.input_path, s.first_record, s.end_record)) for s in chunk]
+        records_of = [list(iter_file_records(s.input_path, s.first_record, s.end_record,
+                                             max_record_bytes=config.max_record_bytes)) for s in chunk]
         if config.regenerate:
             records_of = [regenerate_records(records, backend, target.tokenizer, sampling=sampling,
                                              shard_index=shard.index,
@@ -241,7 +242,7 @@ def extract_pending(config: ExtractConfig, plan: ExtractPlan, target: TargetDire
     """Join (or create, or restart) the store, register the inputs and extract this worker's missing
     shards; ``writers`` held shared by the caller."""
     root, settings = Path(config.out), plan.settings
-    init_store(root, settings, writers=writers, restart=plan.restart)
+    init_store(root, settings, writers=writers, restart=plan.restart, plan=plan.registrations)
     for sub in (S.SHARDS_DIR, S.COMMITS_DIR, S.INPUTS_DIR, ""):
         remove_stale_temps(root / sub)
     if plan.dropped:  # --replace-changed-inputs
@@ -329,9 +330,15 @@ def check_worker_input(root: Path, mine: list[P.PlannedShard], examples: list[Ba
         skipped.update(r.skipped)
     counted = all(r.token_counts or not r.num_samples for r in records)  # older records did not count
     supervised = sum(n for r in records for k, n in r.token_counts.items() if k.startswith(S.SUPERVISED + "."))
-    check_input(num_records=sum(r.num_records for r in records), skipped=skipped, examples=examples,
-                supervised_tokens=supervised if counted else None, max_skipped_share=config.max_skipped_share,
-                what="extraction")
+    try:
+        check_input(num_records=sum(r.num_records for r in records), skipped=skipped, examples=examples,
+                    supervised_tokens=supervised if counted else None, max_skipped_share=config.max_skipped_share,
+                    what="extraction")
+    except UserError as err:
+        if any(r.usable for r in list_commits(root)):
+            raise
+        raise UserError(f"{err}; store {root} holds no usable sample, so every reader refuses it and the same "
+                        "command, once mended, starts it afresh") from err
 
 
 def _close_quietly(writer: ShardWriter) -> None:

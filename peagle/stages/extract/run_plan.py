@@ -16,7 +16,7 @@ from peagle.pipeline.store import list_commits, read_settings, settings_differen
 from peagle.pipeline.shard_tensors import raw_bytes_per_token
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
-from peagle.schemas.extract_config import ExtractConfig
+from peagle.schemas.extract_config import MAX_RECORD_BYTES, ExtractConfig
 from peagle.stages.extract.conversation import CONTAINS_MASK_TOKEN, SkipRecord, normalise_record
 from peagle.stages.extract.input_check import InputScan, scan_records, words
 from peagle.stages.extract.readers import count_records, iter_file_records
@@ -39,7 +39,8 @@ class ExtractPlan:
     free_bytes: int
     notes: list[str] = field(default_factory=list)  # things the user should know before it starts
     scan: InputScan | None = None  # --dry-run: every pending record decoded and checked
-    restart: bool = False  # the store has no commit record and other settings or inputs: start it afresh
+    restart: bool = False  # no commit record with a usable sample, and other settings or inputs: start it afresh
+    registrations: list[P.InputRegistration] = field(default_factory=list)  # the plan of the inputs in the store
     dropped: list[P.InputRegistration] = field(default_factory=list)  # --replace-changed-inputs: old versions
 
     @property
@@ -83,11 +84,13 @@ def make_plan(config: ExtractConfig, target: TargetDirectory, settings: S.StoreS
                           "extract into a new --out (the old store still trains: `peagle train --mask-token-id N`)")
     changed = P.changed_inputs(registrations, files)
     notes: list[str] = []
-    restart = exists and not committed and bool(difference or changed)
+    restart = exists and not any(r.usable for r in committed) and bool(difference or changed)
     dropped: list[P.InputRegistration] = []
-    if restart:  # its first run stopped before its first commit: nothing in it to keep
-        notes.append(f"note: store {root} holds no committed shard (its first run stopped before one); it is "
-                     "started afresh with this run's settings and inputs")
+    if restart:  # its first run stopped before its first commit, or committed nothing usable: nothing to keep
+        held = (f"{len(committed)} committed {P.plural(len(committed), 'shard')} without a usable sample" if committed
+                else "no committed shard")
+        notes.append(f"note: store {root} holds {held} (its first run stopped or failed); it is started afresh "
+                     "with this run's settings and inputs")
         registrations = []
     elif difference:
         raise UserError(difference)
@@ -109,24 +112,25 @@ def make_plan(config: ExtractConfig, target: TargetDirectory, settings: S.StoreS
     pending = [s for s in mine if s.index not in done]
     answer_tokens = config.max_new_tokens if config.regenerate else None
     tokens, sampled, mask_skips, supervised = estimate_tokens(pending, target.tokenizer, settings, config.loss_on,
-                                                              answer_tokens=answer_tokens)
+                                                              answer_tokens=answer_tokens,
+                                                              max_record_bytes=config.max_record_bytes)
     if mask_skips:
         notes.append(f"note: {mask_skips} of the {sampled} records read for the estimate contain the mask token "
                      f"{settings.mask_token_id}: such records are skipped (contains_mask_token); pass another "
                      "--mask-token-id if that is too many")
     probe = root if root.exists() else next((p for p in root.parents if p.exists()), Path("."))
     scan = (scan_records([(s.input_path, s.first_record, s.end_record) for s in pending], strict=False,
-                         to_regenerate=config.regenerate)
+                         to_regenerate=config.regenerate, max_record_bytes=config.max_record_bytes)
             if config.dry_run else None)
     return ExtractPlan(settings=settings, files=files, shards=shards, mine=mine, pending=pending,
                        estimated_tokens=tokens, estimated_from_records=sampled, estimated_mask_skips=mask_skips,
                        estimated_supervised=supervised, free_bytes=shutil.disk_usage(probe).free, notes=notes,
-                       scan=scan, restart=restart, dropped=dropped)
+                       scan=scan, restart=restart, dropped=dropped, registrations=registrations)
 
 
 def estimate_tokens(pending: list[P.PlannedShard], tokenizer: Any, settings: S.StoreSettings, loss_on: str,
-                    max_records: int = ESTIMATE_RECORDS, *, answer_tokens: int | None = None
-                    ) -> tuple[int, int, int, int]:
+                    max_records: int = ESTIMATE_RECORDS, *, answer_tokens: int | None = None,
+                    max_record_bytes: int = MAX_RECORD_BYTES) -> tuple[int, int, int, int]:
     """(estimated tokens of the pending shards, records tokenized for it, how many of those contain
     the mask token, estimated supervised tokens): every record when there are at most ``max_records``,
     else the first records of up to 16 evenly spread shards, scaled.
@@ -142,7 +146,7 @@ def estimate_tokens(pending: list[P.PlannedShard], tokenizer: Any, settings: S.S
     tokens = sampled = mask_skips = supervised = 0
     for shard in picks:
         stop = shard.end_record if total_records <= max_records else min(shard.end_record, shard.first_record + per_shard)
-        for record in iter_file_records(shard.input_path, shard.first_record, stop):
+        for record in iter_file_records(shard.input_path, shard.first_record, stop, max_record_bytes=max_record_bytes):
             if answer_tokens is not None:
                 prompt, answers = _prompt_tokens(record, tokenizer)
                 tokens += min(settings.max_seq_len, prompt + answers * answer_tokens)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from peagle.pipeline.atomic import remove_stale_temps
+from peagle.pipeline.plan import read_registrations
 from peagle.pipeline.raw_reader import open_raw_shard, raw_sample
 from peagle.pipeline.shard_stats import sample_rows, shard_stats
 from peagle.pipeline.shard_tensors import encode_sample, write_tensors
@@ -88,7 +89,9 @@ def convert_store(source_root: str | Path, out_root: str | Path, hidden_dtype: s
     if source.settings.hidden_dtype == hidden_dtype:
         raise UserError(f"store {source.root} holds {hidden_dtype} hidden states already; nothing to convert")
     settings = replace(source.settings, hidden_dtype=hidden_dtype)
-    init_store(out, settings)  # refuses a directory holding a store made with other settings
+    # A new NEW gets STORE's plan before its store.json (a kill between leaves no store, and this
+    # command makes it whole); an existing one with other settings is refused.
+    init_store(out, settings, plan=read_registrations(source.root))
     for sub in (S.SHARDS_DIR, S.COMMITS_DIR, S.INPUTS_DIR, ""):
         remove_stale_temps(out / sub)
     for registration in sorted((source.root / S.INPUTS_DIR).glob("*.json")):

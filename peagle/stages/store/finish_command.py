@@ -13,6 +13,7 @@ from __future__ import annotations
 import shlex
 from itertools import groupby
 
+from peagle.pipeline import plan as P
 from peagle.pipeline.plan import Completeness
 from peagle.schemas import store as S
 
@@ -40,7 +41,19 @@ def finish_commands(completeness: Completeness, settings: S.StoreSettings, backe
     the committed shards were extracted with when they agree on one."""
     missing_inputs = {completeness.registration_of(s).sha256: completeness.registration_of(s)
                       for s in completeness.missing}
-    by_size = sorted(missing_inputs.values(), key=lambda r: (r.records_per_shard, r.first_shard))
+    return extract_commands(completeness, list(missing_inputs.values()), settings, backends)
+
+
+def restart_commands(completeness: Completeness, settings: S.StoreSettings, backends: tuple[str, ...] = ()) -> list[str]:
+    """The commands that extract every registered input: for a store none of whose shards holds a
+    usable sample, which they start afresh once its cause (a chat template, the data) is mended."""
+    return extract_commands(completeness, list(completeness.registrations), settings, backends)
+
+
+def extract_commands(completeness: Completeness, registrations: list[P.InputRegistration], settings: S.StoreSettings,
+                     backends: tuple[str, ...] = ()) -> list[str]:
+    """The `peagle extract` commands of ``registrations`` into the store, grouped by records per shard."""
+    by_size = sorted(registrations, key=lambda r: (r.records_per_shard, r.first_shard))
     commands = []
     for records_per_shard, group in groupby(by_size, key=lambda r: r.records_per_shard):
         data = [r.path or r.name for r in sorted(group, key=lambda r: r.first_shard)]

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from peagle.pipeline.atomic import canonical_json
-from peagle.pipeline.plan import Completeness, format_ranges, plural, store_completeness
+from peagle.pipeline.plan import Completeness, format_ranges, plural, store_completeness, usability_problem
 from peagle.pipeline.store import check_shards, list_commits, manifest_dict, read_settings
 from peagle.pipeline.shard_tensors import raw_bytes_per_token
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
-from peagle.stages.store.finish_command import finish_commands
+from peagle.stages.store.finish_command import finish_commands, restart_commands
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +46,7 @@ class StoreInfo:
     num_rendered_per_turn: int
     num_shards_without_counts: int  # committed by a peagle that did not count token kinds
     completeness: Completeness  # the plan (input registrations) against the commit records
+    problem: str | None = None  # why no reader can use it (``usability_problem``), with the command to run
 
     @property
     def bytes_per_token(self) -> float:
@@ -80,13 +81,18 @@ def store_info(root: str | Path) -> StoreInfo:
         num_samples=sum(r.num_samples for r in records), num_tokens=sum(r.num_tokens for r in records),
         num_truncated=sum(r.num_truncated for r in records), skipped=dict(sorted(skipped.items())),
         total_bytes=sum(r.parquet_bytes + r.safetensors_bytes for r in records),
-        backends=tuple(sorted({r.backend for r in records if r.backend})),
+        backends=_backends(records),
         stats=[r.stats for r in records if r.stats is not None],
         token_counts=dict(counts), num_supervised_turns=sum(r.num_supervised_turns for r in records),
         num_rendered_per_turn=sum(r.num_rendered_per_turn for r in records),
         num_shards_without_counts=sum(1 for r in records if r.num_tokens and not r.token_counts),
-        completeness=store_completeness(root, (r.index for r in records)),
+        completeness=(completeness := store_completeness(root, (r.index for r in records))),
+        problem=usability_problem(root, records, restart_commands(completeness, settings, _backends(records))),
     )
+
+
+def _backends(records: list[S.ShardRecord]) -> tuple[str, ...]:
+    return tuple(sorted({r.backend for r in records if r.backend}))
 
 
 def format_info(info: StoreInfo) -> str:
@@ -104,6 +110,7 @@ def format_info(info: StoreInfo) -> str:
         f"tokenizer    {s.tokenizer_fingerprint[:12]}, chat template {s.chat_template_hash[:12]}",
         f"shards       {_shards_line(info)}" + (f" (backend {', '.join(info.backends)})" if info.backends else ""),
         *_missing_lines(info),
+        *([f"UNUSABLE     {info.problem}"] if info.problem else []),
         f"records      {info.num_records:,} read, {_record_skips(info.skipped):,} skipped",
         f"samples      {info.num_samples:,} ({info.num_truncated:,} truncated to max_seq_len)",
         f"tokens       {info.num_tokens:,}",
@@ -119,6 +126,8 @@ def format_info(info: StoreInfo) -> str:
 
 def _shards_line(info: StoreInfo) -> str:
     c = info.completeness
+    if not c.recorded and not info.num_shards:
+        return "0 committed, no plan recorded"
     if not c.recorded:
         return f"{info.num_shards} committed, no plan recorded (a store from before peagle recorded one)"
     return f"{c.num_committed} of {len(c.planned)} committed" + ("" if c.complete else ": INCOMPLETE")
@@ -203,4 +212,7 @@ def verify_store(root: str | Path) -> tuple[int, list[str]]:
     if not completeness.complete:
         problems.append(f"incomplete: {completeness.describe()}; `peagle store info --store {root}` prints the "
                         "command that finishes it")
+    unusable = usability_problem(root, records, restart_commands(completeness, settings, _backends(records)))
+    if unusable is not None:
+        problems.append(unusable)
     return len(records), problems

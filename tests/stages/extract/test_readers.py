@@ -176,3 +176,37 @@ def test_a_file_without_a_record_is_refused_naming_it(tmp_path):
         check_has_records(tmp_path / "none.parquet")
     (tmp_path / "late.jsonl").write_bytes(b"\n\n{oops\n")  # a bad record is a record: input_check judges it
     assert check_has_records(tmp_path / "late.jsonl") == tmp_path / "late.jsonl"
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_a_record_above_the_bound_is_too_large_and_never_decoded(tmp_path, suffix):
+    """A record of more bytes than ``max_record_bytes`` comes as ``too_large`` at its index, the records
+    around it as usual, and the bound can be raised (0: none); counts still match iteration."""
+    records = [_chat(0), {"messages": [{"role": "user", "content": "x" * 5000},
+                                       {"role": "assistant", "content": "y"}]}, _chat(2)]
+    path = tmp_path / f"data{suffix}"
+    (_write_jsonl if suffix == ".jsonl" else _write_parquet)(path, records)
+    got = list(iter_file_records(path, max_record_bytes=2000))
+    assert [(r.index, r.error) for r in got] == [(0, None), (1, "too_large"), (2, None)]
+    assert got[0].raw == records[0] and got[2].raw == records[2] and len(got[1].raw) <= 2000
+    assert [r.raw for r in iter_file_records(path, max_record_bytes=0)] == records
+    assert [r.index for r in iter_file_records(path, 1, 3, max_record_bytes=2000)] == [1, 2]
+    assert count_records([path]) == [3]
+
+
+def test_a_giant_line_is_read_past_in_bounded_memory(tmp_path):
+    """One 64 MiB line (a few hundred MB ended extract before) costs the reader about the bound, not
+    the line: it is read at most that far and the rest skipped in 1 MiB chunks."""
+    import tracemalloc
+
+    path = tmp_path / "giant.jsonl"
+    with open(path, "wb") as f:
+        f.write(json.dumps(_chat(0)).encode() + b"\n")
+        f.write(b'{"messages": "' + b"z" * (64 << 20) + b'"}\n')
+        f.write(json.dumps(_chat(2)).encode() + b"\n")
+    tracemalloc.start()
+    got = [(r.index, r.error) for r in iter_file_records(path, max_record_bytes=1 << 20)]
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert got == [(0, None), (1, "too_large"), (2, None)]
+    assert peak < 8 << 20, f"peak {peak:,} bytes"
