@@ -9,10 +9,13 @@ the config read, the tokenizer and the content hash when first asked for.
 
 **Content hash.** A store's hidden states and top-k are only right for the exact target that
 produced them. Names and shapes are not enough: a fine-tune, or the same architecture trained from
-another seed, has the same config and weight files of the same sizes. Hashing every byte would read
-the whole target (16 GB for an 8B model) on every run, so the hash covers ``config.json``, each
-weight file's name and size, and a few evenly spaced samples of its bytes: other weights differ in
-practically every tensor, so the samples catch them, and reading them costs a few MiB.
+another seed, has the same config and weight files of the same sizes. Two hashes say which weights
+these are: ``content_hash`` covers ``config.json``, each weight file's name and size, and a few evenly
+spaced samples of its bytes (a few MiB read; every store records it), and ``weights_sha256`` every
+byte of every weight file (:mod:`peagle.model.weights_hash`; each file hashed once per version of it,
+the digest cached by path, size and mtime), so a change confined to tensors between the samples is
+another target too. Stores recorded it since it exists; an older store is matched by its sampled
+hash alone, as it always was.
 
 **The compatibility check** (:func:`check_store_matches_target`) compares, in this order, the
 architecture, hidden size, layer count and vocab size a store records with the target's, then the
@@ -32,6 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from peagle.model.weights_hash import weights_sha256
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError, one_line
 
@@ -183,17 +187,21 @@ def architecture(config: Any) -> str:
     return (getattr(config, "architectures", None) or [config.model_type])[0]
 
 
+def weight_files(path: str | os.PathLike) -> list[Path]:
+    """The files both hashes cover: weights and weight indexes, sorted by name."""
+    return [p for p in sorted(Path(path).iterdir()) if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)]
+
+
 def content_hash(path: str | os.PathLike) -> str:
     """sha256 over config.json and, per weight file (sorted by name), its name, size and byte samples."""
     root = Path(path)
     h = hashlib.sha256((root / CONFIG_FILE).read_bytes())
-    for p in sorted(root.iterdir()):
-        if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES):
-            size = p.stat().st_size
-            h.update(f"\n{p.name}\t{size}\n".encode())
-            with open(p, "rb") as f:
-                for i in range(NUM_SAMPLES):
-                    h.update(os.pread(f.fileno(), SAMPLE_BYTES, _sample_offset(i, size)))
+    for p in weight_files(root):
+        size = p.stat().st_size
+        h.update(f"\n{p.name}\t{size}\n".encode())
+        with open(p, "rb") as f:
+            for i in range(NUM_SAMPLES):
+                h.update(os.pread(f.fileno(), SAMPLE_BYTES, _sample_offset(i, size)))
     return h.hexdigest()
 
 
@@ -255,6 +263,17 @@ class TargetDirectory:
         return content_hash(self.path)
 
     @functools.cached_property
+    def weights_sha256(self) -> str:
+        """Every byte of every weight file (module docstring); read once per version of a file."""
+        return weights_sha256(self.path, CONFIG_FILE, weight_files(self.path))
+
+    def other_weights(self, identity: S.TargetIdentity) -> bool:
+        """Whether ``identity`` (what a store records) names other weights than these: its sampled hash,
+        then, where it records one, the full one."""
+        return (identity.content_hash != self.content_hash
+                or bool(identity.weights_sha256) and identity.weights_sha256 != self.weights_sha256)
+
+    @functools.cached_property
     def tokenizer(self) -> Any:
         """The target's tokenizer (:func:`load_tokenizer`)."""
         return load_tokenizer(self.path)
@@ -264,7 +283,8 @@ class TargetDirectory:
         c = self.config
         return S.TargetIdentity(path=str(self.path.resolve()), architecture=architecture(c),
                                 num_hidden_layers=int(c.num_hidden_layers), hidden_size=int(c.hidden_size),
-                                vocab_size=int(c.vocab_size), dtype=dtype, content_hash=self.content_hash)
+                                vocab_size=int(c.vocab_size), dtype=dtype, content_hash=self.content_hash,
+                                weights_sha256=self.weights_sha256)
 
 
 def open_target(path: str | os.PathLike) -> TargetDirectory:
@@ -300,3 +320,7 @@ def check_store_matches_target(settings: S.StoreSettings, target: TargetDirector
         raise UserError(f"store {store} was extracted from target {t.path} (content hash {t.content_hash[:12]}), "
                         f"--target {target.path} has other weights (content hash {target.content_hash[:12]}); "
                         "use the target the store was extracted from")
+    if target.other_weights(t):
+        raise UserError(f"store {store} was extracted from target {t.path} (weights sha256 {t.weights_sha256[:12]}), "
+                        f"--target {target.path} has other weights (weights sha256 {target.weights_sha256[:12]}: a "
+                        "tensor differs); use the target the store was extracted from")

@@ -124,3 +124,37 @@ def test_store_vs_target_names_the_first_difference_in_one_line(tiny_llama, tmp_
         with pytest.raises(UserError) as err:
             T.check_store_matches_target(settings_of(target, **changes), target, store="s")
         assert named in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_full_weights_hash_sees_a_change_the_samples_miss_and_is_cached(tiny_llama, tmp_path, monkeypatch):
+    """A byte flipped between the content hash's samples leaves ``content_hash`` as it was but not
+    ``weights_sha256``; a store recording the full hash refuses such a target, one recording only the
+    sampled hash (an older store) is matched by it alone. Each file's sha256 is read once per version
+    of the file (by path, size, mtime and ctime): a second call takes it from the cache."""
+    from peagle.model import weights_hash as W
+    from peagle.testing.target_faults import flip_an_unsampled_byte
+
+    monkeypatch.setenv("PEAGLE_CACHE_DIR", str(tmp_path / "cache"))
+    copy = shutil.copytree(tiny_llama, tmp_path / "copy")
+    before = T.open_target(copy)
+    sampled, full = before.content_hash, before.weights_sha256
+    flip_an_unsampled_byte(copy / "model.safetensors")
+    after = T.open_target(copy)
+    assert after.content_hash == sampled and after.weights_sha256 != full
+    identity = before.identity("float32")
+    settings = S.StoreSettings(target=identity, tokenizer_fingerprint="t", chat_template_hash="c", aux_layer_ids=(1, 2, 3),
+                               topk=4, max_seq_len=64, logprob_dtype="float32", loss_on="all")
+    with pytest.raises(UserError, match="has other weights \\(weights sha256 .*a tensor differs"):
+        T.check_store_matches_target(settings, after, store="s")
+    old = replace(settings, target=replace(identity, weights_sha256=""))
+    T.check_store_matches_target(old, after, store="s")  # an older store: by the sampled hash, as before
+    assert "weights_sha256" not in old.to_dict()["target"]  # and its files stay byte-identical
+
+    cache = json.loads((tmp_path / "cache" / W.CACHE_FILE).read_text())["files"]
+    real = str((copy / "model.safetensors").resolve())
+    assert cache[real]["sha256"] == W.file_sha256(copy / "model.safetensors")
+    cache[real]["sha256"] = "0" * 64  # what the cache says is what a call with an unchanged file returns
+    (tmp_path / "cache" / W.CACHE_FILE).write_text(json.dumps({"version": W.CACHE_VERSION, "files": cache}))
+    assert W.files_sha256([copy / "model.safetensors"])[copy / "model.safetensors"] == "0" * 64
+    (copy / "model.safetensors").write_bytes((copy / "model.safetensors").read_bytes())  # rewritten: read again
+    assert W.files_sha256([copy / "model.safetensors"])[copy / "model.safetensors"] == W.file_sha256(copy / "model.safetensors")

@@ -61,7 +61,7 @@ def check_target(store: Store, config: CheckConfig, *,
     settings = store.settings
     target = open_target(config.target)
     finding = Finding(key="target", title=TITLE, unit="samples", count=0, allowed=0)
-    same_weights = target.content_hash == settings.target.content_hash
+    same_weights = not target.other_weights(settings.target)
     summary: dict[str, Any] = {"target": str(config.target), "same_content_hash": same_weights, "samples": []}
     mismatch = _shape_mismatch(settings, target.config)
     if mismatch:
