@@ -32,15 +32,16 @@ import torch
 from torch import Tensor
 
 from peagle.model.draft import PEagleDraft
-from peagle.model.speculators_config import (ARCHITECTURE, PROVENANCE_KEY, SPECULATORS_MODEL_TYPES,  # noqa: F401
-                                             SPECULATORS_VERSION, VARIANT_FLAGS, build_config,
-                                             draft_config_from_speculators, variant_of)
+from peagle.model.speculators_config import (ARCHITECTURE, CONFIG_JSON, PROVENANCE_KEY,  # noqa: F401
+                                             SPECULATORS_MODEL_TYPES, SPECULATORS_VERSION, VARIANT_FLAGS,
+                                             build_config, check_export_config, check_recorded_draft_config,
+                                             draft_config_from_speculators, read_config_file, variant_of)
 from peagle.pipeline.atomic import atomic_dir, canonical_json
 from peagle.pipeline.failpoints import failpoint
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.errors import UserError
 
-CONFIG_FILE = "config.json"
+CONFIG_FILE = CONFIG_JSON
 WEIGHTS_FILE = "model.safetensors"
 
 # peagle's PEagleDraft state-dict key -> the speculators/vLLM checkpoint key. ``{i}`` is any layer
@@ -195,7 +196,8 @@ def write_export(state_dict: dict[str, Tensor], draft_config: DraftConfig, out: 
                                speculative_tokens=speculative_tokens, dtype=str(dtype).removeprefix("torch."),
                                provenance=provenance)
     out = Path(out)
-    if out.exists() and any(out.iterdir()) and not is_export_dir(out):
+    # an export is replaced whole, a damaged one too (it holds an export's files and nothing else)
+    if out.exists() and any(out.iterdir()) and not (is_export_dir(out) or holds_only_export_files(out)):
         raise UserError(f"--out {out} exists and is not a peagle export; choose an empty or new directory")
     with atomic_dir(out) as tmp:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
@@ -209,24 +211,38 @@ def write_export(state_dict: dict[str, Tensor], draft_config: DraftConfig, out: 
 
 
 def is_export_dir(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds a readable config.json of a speculators draft (its values unchecked)."""
     with contextlib.suppress(OSError, json.JSONDecodeError, AttributeError):
         return json.loads((Path(path) / CONFIG_FILE).read_text()).get("speculators_model_type") in SPECULATORS_MODEL_TYPES
     return False
 
 
+def holds_only_export_files(path: str | os.PathLike) -> bool:
+    """Whether every entry of ``path`` is a file an export has (a damaged export, which a new one may replace)."""
+    return all(p.is_file() and p.name in (CONFIG_FILE, WEIGHTS_FILE, EMBEDDING_RECORD) for p in Path(path).iterdir())
+
+
+def looks_like_export(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds an export's two files, whatever their content: a reader that finds them
+    reads the directory as an export (:func:`read_export_config`), so a damaged config.json is named
+    as such, not taken for something else (a checkpoint, a run)."""
+    path = Path(path)
+    return (path / CONFIG_FILE).is_file() and (path / WEIGHTS_FILE).is_file()
+
+
 def read_export_config(path: str | os.PathLike) -> dict[str, Any]:
-    """An export directory's config.json.
+    """An export directory's config.json, every field a reader uses checked (``check_export_config``).
 
     Raises:
-        UserError: when a file of the export is missing or the config unreadable.
+        UserError: one line naming the file and the fault: a file of the export missing, config.json
+            unreadable, cut short, or with a field missing or out of range.
     """
     path = Path(path)
     if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
         raise UserError(f"{path} is not an export directory (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
-    try:
-        return json.loads((path / CONFIG_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise UserError(f"{path / CONFIG_FILE} is unreadable ({err})") from err
+    config_json = read_config_file(path / CONFIG_FILE)
+    draft_config_from_speculators(config_json, str(path / CONFIG_FILE))  # checks every field the readers use
+    return config_json
 
 
 def _read_tensors(path: Path) -> dict[str, Tensor]:
@@ -271,12 +287,10 @@ def load_export(path: str | os.PathLike) -> ExportedDraft:
     """
     path = Path(path)
     config_json = read_export_config(path)
-    config = draft_config_from_speculators(config_json)
+    config = draft_config_from_speculators(config_json, str(path / CONFIG_FILE))
     tensors = _read_tensors(path)
     provenance = config_json.get(PROVENANCE_KEY) or {}
-    recorded = provenance.get("draft_config")
-    if recorded is not None and DraftConfig.from_dict(recorded).to_dict() != config.to_dict():
-        raise UserError(f"{path / CONFIG_FILE}: the speculators fields and peagle.draft_config disagree")
+    check_recorded_draft_config(provenance, config, path / CONFIG_FILE)
     check_tensors(tensors, config, str(path / WEIGHTS_FILE))
     draft = PEagleDraft(config)
     own = draft.state_dict()
@@ -286,7 +300,7 @@ def load_export(path: str | os.PathLike) -> ExportedDraft:
     spec = config_json.get("speculators_config") or {}
     methods = spec.get("proposal_methods") or [{}]
     return ExportedDraft(path=path, draft=draft, config_json=config_json,
-                         speculative_tokens=int(methods[0].get("speculative_tokens") or 1),
+                         speculative_tokens=int(methods[0]["speculative_tokens"]),
                          verifier=str((spec.get("verifier") or {}).get("name_or_path") or ""), provenance=provenance)
 
 
@@ -337,10 +351,13 @@ _VARIANT_KEYS = {"architecture": re.compile(r"^layers\.\d+\.self_attn\.[qk]_norm
 def check_same_variant(config: DraftConfig, export_dir: str | os.PathLike, tensors: dict[str, Tensor]) -> None:
     """Refuse, in one line naming the flag, an export of another variant than ``config``: what its
     config.json states (when it has a speculators one), and any variant tensor ``config`` has no place for."""
-    config_json: dict[str, Any] = {}
-    with contextlib.suppress(UserError):  # a bare weights directory states nothing
-        config_json = read_export_config(export_dir)
-    stated = variant_of(config_json) if config_json.get("speculators_model_type") else {}
+    config_json: Any = {}
+    if (Path(export_dir) / CONFIG_FILE).is_file():  # a bare weights directory states nothing
+        config_json = read_config_file(Path(export_dir) / CONFIG_FILE)
+    speculators = isinstance(config_json, dict) and "speculators_model_type" in config_json
+    if speculators:  # a damaged or out-of-range speculators config is refused, naming the field
+        draft_config_from_speculators(config_json, str(Path(export_dir) / CONFIG_FILE))
+    stated = variant_of(config_json) if speculators else {}
     differ = [(name, stated[name]) for name in VARIANT_FLAGS if name in stated and getattr(config, name) != stated[name]]
     if differ:  # every differing flag at once: a draft from before the norm defaults differs in three
         wanted = " ".join(f"{VARIANT_FLAGS[name]} {value}" if name == "architecture" else VARIANT_FLAGS[name] if value
@@ -393,6 +410,27 @@ def without_target_embedding(export_dir: str | os.PathLike, out: str | os.PathLi
     return Path(out)
 
 
+def read_embedding_record(file: Path) -> dict[str, Any]:
+    """The record of a left-out embedding (:data:`EMBEDDING_RECORD`), every field checked.
+
+    Raises:
+        UserError: one line naming the file and the field.
+    """
+    record = read_config_file(file)
+    if not isinstance(record, dict):
+        raise UserError(f"{file}: holds a JSON {type(record).__name__}, not an object")
+    dtype = record.get("dtype")
+    for name, fine in (("key", record.get("key") == TARGET_EMBEDDING_KEY),
+                       ("shape", isinstance(record.get("shape"), list) and len(record["shape"]) == 2
+                        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in record["shape"])),
+                       ("dtype", isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype)),
+                       ("sha256", isinstance(record.get("sha256"), str) and len(record["sha256"]) == 64)):
+        if not fine:
+            raise UserError(f"{file}: {name} is {record.get(name)!r}, not what `peagle export` records; export "
+                            "the checkpoint again")
+    return record
+
+
 def with_target_embedding(stripped_dir: str | os.PathLike, target_dir: str | os.PathLike,
                           out: str | os.PathLike) -> Path:
     """The whole export again: ``stripped_dir``'s tensors plus the target's embedding, cast to the
@@ -407,10 +445,10 @@ def with_target_embedding(stripped_dir: str | os.PathLike, target_dir: str | os.
     from peagle.model.target import TargetWeights
 
     stripped = Path(stripped_dir)
-    try:
-        record = json.loads((stripped / EMBEDDING_RECORD).read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise UserError(f"{stripped / EMBEDDING_RECORD} is missing or unreadable ({err})") from err
+    if not (stripped / EMBEDDING_RECORD).is_file():
+        raise UserError(f"{stripped / EMBEDDING_RECORD} is missing or unreadable (no such file): {stripped} is not "
+                        "an export written without its embedding")
+    record = read_embedding_record(stripped / EMBEDDING_RECORD)
     config_json = read_export_config(stripped)
     tensors = _read_tensors(stripped)
     weights = TargetWeights(target_dir)
@@ -422,7 +460,8 @@ def with_target_embedding(stripped_dir: str | os.PathLike, target_dir: str | os.
         raise UserError(f"target {target_dir}'s {TARGET_EMBEDDING_KEY} ({list(embedding.shape)}, {record['dtype']}) is "
                         f"not the one {stripped} was trained with (sha256 differs): restore it from the same target")
     tensors[record["key"]] = embedding
-    check_tensors(tensors, draft_config_from_speculators(config_json), str(stripped / WEIGHTS_FILE))
+    check_tensors(tensors, draft_config_from_speculators(config_json, str(stripped / CONFIG_FILE)),
+                  str(stripped / WEIGHTS_FILE))
     with atomic_dir(Path(out)) as tmp:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_bytes(canonical_json(config_json))

@@ -318,3 +318,39 @@ def test_an_export_travels_without_the_target_embedding_and_comes_back_whole(tmp
     (stripped / fmt.EMBEDDING_RECORD).unlink()
     with pytest.raises(UserError, match="missing or unreadable"):
         fmt.with_target_embedding(stripped, tiny_llama, tmp_path / "again")
+
+
+def test_every_reader_checks_the_whole_config_and_names_file_and_field(tmp_path, tiny_llama):
+    """read_export_config (eval, the demo), load_weights_into (--init-from) and with_target_embedding
+    (an export written without its embedding) refuse a damaged config.json, or embedding record, in one
+    line naming the file and the field, before any tensor is used; K < 1 is out of range."""
+    draft = tiny_draft(tiny_llama, num_layers=1)
+    out = write_export(draft.state_dict(), draft.config, tmp_path / "export", verifier_name="org/v",
+                       verifier_architectures=[], speculative_tokens=3)
+    stripped = fmt.without_target_embedding(out, tmp_path / "travel")
+    good = json.loads((out / fmt.CONFIG_FILE).read_text())
+    for change, field in ((lambda c: c.pop("transformer_layer_config"), "transformer_layer_config is missing"),
+                          (lambda c: c["transformer_layer_config"].pop("vocab_size"), "vocab_size is missing"),
+                          (lambda c: c["speculators_config"]["proposal_methods"][0].update(speculative_tokens=0),
+                           "speculative_tokens is 0"),
+                          (lambda c: c.update(norm_before_fc="yes"), "norm_before_fc is 'yes'"),
+                          (lambda c: c["transformer_layer_config"].update(num_key_value_heads=3),
+                           "num_heads 4 is not a multiple of num_kv_heads 3")):
+        config = json.loads(json.dumps(good))
+        change(config)
+        for where in (out, stripped):
+            (where / fmt.CONFIG_FILE).write_text(json.dumps(config))
+        for read in (lambda: fmt.read_export_config(out), lambda: load_weights_into(tiny_draft(tiny_llama, num_layers=1), out),
+                     lambda: fmt.with_target_embedding(stripped, tiny_llama, tmp_path / "whole")):
+            with pytest.raises(UserError, match=f"^{str(tmp_path)}/(export|travel)/config.json: .*{field}"):
+                read()
+    (out / fmt.CONFIG_FILE).write_text(json.dumps(good)[:100])
+    with pytest.raises(UserError, match="config.json ends after 100 bytes, before its JSON does"):
+        load_export(out)
+    (stripped / fmt.CONFIG_FILE).write_text(json.dumps(good))
+    record = json.loads((stripped / fmt.EMBEDDING_RECORD).read_text())
+    for field, value in (("dtype", "float99"), ("shape", [0, 5]), ("sha256", None)):
+        (stripped / fmt.EMBEDDING_RECORD).write_text(json.dumps({**record, field: value}))
+        with pytest.raises(UserError, match=f"target_embedding.json: {field} is"):
+            fmt.with_target_embedding(stripped, tiny_llama, tmp_path / "whole")
+    assert not (tmp_path / "whole").exists()

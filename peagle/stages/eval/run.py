@@ -23,7 +23,7 @@ import torch
 
 import peagle
 from peagle.model.checkpoint_export import export_checkpoint
-from peagle.model.speculators_format import (PROVENANCE_KEY, ExportedDraft, is_export_dir, load_export,
+from peagle.model.speculators_format import (PROVENANCE_KEY, ExportedDraft, load_export, looks_like_export,
                                               read_export_config)
 from peagle.model.target import CONFIG_FILE, check_store_matches_target, load_tokenizer, open_target
 from peagle.pipeline.store import Store, open_store
@@ -61,7 +61,7 @@ def resolve_source(config: EvalConfig) -> EvalSource:
         raise UserError(f"{source} does not exist")
     is_run = (source / CHECKPOINTS_DIR).is_dir()
     out = Path(config.out) if config.out else (source / "eval" if is_run else source.with_name(source.name + "-eval"))
-    if is_export_dir(source):
+    if looks_like_export(source):  # a damaged config.json is named as such (read_export_config)
         ckpt = (read_export_config(source).get(PROVENANCE_KEY) or {}).get("checkpoint")
         run_dir = Path(ckpt).parent.parent if ckpt and Path(ckpt).parent.parent.is_dir() else None
         return EvalSource(source, run_dir, out)
