@@ -22,7 +22,8 @@ How types become flags:
 
 Every value has an upper-case placeholder in ``--help`` (``STORE``, ``MODEL_DIR``, ``N`` for an
 integer, ``NUM`` for a number, ``TEXT``) or its choices (``bf16|fp8``), the same in every command
-(:class:`PeagleCommand`). ``--out`` naming an existing file is one line, before anything runs.
+(:class:`PeagleCommand`). ``--out`` naming an existing file, or a place inside a shard store (or, for
+`peagle train`, inside another run), is one line, before anything runs (:func:`check_out_place`).
 ``--config FILE`` (YAML or TOML, keys = flag names) supplies defaults for any of them.
 """
 
@@ -41,8 +42,10 @@ import typer
 from typer.core import TyperCommand
 
 from peagle.cli.config_file import ConfigOption
+from peagle.schemas.checkpoint import CHECKPOINTS_DIR
 from peagle.schemas.errors import UserError
 from peagle.schemas.fields import field_docs
+from peagle.schemas.store import STORE_SETTINGS_FILE
 
 
 TYPE_METAVARS = {int: "N", float: "NUM", str: "TEXT"}
@@ -87,6 +90,34 @@ def check_out_is_not_a_file(out: Any) -> None:
     if out is not None and Path(out).exists() and not Path(out).is_dir():
         raise UserError(f"--out {out} is a file; --out names a directory (a new one, or one this command "
                         "wrote before)")
+
+
+STORE_WRITERS = ("peagle extract", "peagle store convert")
+"""The commands whose ``--out`` is a shard store."""
+
+
+def check_out_place(out: Any, command: str) -> None:
+    """``--out`` must not put one thing's files among another's: no command writes inside a shard store
+    (its readers would meet files no commit record covers, and a re-extraction could delete them), only
+    the store writers (:data:`STORE_WRITERS`) write into one, and `peagle train` does not start a run
+    inside another run's directory (the outer run's rotation and resume would see its files).
+
+    Raises:
+        UserError: one line naming the store or run that holds ``out``.
+    """
+    if out is None:
+        return
+    path = Path(out).resolve()
+    for parent in path.parents:
+        if (parent / STORE_SETTINGS_FILE).is_file():
+            raise UserError(f"--out {out} is inside the shard store {parent}; `{command}` would write among the "
+                            "store's files: choose a directory outside it")
+        if command == "peagle train" and (parent / CHECKPOINTS_DIR).is_dir():
+            raise UserError(f"--out {out} is inside the run directory {parent}; a run inside another would mix "
+                            "their checkpoints: choose a directory outside it")
+    if command not in STORE_WRITERS and (path / STORE_SETTINGS_FILE).is_file():
+        raise UserError(f"--out {out} is a shard store; `{command}` would write among the store's files: choose "
+                        "another directory")
 
 
 def _field_type(cls: type, name: str) -> tuple[Any, bool]:
@@ -255,6 +286,7 @@ class ConfigCommand:
         def command(ctx: typer.Context, **flags: Any) -> None:
             config = self.build(flags)
             check_out_is_not_a_file(getattr(config, "out", None))
+            check_out_place(getattr(config, "out", None), self.command_path)
             if self.pass_context:
                 self.run(config, ctx)
             else:

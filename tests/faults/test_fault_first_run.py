@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from faultkit import EXTRACT_FLAGS, ok, one_line_error, snapshot
+from faultkit import EXTRACT_FLAGS, TRAIN_FLAGS, ok, one_line_error, snapshot
 
 
 def flags_with(**changes: str) -> list[str]:
@@ -214,3 +214,39 @@ def test_an_empty_prompts_file_is_refused_by_eval(run_dir, tiny_llama, runner, t
     one_line_error(runner.run("eval", run_dir, "--target", tiny_llama, "--mode", "online", "--prompts", prompts,
                               "--max-new-tokens", "4", "--out", out, "--quiet"), f"--prompts {prompts} holds no prompt")
     assert not out.exists()
+
+
+def test_a_change_the_sampled_hash_misses_is_another_target(extract_baseline, runner, tmp_path):
+    """A target whose weights differ only between the content hash's samples (one byte) is another
+    target: `peagle train` on the store and `peagle extract` into it refuse it in one line naming the
+    full weights hash (they took it for the store's target before)."""
+    from peagle.testing.target_faults import flip_an_unsampled_byte
+
+    other = shutil.copytree(extract_baseline.target, tmp_path / "other")
+    flip_an_unsampled_byte(other / "model.safetensors")
+    store = shutil.copytree(extract_baseline.store, tmp_path / "s")
+    one_line_error(runner.run("train", "--store", store, "--target", other, "--out", tmp_path / "run", *TRAIN_FLAGS),
+                   f"extracted from target {extract_baseline.target}", "weights sha256", f"--target {other}")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    one_line_error(runner.run("extract", "--data", extract_baseline.data, "--target", other, "--out", store,
+                              *EXTRACT_FLAGS, "--shard-index", "0"), "weights sha256", f"--target {other}")
+    assert snapshot(store) == extract_baseline.files
+
+
+def test_out_inside_a_store_or_another_run_is_refused(extract_baseline, train_baseline, runner, tmp_path):
+    """`--out` inside a shard store (any command), naming a store (but extract and convert), or, for
+    `peagle train`, inside another run's directory: one line naming the store or run, nothing created."""
+    store, run = extract_baseline.store, train_baseline.run
+    before = snapshot(store)
+    cases = [(train_baseline.args(store / "run"), f"inside the shard store {store}"),
+             (train_baseline.args(store), f"--out {store} is a shard store"),
+             (train_baseline.args(run / "inner"), f"inside the run directory {run}"),
+             (["export", train_baseline.final, "--out", store / "export"], f"inside the shard store {store}"),
+             (["export", train_baseline.final, "--out", store], "is a shard store"),
+             (extract_baseline.args(store / "nested"), f"inside the shard store {store}"),
+             (["store", "convert", "--store", store, "--hidden-dtype", "fp8", "--out", store / "fp8"],
+              f"inside the shard store {store}")]
+    for args, needle in cases:
+        one_line_error(runner.run(*args), needle)
+    assert snapshot(store) == before
+    assert not (store / "run").exists() and not (run / "inner").exists() and not (store / "nested").exists()
