@@ -26,6 +26,7 @@ from pathlib import Path
 import typer
 
 from peagle.cli import VERBOSE_KEY, app
+from peagle.cli.committed_drafts import CommittedDraft, best_committed, read_committed
 from peagle.cli.config_command import ConfigCommand
 from peagle.model.packaged_target import default_cache_dir
 from peagle.schemas.demo_config import DEMO_BACKENDS, DEMO_TARGETS, DemoConfig
@@ -166,6 +167,7 @@ in a second, small extract).
 def run_demo(config: DemoConfig, ctx: typer.Context) -> None:
     """The demo of ``config`` (checked when it was built), each stage verbose under ``peagle --verbose``."""
     cache_dir = Path(config.cache_dir) if config.cache_dir is not None else default_cache_dir()
+    committed = _committed_draft(config)  # a bad --committed-draft is one line before anything runs
     recipe = RECIPES[config.target]
     recipe = replace(recipe, eval_modes=config.eval_modes or recipe.eval_modes,
                      num_train_chats=config.num_train_chats or recipe.num_train_chats,
@@ -223,19 +225,41 @@ def run_demo(config: DemoConfig, ctx: typer.Context) -> None:
         "train")
     timings["export"] = stage(["export", str(run), "--out", str(export)], "export")
     modes = [m for m in recipe.eval_modes if m != "vllm" or _vllm_importable()]
-    eval_args = ["eval", str(export), "--target", str(target_dir), "--prompts", str(prompts), "--out", str(report),
-                 "--max-prompts", str(config.num_heldout), "--max-new-tokens", str(recipe.eval_tokens),
-                 "--num-depths", str(config.num_depths), "--mode", ",".join(modes), "--quiet"]
-    if "offline" in modes:  # teacher-forced chains on the held-out store, like the other modes' prompts
-        eval_args[6:6] = ["--store", str(heldout_store)]
-    timings["eval"] = stage(eval_args, "eval")
+
+    def evaluate(of: Path, into: Path, num_depths: int, eval_modes: list[str], name: str) -> float:
+        args = ["eval", str(of), "--target", str(target_dir), "--prompts", str(prompts), "--out", str(into),
+                "--max-prompts", str(config.num_heldout), "--max-new-tokens", str(recipe.eval_tokens),
+                "--num-depths", str(num_depths), "--mode", ",".join(eval_modes), "--quiet"]
+        if "offline" in eval_modes:  # teacher-forced chains on the held-out store, like the other modes' prompts
+            args += ["--store", str(heldout_store)]
+        return stage(args, name)
+
+    timings["eval"] = evaluate(export, report, config.num_depths, modes, "eval")
+    if committed is not None:  # a draft trained longer, on the same prompts: what more training buys
+        export_c, report_c = out / f"export-committed{suffix}", out / f"report-committed{suffix}"
+        timings["export_committed"] = stage(["export", str(committed.path), "--target", str(target_dir), "--out",
+                                             str(export_c)], "export committed")
+        timings["eval_committed"] = evaluate(export_c, report_c, committed.num_depths,
+                                             ["vllm" if "vllm" in modes else "online"], "eval committed")
 
     summary = summarize(store, run, report, timings, time.monotonic() - started, backend=backend_name,
                         num_train=num_train, heldout_store=heldout_store)
+    if committed is not None:
+        summary["committed"] = {"path": str(committed.path), "facts": committed.facts,
+                                "eval": _read_json(report_c / "report.json")}
     summary["target"] = {"name": config.target, "path": str(target_dir)}
     summary["method"] = config.method
     (out / f"summary{suffix}.json").write_text(json.dumps(summary, indent=1))
     print_summary(summary)
+
+
+def _committed_draft(config: DemoConfig) -> CommittedDraft | None:
+    """``--committed-draft``: the best committed one for the target and method (auto), none, or a directory."""
+    if config.committed_draft == "none":
+        return None
+    if config.committed_draft != "auto":
+        return read_committed(Path(config.committed_draft))
+    return best_committed(config.target, config.method)
 
 
 def _store_size(store: Path) -> dict:
@@ -317,6 +341,7 @@ def print_summary(summary: dict) -> None:
         lines.append(f"{'K':<12} {recommended['best_k']} speculative tokens predicted fastest on this machine "
                      f"({_fmt(recommended.get('predicted_speedup'))}x plain decoding, from {recommended.get('acceptance_from')}'s "
                      f"acceptance and our loop's step costs; served: K = {recommended.get('served_k')})")
+    lines += committed_lines(summary.get("committed"))
     times = ", ".join(f"{k} {v:.0f}s" for k, v in summary["timings_s"].items())
     lines += [f"time         {summary['wall_s']:.0f} s total ({times})",
               f"report       {summary['report_dir']}/report.json and its PNG plots",
@@ -324,6 +349,22 @@ def print_summary(summary: dict) -> None:
               f"{'':<12} measured above as dotted levels; every mode above ran on the held-out prompts)",
               "=" * 72]
     print("\n".join(lines), flush=True)
+
+
+def committed_lines(committed: dict | None) -> list[str]:
+    """The committed draft's figures beside the demo's own: what a longer training buys."""
+    if not committed:
+        return []
+    facts, rep = committed["facts"], committed["eval"]
+    mode = "vllm" if rep.get("vllm") else "online"
+    section = rep.get(mode) or {}
+    trained = facts.get("trained") or {}
+    lines = [f"{'committed':<12} {Path(committed['path']).name}: {facts.get('method')}, trained "
+             f"{trained.get('steps', '?')} steps ({trained.get('epochs', '?')} epochs of {trained.get('tokens', '?')} "
+             f"tokens); {mode} at K = {facts.get('num_depths')}: acceptance length {_fmt(section.get('acceptance_length'))}"
+             "   per-depth " + " ".join("-" if a is None else f"{a:.2f}" for a in section.get("per_depth_acceptance") or [])]
+    lines += [f"{'':<14}{line}" for line in speed_lines(section.get("speed") or {})]
+    return lines
 
 
 COMMAND = ConfigCommand(

@@ -72,6 +72,12 @@ class DemoConfig:
     only where it imports). offline is teacher-forced on the held-out store (the held-out prompts,
     answered by the target)."""
 
+    committed_draft: str = "auto"
+    """A draft trained longer, served beside the one the demo trains on the same held-out prompts:
+    auto (the best committed under benchmarks/results/cpu/drafts/ for this target and method, when
+    the demo runs from a checkout), none, or a directory written by `peagle export
+    --without-target-embedding` with its draft.json."""
+
     def __post_init__(self) -> None:
         for name, allowed in (("target", DEMO_TARGETS), ("backend", DEMO_BACKENDS), ("method", DRAFT_METHODS)):
             if getattr(self, name) not in allowed:

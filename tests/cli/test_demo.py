@@ -86,19 +86,30 @@ def test_demo_data_keeps_every_heldout_subject_out_of_training(tmp_path):
     assert subjects(train_path).isdisjoint(subjects(prompts_path))
 
 
+TINY_DEMO = ("demo", "--target", "tiny", "--target-steps", "2", "--num-train-chats", "3", "--num-heldout", "1",
+             "--train-steps", "2", "--backend", "hf", "--eval-modes", "online")
+
+
+@pytest.fixture(scope="module")
+def tiny_demo(tmp_path_factory, run_peagle):
+    """One tiny demo run (its directory, cache and process), for the tests below."""
+    tmp_path = tmp_path_factory.mktemp("tiny-demo")
+    out = tmp_path / "demo"
+    proc = run_peagle(*TINY_DEMO, "--out", out, "--cache-dir", tmp_path / "cache", timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, tmp_path / "cache", proc
+
+
 @pytest.mark.slow
-def test_the_tiny_demo_runs_every_stage_and_writes_its_summary(tmp_path, run_peagle):
+def test_the_tiny_demo_runs_every_stage_and_writes_its_summary(tiny_demo):
     """The demo end to end (README's first command runs the same code on SmolLM2), at the smallest
     budget: every stage runs as its own `peagle` process, prints its command and time, and the summary
     holds the store, the training and an acceptance measured in our loop with greedy output unchanged.
     The held-out prompts eval decodes are also extracted into a held-out store that train scores the
     draft on at every --eval-every: metrics.jsonl holds the held-out curve, training_curves.png draws it.
     What a demo draft accepts is benchmarks/results/cpu/demo_summary.json's business, not this test's."""
-    out = tmp_path / "demo"
-    proc = run_peagle("demo", "--target", "tiny", "--target-steps", "2", "--num-train-chats", "3", "--num-heldout", "1",
-                      "--train-steps", "2", "--backend", "hf", "--eval-modes", "online", "--out", out,
-                      "--cache-dir", tmp_path / "cache", timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out, _, proc = tiny_demo
+    assert "committed" not in json.loads((out / "summary.json").read_text())  # none committed for the tiny target
     for stage in ("extract", "vocab", "train", "export", "eval"):
         assert f"\n$ peagle {stage} " in proc.stdout and f"[demo] {stage}: " in proc.stdout, stage
     assert f"--out {out / 'heldout-store'} " in proc.stdout and "[demo] extract held-out: " in proc.stdout
@@ -120,3 +131,36 @@ def test_the_tiny_demo_runs_every_stage_and_writes_its_summary(tmp_path, run_pea
     assert "estimates    acceptance length " in proc.stdout and " on held-out prompts" in proc.stdout
     assert online["speed"]["concurrency_1"]["speedup"] > 0 and "one request at a time: " in proc.stdout
     assert summary["eval"]["speed"]["k_recommendation"]["best_k"] in (1, 2, 3, 4, 5) and "predicted fastest" in proc.stdout
+
+
+@pytest.mark.slow
+def test_the_demo_serves_a_committed_draft_beside_its_own(tiny_demo, run_peagle, tmp_path):
+    """A draft that travelled without the target's embedding (trained on the demo's store with a frozen
+    embedding, exported --without-target-embedding, described by draft.json) is made whole with the
+    demo's target and measured on the same held-out prompts; the summary carries both."""
+    out, cache, _ = tiny_demo
+    summary = json.loads((out / "summary.json").read_text())
+    target = summary["target"]["path"]
+    trained = run_peagle("train", "--store", out / "store", "--target", target, "--out", tmp_path / "run", "--num-layers",
+                         "1", "--num-depths", "2", "--draft-vocab-size", "512", "--max-steps", "2", "--token-budget",
+                         "512", "--no-train-embeddings", "--num-workers", "0", "--heldout-fraction", "0")
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    committed = tmp_path / "drafts" / "longer"
+    exported = run_peagle("export", tmp_path / "run", "--out", committed, "--without-target-embedding")
+    assert exported.returncode == 0, exported.stderr
+    (committed / "draft.json").write_text(json.dumps({"target": "tiny", "method": "peagle", "num_depths": 2,
+                                                      "acceptance_length": 1.0, "trained": {"steps": 2}}))
+    again = tmp_path / "demo"  # the same target (cached), the same held-out prompts
+    proc = run_peagle(*TINY_DEMO, "--out", again, "--cache-dir", cache, "--committed-draft", committed, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"$ peagle export {committed} --target {target} --out {again / 'export-committed'}" in proc.stdout
+    both = json.loads((again / "summary.json").read_text())
+    mine, theirs = both["eval"], both["committed"]["eval"]
+    assert theirs["meta"]["num_depths"] == 2 and theirs["meta"]["settings"]["prompts"] == mine["meta"]["settings"]["prompts"]
+    assert theirs["online"]["greedy_output_matches_plain"] and theirs["online"]["speed"]["concurrency_1"]["speedup"] > 0
+    assert "committed    longer: peagle, trained 2 steps" in proc.stdout
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    refused = run_peagle(*TINY_DEMO, "--out", tmp_path / "refused", "--cache-dir", cache, "--committed-draft", broken)
+    assert refused.returncode == 2 and "draft.json" in refused.stderr and "Traceback" not in refused.stderr
+    assert not (tmp_path / "refused" / "data").exists()  # refused before any stage ran
