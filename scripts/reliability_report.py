@@ -27,6 +27,8 @@ AREAS = {  # summary area -> table row label, in table order
     "store": "damaged shard store (sizes, sha256, records)",
     "disk full": "disk full (file-size limit, tmpfs)",
     "bad inputs": "malformed input records",
+    "half-made writes": "`kill -9` of `peagle export`, `store convert` and a store's first run; unusable stores",
+    "damaged exports": "damaged exports (config.json fields, cut short, sizes)",
 }
 COLUMNS = ("trials", "faults_injected", "faults_survived", "bad_inputs_tried", "bad_inputs_handled", "data_lost")
 HEADER = ("| What | Tests passed | Trials | Faults injected | Faults survived | Bad inputs tried | "
