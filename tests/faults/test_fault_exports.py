@@ -79,7 +79,8 @@ def test_eval_of_a_damaged_export_is_one_line_naming_the_file_and_field(train_ba
     """`peagle eval` of an export whose config.json lacks a section or a size, holds a value out of range
     (K = 0, a mask token outside the vocab) or is cut short: exit 2, one line naming config.json and the
     field (or where it ends), no report; `peagle train --init-from` the same exports is refused so too,
-    before any step; sizes that disagree with the tensors are named with the tensor; `peagle export`
+    before any step; sizes that disagree with the tensors are named with the tensor; `peagle export` of a
+    damaged export, or of a damaged one written without its embedding, is the same line; `peagle export`
     again replaces a damaged export whole."""
     export = tmp_path / "export"
     ok(runner.run("export", train_baseline.final, "--out", export))
@@ -121,6 +122,17 @@ def test_eval_of_a_damaged_export_is_one_line_naming_the_file_and_field(train_ba
                    str(damaged / "config.json"), "intermediate_size")
     assert not (tmp_path / "report-wider").exists() and not (tmp_path / "report-disagree").exists()
     figures.add(faults_survived=1)
+    # `peagle export` of a damaged export (to write the copy that travels), and of a damaged copy that
+    # travelled without its embedding (to make it whole): the same line
+    from peagle.model.speculators_format import without_target_embedding
+
+    one_line_error(runner.run("export", cases[-1][1], "--without-target-embedding", "--out", tmp_path / "travel-0"),
+                   str(cases[-1][1] / "config.json"), "cut short")
+    stripped = without_target_embedding(export, tmp_path / "stripped")
+    (stripped / "config.json").write_text((cases[4][1] / "config.json").read_text())
+    one_line_error(runner.run("export", stripped, "--target", train_baseline.target, "--out", tmp_path / "whole"),
+                   str(stripped / "config.json"), cases[4][2])
+    assert not (tmp_path / "travel-0").exists() and not (tmp_path / "whole").exists()
     # exporting again over a damaged export replaces it whole
     ok(runner.run("export", train_baseline.final, "--out", tmp_path / "cut-short"))
     assert snapshot(tmp_path / "cut-short") == snapshot(export)

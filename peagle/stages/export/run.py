@@ -29,7 +29,7 @@ from typing import Callable
 
 from peagle.model.checkpoint_export import export_checkpoint
 from peagle.model.finite import describe, non_finite_tensors, recorded_finite
-from peagle.model.speculators_format import (EMBEDDING_RECORD, PROVENANCE_KEY, is_export_dir, read_export_config,
+from peagle.model.speculators_format import (EMBEDDING_RECORD, PROVENANCE_KEY, looks_like_export, read_export_config,
                                               with_target_embedding, without_target_embedding)
 from peagle.pipeline.checkpoint_files import (checkpoint_step, list_checkpoints, read_checkpoint_part,
                                              read_draft_checkpoint, resolve_checkpoint)
@@ -54,7 +54,7 @@ def run_export(config: ExportConfig, *, echo: Callable[[str], None] = print) -> 
         path = with_target_embedding(source, config.target, out)
         echo(f"restored {source} with {config.target}'s embedding -> {path}  (serve: vllm serve {path})")
         return path
-    if is_export_dir(source):
+    if looks_like_export(source):  # a damaged config.json is named (read_export_config), not taken for a checkpoint
         if not config.without_target_embedding:
             raise UserError(f"{source} is an export already; serve it as it is, or pass --without-target-embedding "
                             "to write the copy that travels")
