@@ -71,7 +71,7 @@ def checkpoints(run: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.removeprefix("step-").split(".")[0]))
 
 
-def serve(checkpoint: Path, served: Path, *, target: Path, prompts: Path) -> dict:
+def serve(checkpoint: Path, served: Path, *, target: Path, prompts: Path, dtype: str) -> dict:
     """Export one checkpoint and measure it in vLLM (its report reused when there)."""
     report = served / "report" / "report.json"
     if not report.exists():
@@ -79,7 +79,8 @@ def serve(checkpoint: Path, served: Path, *, target: Path, prompts: Path) -> dic
                         "5"], check=True, stdout=subprocess.DEVNULL)
         subprocess.run([*PEAGLE, "eval", str(served / "export"), "--target", str(target), "--prompts", str(prompts),
                         "--out", str(served / "report"), "--num-depths", "5", "--mode", "vllm", "--max-prompts",
-                        "32", "--max-new-tokens", "128", "--quiet"], check=True, stdout=subprocess.DEVNULL)
+                        "32", "--max-new-tokens", "128", "--target-dtype", dtype, "--quiet"], check=True,
+                       stdout=subprocess.DEVNULL)
     vllm = json.loads(report.read_text())["vllm"]
     return {key: vllm.get(key) for key in SERVED_KEYS}
 
@@ -111,7 +112,8 @@ def run_one(args: argparse.Namespace, target: Path) -> None:
                     continue
                 pause(trainer, signal.SIGSTOP)
                 try:
-                    result = serve(ckpt, served, target=target, prompts=args.work / "data" / "eval-prompts.jsonl")
+                    result = serve(ckpt, served, target=target, prompts=args.work / "data" / "eval-prompts.jsonl",
+                                   dtype=args.eval_dtype)
                 finally:
                     pause(trainer, signal.SIGCONT)
                 speed = (result.get("speed") or {}).get("concurrency_1") or {}
@@ -155,6 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--points", default="double", help="data_scaling.py's points whose parts train (comma list)")
     parser.add_argument("--steps", type=int, default=13500)
     parser.add_argument("--serve-every", type=int, default=1350, help="steps between checkpoints served in vLLM")
+    parser.add_argument("--eval-dtype", default="bfloat16", help="vLLM's dtype serving each checkpoint (bfloat16: "
+                        "the target's fastest setting on this project's CPUs, results/cpu/step_cost.json)")
     parser.add_argument("--extra", default="", help="more `peagle train` flags (e.g. '--num-layers 2')")
     parser.add_argument("--report-only", action="store_true", help="write the JSON from what the runs hold")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu/convergence.json"))
