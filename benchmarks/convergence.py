@@ -53,13 +53,18 @@ def train_args(args: argparse.Namespace, target: Path, run: Path) -> list[str]:
     # weighted by their samples: every sample equally likely (equal weights would over-draw the small parts)
     stores = [part for p in parts_of(args)
               for part in ("--store", f"{args.work / 'stores' / p}:{describe_store(args.work / 'stores' / p)['records']}")]
-    base = [w for pair in zip(BASE[::2], BASE[1::2]) if pair[0] != "--save-every" for w in pair]  # BASE: end only
-    flags = ["--method", args.method, "--max-steps", str(args.steps), "--save-every", str(args.serve_every),
-             "--keep-checkpoints", "2", "--eval-store", str(args.work / "stores" / "heldout"),
-             "--no-train-embeddings"]  # the target's rows, frozen: the export travels without them
-    if args.method == "eagle3":  # EAGLE-3 trains every chain: drop P-EAGLE's COD-only flags, as recipe_curves does
-        base = [w for pair in zip(base[::2], base[1::2]) if pair[0] != "--max-anchors" for w in pair]
-    return ["train", *stores, "--target", str(target), "--out", str(run), *base, *flags, *shlex.split(args.extra)]
+    pairs = dict(zip(BASE[::2], BASE[1::2]))  # recipe_curves' budget, flag -> value
+    del pairs["--save-every"]  # BASE saves at the end only
+    if args.method == "eagle3":  # EAGLE-3 trains every chain: no P-EAGLE COD flags, as recipe_curves does
+        del pairs["--max-anchors"]
+    pairs.update({"--method": args.method, "--max-steps": str(args.steps), "--save-every": str(args.serve_every),
+                  "--keep-checkpoints": "2", "--eval-store": str(args.work / "stores" / "heldout")})
+    extra = shlex.split(args.extra)
+    for flag in extra[::2]:  # an --extra flag replaces the recipe's own (e.g. --token-budget 4096)
+        pairs.pop(flag, None)
+    # --no-train-embeddings: the target's rows, frozen, so the export travels without them
+    return ["train", *stores, "--target", str(target), "--out", str(run), *[w for pair in pairs.items() for w in pair],
+            "--no-train-embeddings", *extra]
 
 
 def parts_of(args: argparse.Namespace) -> tuple[str, ...]:

@@ -37,6 +37,9 @@ def test_the_parts_are_weighted_by_their_samples_and_each_method_gets_its_flags(
     assert peagle.count("--save-every") == 1
     eagle3 = convergence.train_args(_args(tmp_path, "eagle3"), Path("/t"), Path("/r"))
     assert "--max-anchors" not in eagle3 and "--no-train-embeddings" in eagle3
+    wider = convergence.train_args(argparse.Namespace(**{**vars(_args(tmp_path, "peagle")), "extra": "--token-budget 4096"}),
+                                   Path("/t"), Path("/r"))
+    assert wider.count("--token-budget") == 1 and wider[wider.index("--token-budget") + 1] == "4096"
 
 
 def test_the_record_reads_the_curve_and_the_served_checkpoints_with_their_epochs(convergence, tmp_path):
