@@ -73,6 +73,9 @@ def serve(results: Path, target: Path, work: Path, *, ks: list[int], max_prompts
     best = max(served["exports"], key=lambda n: served["exports"][n]["vllm"]["acceptance_length"])
     sweep = {}
     for k in ks:
+        if k == 5:  # measured already, in the same vLLM settings: one engine pair less
+            sweep[str(k)] = served["exports"][best]["vllm"]
+            continue
         result = evaluate(work / "exports" / best, work / "reports" / best / f"sweep-k{k}", target=target,
                           prompts=prompts, k=k, modes="vllm", max_prompts=max_prompts, max_new_tokens=max_new_tokens)
         sweep[str(k)] = result["vllm"]
