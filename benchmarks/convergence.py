@@ -154,6 +154,35 @@ def record(home: Path, work: Path) -> dict:
             "served": served}
 
 
+def commit_draft(home: Path, step: int, dest: Path, *, target_name: str = "smollm2") -> Path:
+    """The served checkpoint ``step`` of a run as a committed draft (peagle.cli.committed_drafts): its
+    export without the target's embedding, and draft.json with what it measured and the commands."""
+    served = home / "served" / f"step-{step:08d}"
+    report = json.loads((served / "report" / "report.json").read_text())
+    subprocess.run([*PEAGLE, "export", str(served / "export"), "--out", str(dest), "--without-target-embedding"],
+                   check=True, stdout=subprocess.DEVNULL)
+    found = record(home, home.parent.parent)
+    vllm = report["vllm"]
+    facts = {"target": target_name, "method": "peagle" if vllm["parallel_drafting"] else "eagle3",
+             "num_depths": report["meta"]["num_depths"], "acceptance_length": vllm["acceptance_length"],
+             "per_depth_acceptance": vllm["per_depth_acceptance"], "speed": vllm.get("speed"),
+             "vllm_dtype": vllm["settings"].get("dtype"),
+             "trained": {"steps": step, "epochs": next((s["epochs"] for s in found["served"] if s["step"] == step), None),
+                         "tokens": sum(describe_store(Path(p.split(":")[0]))["tokens"] or 0 for p in
+                                       _store_flags(found["command"]))},
+             "commands": ["python benchmarks/data_scaling.py --work WORK --stores-only", found["command"],
+                          f"peagle export {served / 'export'} --out DIR --without-target-embedding"],
+             "measured_by": f"peagle eval (vLLM {vllm['settings'].get('vllm_version')}, {vllm['settings'].get('dtype')}, "
+                            "32 held-out prompts x 128 tokens)"}
+    atomic_write_json(dest / "draft.json", facts)
+    return dest
+
+
+def _store_flags(command: str | None) -> list[str]:
+    words = shlex.split(command or "")
+    return [words[i + 1] for i, w in enumerate(words) if w == "--store"]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, required=True, help="data_scaling.py's work dir (stores, data)")
@@ -166,10 +195,18 @@ def main(argv: list[str] | None = None) -> None:
                         "the target's fastest setting on this project's CPUs, results/cpu/step_cost.json)")
     parser.add_argument("--extra", default="", help="more `peagle train` flags (e.g. '--num-layers 2')")
     parser.add_argument("--report-only", action="store_true", help="write the JSON from what the runs hold")
+    parser.add_argument("--commit", metavar="NAME:STEP", help="write run NAME's served checkpoint STEP as a committed "
+                        "draft under --drafts (its export without the target's embedding + draft.json), then exit")
+    parser.add_argument("--drafts", type=Path, default=Path("benchmarks/results/cpu/drafts"))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu/convergence.json"))
     args = parser.parse_args(argv)
     from peagle.model.packaged_target import fetch_target
 
+    if args.commit:
+        name, step = args.commit.rsplit(":", 1)
+        dest = commit_draft(args.work / "convergence" / name, int(step), args.drafts / f"{name}-step{int(step)}")
+        print(f"committed {dest}", flush=True)
+        return
     if not args.report_only:
         if not args.name:
             raise SystemExit("--name NAME: the run to train (or --report-only)")

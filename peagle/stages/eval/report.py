@@ -333,7 +333,11 @@ def summary_table(report: dict[str, Any]) -> str:
                       ("server", "greedy_output_matches_target"), ("server", "greedy_output_matches_vllm_target_only")):
         value = (report.get(mode) or {}).get(key)
         if value is not None:
-            lines.append(f"{mode}: greedy output equals the target's own{' (vLLM)' if 'vllm' in key else ''}: {value}")
+            section = report.get(mode) or {}
+            matching = section.get("greedy_prompts_matching_target_only") if key.endswith("target_only") else None
+            lines.append(f"{mode}: greedy output equals the target's own{' (vLLM)' if 'vllm' in key else ''}: {value}"
+                         + (f" ({matching} of {section.get('num_prompts')} prompts; bf16 rounding, see docs/usage.md)"
+                            if matching is not None and not value else ""))
     names = {"online": "own loop", "vllm": "vLLM", "server": "server"}
     for a, b in COMPARED_PAIRS:
         gap = (report.get("comparison") or {}).get(f"{a}_vs_{b}_relative_difference")

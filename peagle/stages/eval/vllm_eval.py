@@ -95,6 +95,7 @@ class VllmResult:
             **counters_section(num_depths=self.num_speculative_tokens, num_drafts=self.num_drafts,
                                num_draft_tokens=self.num_draft_tokens, num_accepted_tokens=self.num_accepted_tokens,
                                accepted_per_pos=self.accepted_per_pos, outputs=self.outputs, seconds=self.seconds),
+            "num_prompts": len(self.outputs),
             "speed": speed,
             "settings": self.settings,
         }
@@ -103,6 +104,10 @@ class VllmResult:
             out["plain_seconds"] = self.target_only_seconds
             out["plain_tokens_per_second"] = headline["plain_tokens_per_second"]
             out["greedy_output_matches_target_only"] = self.outputs == self.target_only_outputs
+            # in bf16 a verification over K + 1 tokens and a plain step round differently: a near-tie
+            # can flip, and the two continuations part there (float32 keeps them equal)
+            out["greedy_prompts_matching_target_only"] = sum(a == b for a, b in zip(self.outputs,
+                                                                                   self.target_only_outputs))
             out["speedup"] = headline["speedup"]
         return out
 
