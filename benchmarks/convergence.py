@@ -159,8 +159,13 @@ def commit_draft(home: Path, step: int, dest: Path, *, target_name: str = "smoll
     export without the target's embedding, and draft.json with what it measured and the commands."""
     served = home / "served" / f"step-{step:08d}"
     report = json.loads((served / "report" / "report.json").read_text())
-    subprocess.run([*PEAGLE, "export", str(served / "export"), "--out", str(dest), "--without-target-embedding"],
-                   check=True, stdout=subprocess.DEVNULL)
+    checkpoint = home / "run" / "checkpoints" / f"step-{step:08d}"
+    if not checkpoint.is_dir():
+        raise SystemExit(f"{checkpoint} is gone (the run keeps its newest two): commit a checkpoint it still holds")
+    # bf16 weights (vLLM serves in bf16 here anyway): no file over 16 MiB, as git should hold it
+    export = [*PEAGLE, "export", str(checkpoint), "--out", str(dest), "--without-target-embedding", "--dtype", "bfloat16",
+              "--speculative-tokens", str(report["meta"]["num_depths"])]
+    subprocess.run(export, check=True, stdout=subprocess.DEVNULL)
     found = record(home, home.parent.parent)
     vllm = report["vllm"]
     facts = {"target": target_name, "method": "peagle" if vllm["parallel_drafting"] else "eagle3",
@@ -171,7 +176,7 @@ def commit_draft(home: Path, step: int, dest: Path, *, target_name: str = "smoll
                          "tokens": sum(describe_store(Path(p.split(":")[0]))["tokens"] or 0 for p in
                                        _store_flags(found["command"]))},
              "commands": ["python benchmarks/data_scaling.py --work WORK --stores-only", found["command"],
-                          f"peagle export {served / 'export'} --out DIR --without-target-embedding"],
+                          shlex.join(["peagle", *export[3:]]).replace(str(dest), "DIR")],
              "measured_by": f"peagle eval (vLLM {vllm['settings'].get('vllm_version')}, {vllm['settings'].get('dtype')}, "
                             "32 held-out prompts x 128 tokens)"}
     atomic_write_json(dest / "draft.json", facts)

@@ -155,12 +155,13 @@ _HELP = """Run the whole pipeline on a real instruct model (or --target tiny), e
 
 Fetches SmolLM2-135M-Instruct (once, cached), has it answer chat prompts, runs extract -> vocab
 -> train -> export -> eval, and prints a summary table (store size, train throughput, per-depth
-acceptance, acceptance length in our loop and in vLLM, speedup over plain decoding) and where
-the plots are. About 6 minutes on 2 quiet CPU cores as measured (one of them the held-out
-store), set-up not counted; the time of each stage is printed as it ends. The acceptance
-length is measured on held-out prompts; training_curves.png draws the trainer's estimates beside
-it, on its training batches (reads high) and on the same held-out prompts (answered by the target
-in a second, small extract).
+acceptance, acceptance length in our loop and in vLLM, tokens/s with and without the draft one
+request at a time and all at once, the K predicted fastest) and where the plots are. Then it serves
+a draft trained longer, committed in this repository, on the same held-out prompts (--committed-draft).
+6 to 15 minutes on 2 quiet CPU cores as measured, set-up not counted; the time of each stage is
+printed as it ends. The acceptance length is measured on held-out prompts; training_curves.png
+draws the trainer's estimates beside it, on its training batches (reads high) and on the same
+held-out prompts (answered by the target in a second, small extract).
 """
 
 
@@ -339,7 +340,7 @@ def print_summary(summary: dict) -> None:
     recommended = (rep.get("speed") or {}).get("k_recommendation") or {}
     if recommended.get("best_k"):
         lines.append(f"{'K':<12} {recommended['best_k']} speculative tokens predicted fastest on this machine "
-                     f"({_fmt(recommended.get('predicted_speedup'))}x plain decoding, from {recommended.get('acceptance_from')}'s "
+                     f"({_fmt(recommended.get('calibrated_speedup') or recommended.get('predicted_speedup'))}x plain decoding, from {recommended.get('acceptance_from')}'s "
                      f"acceptance and our loop's step costs; served: K = {recommended.get('served_k')})")
     lines += committed_lines(summary.get("committed"))
     times = ", ".join(f"{k} {v:.0f}s" for k, v in summary["timings_s"].items())

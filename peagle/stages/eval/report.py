@@ -319,7 +319,8 @@ def summary_table(report: dict[str, Any]) -> str:
     recommended = (report.get("speed") or {}).get("k_recommendation") or {}
     if recommended.get("best_k"):
         gain = recommended.get("predicted_gain_over_served_k")
-        lines.append(f"K: {recommended['best_k']} predicted fastest here ({_fmt(recommended.get('predicted_speedup'), 2)}x "
+        level = recommended.get("calibrated_speedup") or recommended.get("predicted_speedup")
+        lines.append(f"K: {recommended['best_k']} predicted fastest here ({_fmt(level, 2)}x "
                      f"plain decoding; {_fmt(gain, 2)}x the served K = {recommended.get('served_k')}), from "
                      f"{recommended.get('acceptance_from')}'s per-depth acceptance and our loop's step costs; "
                      "break-even AL by K: " + " ".join(_fmt(r['break_even_acceptance_length'], 2)

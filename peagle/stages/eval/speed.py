@@ -181,5 +181,15 @@ def k_recommendation(sections: dict[str, dict[str, Any]], costs: StepCosts, *, s
     found = recommend_k(per_depth, costs)
     served = next((row for row in found["by_k"] if row["k"] == served_k), None)
     gain = found["predicted_speedup"] / served["predicted_speedup"] if served and found.get("best_k") else None
-    return {"acceptance_from": mode, "costs_from": "own loop, this machine", "context": costs.context,
-            "served_k": served_k, **found, "predicted_gain_over_served_k": gain}
+    out = {"acceptance_from": mode, "costs_from": "own loop, this machine", "context": costs.context,
+           "served_k": served_k, **found, "predicted_gain_over_served_k": gain}
+    measured = ((sections.get(mode) or {}).get("speed") or {}).get("concurrency_1") or {}
+    if served and measured.get("speedup"):
+        # our loop's costs give the shape over K; what the served K measured where the acceptance came
+        # from gives the level (vLLM's step is not our loop's: float32 transformers verify slowly here)
+        scale = measured["speedup"] / served["predicted_speedup"]
+        out["measured_speedup_at_served_k"] = measured["speedup"]
+        out["calibrated_speedup"] = found["predicted_speedup"] * scale
+        for row in out["by_k"]:
+            row["calibrated_speedup"] = row["predicted_speedup"] * scale
+    return out

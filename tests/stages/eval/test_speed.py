@@ -66,3 +66,13 @@ def test_speed_figures_without_a_plain_run_have_no_ratio():
         "spec_seconds": 2.0, "plain_seconds": None}
     assert speed_figures(concurrency=1, spec_tokens=100, spec_seconds=2.0, plain_tokens=100,
                          plain_seconds=4.0)["speedup"] == pytest.approx(2.0)
+
+
+def test_what_the_served_k_measured_sets_the_level_of_the_prediction():
+    c = costs([10] * 6, [5] * 5)  # flat: K = 5 predicted fastest
+    sections = {"vllm": {"per_depth_acceptance": [0.6, 0.3, 0.1, 0.02, 0.01],
+                         "speed": {"concurrency_1": {"speedup": 1.5}}}}
+    found = k_recommendation(sections, c, served_k=3)
+    served = next(row for row in found["by_k"] if row["k"] == 3)
+    assert served["calibrated_speedup"] == pytest.approx(1.5) and found["best_k"] == 5
+    assert found["calibrated_speedup"] == pytest.approx(1.5 * found["predicted_speedup"] / served["predicted_speedup"])
