@@ -34,7 +34,7 @@ from peagle.schemas.draft_config import DRAFT_METHODS, METHOD_NAMES
 from peagle.schemas.errors import UserError
 from peagle.schemas.eval_config import EVAL_MODES
 from peagle.schemas.store import HIDDEN_DTYPES
-from peagle.stages.eval.report import read_metrics, speed_lines
+from peagle.stages.eval.report import read_metrics, recommended_speedup, speed_lines
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -340,7 +340,7 @@ def print_summary(summary: dict) -> None:
     recommended = (rep.get("speed") or {}).get("k_recommendation") or {}
     if recommended.get("best_k"):
         lines.append(f"{'K':<12} {recommended['best_k']} speculative tokens predicted fastest on this machine "
-                     f"({_fmt(recommended.get('calibrated_speedup') or recommended.get('predicted_speedup'))}x plain decoding, from {recommended.get('acceptance_from')}'s "
+                     f"({_fmt(recommended_speedup(recommended))}x plain decoding, from {recommended.get('acceptance_from')}'s "
                      f"acceptance and our loop's step costs; served: K = {recommended.get('served_k')})")
     lines += committed_lines(summary.get("committed"))
     times = ", ".join(f"{k} {v:.0f}s" for k, v in summary["timings_s"].items())

@@ -300,6 +300,12 @@ def speed_lines(speed: dict[str, Any]) -> list[str]:
     return lines
 
 
+def recommended_speedup(recommendation: dict[str, Any]) -> float | None:
+    """The recommended K's predicted speedup: at the level the served K measured when it measured one
+    (``calibrated_speedup``), else our loop's own prediction."""
+    return recommendation.get("calibrated_speedup") or recommendation.get("predicted_speedup")
+
+
 def summary_table(report: dict[str, Any]) -> str:
     """A few lines a person reads first: AL and per-depth acceptance per mode, speedup, output checks."""
     lines = [f"{'mode':<10} {'AL':>6}  per-depth acceptance"]
@@ -319,8 +325,7 @@ def summary_table(report: dict[str, Any]) -> str:
     recommended = (report.get("speed") or {}).get("k_recommendation") or {}
     if recommended.get("best_k"):
         gain = recommended.get("predicted_gain_over_served_k")
-        level = recommended.get("calibrated_speedup") or recommended.get("predicted_speedup")
-        lines.append(f"K: {recommended['best_k']} predicted fastest here ({_fmt(level, 2)}x "
+        lines.append(f"K: {recommended['best_k']} predicted fastest here ({_fmt(recommended_speedup(recommended), 2)}x "
                      f"plain decoding; {_fmt(gain, 2)}x the served K = {recommended.get('served_k')}), from "
                      f"{recommended.get('acceptance_from')}'s per-depth acceptance and our loop's step costs; "
                      "break-even AL by K: " + " ".join(_fmt(r['break_even_acceptance_length'], 2)
