@@ -154,9 +154,13 @@ def record(home: Path, work: Path) -> dict:
             "served": served}
 
 
-def commit_draft(home: Path, step: int, dest: Path, *, target_name: str = "smollm2") -> Path:
+def commit_draft(home: Path, step: int, dest: Path, *, target_name: str = "smollm2",
+                 k_check: Path | None = None) -> Path:
     """The served checkpoint ``step`` of a run as a committed draft (peagle.cli.committed_drafts): its
-    export without the target's embedding, and draft.json with what it measured and the commands."""
+    export without the target's embedding, and draft.json with what it measured and the commands.
+
+    ``k_check``: benchmarks/k_check.sh's JSON for this checkpoint: the K eval recommended becomes the
+    draft's serve_k (the demo serves it there), with what serving it at that K measured."""
     served = home / "served" / f"step-{step:08d}"
     report = json.loads((served / "report" / "report.json").read_text())
     checkpoint = home / "run" / "checkpoints" / f"step-{step:08d}"
@@ -179,8 +183,22 @@ def commit_draft(home: Path, step: int, dest: Path, *, target_name: str = "smoll
                           shlex.join(["peagle", *export[3:]]).replace(str(dest), "DIR")],
              "measured_by": f"peagle eval (vLLM {vllm['settings'].get('vllm_version')}, {vllm['settings'].get('dtype')}, "
                             "32 held-out prompts x 128 tokens)"}
+    if k_check is not None:
+        facts.update(serve_k_facts(json.loads(k_check.read_text())))
+        facts["commands"].append(f"bash benchmarks/k_check.sh {checkpoint} EXPORT_K5 HELDOUT_PROMPTS WORK {k_check}")
     atomic_write_json(dest / "draft.json", facts)
     return dest
+
+
+def serve_k_facts(check: dict) -> dict:
+    """draft.json's serve_k and what serving there measured, from a k_check.sh summary; refused when
+    the recommended K was not served (the check was cut short)."""
+    best = check["recommendation"]["best_k"]
+    served = check["served"].get(str(best)) or check["served"].get(best)
+    if served is None:
+        raise SystemExit(f"the K check recommends K = {best} but did not serve it: run k_check.sh to its end")
+    return {"serve_k": best, "at_serve_k": {"acceptance_length": served["acceptance_length"], "speed": served["speed"]},
+            "k_check": check["predicted_vs_measured_c1"]}
 
 
 def _store_flags(command: str | None) -> list[str]:
@@ -202,6 +220,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--report-only", action="store_true", help="write the JSON from what the runs hold")
     parser.add_argument("--commit", metavar="NAME:STEP", help="write run NAME's served checkpoint STEP as a committed "
                         "draft under --drafts (its export without the target's embedding + draft.json), then exit")
+    parser.add_argument("--k-check", type=Path, help="with --commit: k_check.sh's JSON for that checkpoint (the "
+                        "draft is served at the K it recommends)")
     parser.add_argument("--drafts", type=Path, default=Path("benchmarks/results/cpu/drafts"))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu/convergence.json"))
     args = parser.parse_args(argv)
@@ -209,7 +229,8 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.commit:
         name, step = args.commit.rsplit(":", 1)
-        dest = commit_draft(args.work / "convergence" / name, int(step), args.drafts / f"{name}-step{int(step)}")
+        dest = commit_draft(args.work / "convergence" / name, int(step), args.drafts / f"{name}-step{int(step)}",
+                            k_check=args.k_check)
         print(f"committed {dest}", flush=True)
         return
     if not args.report_only:

@@ -3,8 +3,10 @@ knows where they are and how to pick one.
 
 Each is an export written without the target's embedding (``peagle export RUN --out DIR
 --without-target-embedding``: no file over 16 MiB, so git holds it) and a ``draft.json`` saying what
-it is: the target it was trained for (a name ``peagle target fetch`` knows), the method, the K it is
-served at, what it measured and the commands that made it. ``peagle export DIR --target T --out
+it is: the target it was trained for (a name ``peagle target fetch`` knows), the method, the K it was
+trained and measured at (``num_depths``), the K to serve it at (``serve_k``: the one ``peagle eval``
+recommended for it and serving confirmed; ``num_depths`` when absent), what it measured and the
+commands that made it. ``peagle export DIR --target T --out
 EXPORT`` makes it whole again; ``peagle demo`` serves the best one for its target and method beside
 the draft it trains, so a newcomer sees what a longer training buys.
 """
@@ -33,6 +35,7 @@ class CommittedDraft:
     target: str
     method: str
     num_depths: int
+    serve_k: int
     acceptance_length: float
     facts: dict[str, Any]
 
@@ -52,8 +55,11 @@ def read_committed(path: Path) -> CommittedDraft:
     for name, kind in fields.items():
         if not isinstance(facts.get(name) if isinstance(facts, dict) else None, kind):
             raise UserError(f"{file}: {name} is missing or not a {getattr(kind, '__name__', 'number')}")
+    serve_k = facts.get("serve_k", facts["num_depths"])
+    if isinstance(serve_k, bool) or not isinstance(serve_k, int) or not 1 <= serve_k <= facts["num_depths"]:
+        raise UserError(f"{file}: serve_k must be a K from 1 to num_depths ({facts['num_depths']}), not {serve_k!r}")
     return CommittedDraft(path=path, target=facts["target"], method=facts["method"], num_depths=facts["num_depths"],
-                          acceptance_length=float(facts["acceptance_length"]), facts=facts)
+                          serve_k=serve_k, acceptance_length=float(facts["acceptance_length"]), facts=facts)
 
 
 def best_committed(target: str, method: str, root: Path | None = None) -> CommittedDraft | None:

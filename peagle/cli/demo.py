@@ -240,7 +240,7 @@ def run_demo(config: DemoConfig, ctx: typer.Context) -> None:
         export_c, report_c = out / f"export-committed{suffix}", out / f"report-committed{suffix}"
         timings["export_committed"] = stage(["export", str(committed.path), "--target", str(target_dir), "--out",
                                              str(export_c)], "export committed")
-        timings["eval_committed"] = evaluate(export_c, report_c, committed.num_depths,
+        timings["eval_committed"] = evaluate(export_c, report_c, committed.serve_k,
                                              ["vllm" if "vllm" in modes else "online"], "eval committed")
 
     summary = summarize(store, run, report, timings, time.monotonic() - started, backend=backend_name,
@@ -362,7 +362,7 @@ def committed_lines(committed: dict | None) -> list[str]:
     trained = facts.get("trained") or {}
     lines = [f"{'committed':<12} {Path(committed['path']).name}: {facts.get('method')}, trained "
              f"{trained.get('steps', '?')} steps ({trained.get('epochs', '?')} epochs of {trained.get('tokens', '?')} "
-             f"tokens); {mode} at K = {facts.get('num_depths')}: acceptance length {_fmt(section.get('acceptance_length'))}"
+             f"tokens); {mode} at K = {(rep.get('meta') or {}).get('num_depths')}: acceptance length {_fmt(section.get('acceptance_length'))}"
              "   per-depth " + " ".join("-" if a is None else f"{a:.2f}" for a in section.get("per_depth_acceptance") or [])]
     lines += [f"{'':<14}{line}" for line in speed_lines(section.get("speed") or {})]
     return lines

@@ -76,7 +76,8 @@ class DemoConfig:
     """A draft trained longer, served beside the one the demo trains on the same held-out prompts:
     auto (the best committed under benchmarks/results/cpu/drafts/ for this target and method, when
     the demo runs from a checkout), none, or a directory written by `peagle export
-    --without-target-embedding` with its draft.json."""
+    --without-target-embedding` with its draft.json. It is served at the K its draft.json names
+    (serve_k: the K `peagle eval` recommended for it), else at the K it was trained for."""
 
     def __post_init__(self) -> None:
         for name, allowed in (("target", DEMO_TARGETS), ("backend", DEMO_BACKENDS), ("method", DRAFT_METHODS)):

@@ -58,3 +58,16 @@ def test_the_record_reads_the_curve_and_the_served_checkpoints_with_their_epochs
     assert [(s["step"], s["epochs"], s["acceptance_length"]) for s in found["served"]] == [(500, 2.0, 1.61),
                                                                                           (1000, 4.0, 1.72)]
     assert found["curve"][0]["al_estimate"] == 1.7
+
+
+def test_a_k_check_gives_the_committed_draft_its_serve_k_only_when_that_k_was_served(convergence):
+    check = {"recommendation": {"best_k": 3},
+             "served": {"3": {"acceptance_length": 1.65, "speed": {"concurrency_1": {"speedup": 1.4}}},
+                        "5": {"acceptance_length": 1.66, "speed": {"concurrency_1": {"speedup": 1.2}}}},
+             "predicted_vs_measured_c1": [{"k": 3, "predicted": 1.27, "measured": 1.4}]}
+    facts = convergence.serve_k_facts(check)
+    assert facts["serve_k"] == 3 and facts["at_serve_k"]["speed"]["concurrency_1"]["speedup"] == 1.4
+    assert facts["k_check"] == check["predicted_vs_measured_c1"]
+    del check["served"]["3"]
+    with pytest.raises(SystemExit, match="recommends K = 3 but did not serve it"):
+        convergence.serve_k_facts(check)

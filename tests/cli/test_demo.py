@@ -149,16 +149,17 @@ def test_the_demo_serves_a_committed_draft_beside_its_own(tiny_demo, run_peagle,
     exported = run_peagle("export", tmp_path / "run", "--out", committed, "--without-target-embedding")
     assert exported.returncode == 0, exported.stderr
     (committed / "draft.json").write_text(json.dumps({"target": "tiny", "method": "peagle", "num_depths": 2,
-                                                      "acceptance_length": 1.0, "trained": {"steps": 2}}))
+                                                      "serve_k": 1, "acceptance_length": 1.0, "trained": {"steps": 2}}))
     again = tmp_path / "demo"  # the same target (cached), the same held-out prompts
     proc = run_peagle(*TINY_DEMO, "--out", again, "--cache-dir", cache, "--committed-draft", committed, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"$ peagle export {committed} --target {target} --out {again / 'export-committed'}" in proc.stdout
     both = json.loads((again / "summary.json").read_text())
     mine, theirs = both["eval"], both["committed"]["eval"]
-    assert theirs["meta"]["num_depths"] == 2 and theirs["meta"]["settings"]["prompts"] == mine["meta"]["settings"]["prompts"]
+    # served at its serve_k, on the demo's own prompts
+    assert theirs["meta"]["num_depths"] == 1 and theirs["meta"]["settings"]["prompts"] == mine["meta"]["settings"]["prompts"]
     assert theirs["online"]["greedy_output_matches_plain"] and theirs["online"]["speed"]["concurrency_1"]["speedup"] > 0
-    assert "committed    longer: peagle, trained 2 steps" in proc.stdout
+    assert "committed    longer: peagle, trained 2 steps" in proc.stdout and "online at K = 1:" in proc.stdout
     broken = tmp_path / "broken"
     broken.mkdir()
     refused = run_peagle(*TINY_DEMO, "--out", tmp_path / "refused", "--cache-dir", cache, "--committed-draft", broken)
