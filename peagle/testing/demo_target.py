@@ -9,13 +9,13 @@ download; the target trains in a few minutes on 2 CPU cores and is cached by its
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import random
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from peagle.testing.stdlib_docs import stdlib_docs
 from peagle.testing.target_training import LmTraining, cached_model_dir, chat_token_windows, train_lm
 from peagle.testing.tiny_target import TinyTargetSpec, build_tiny_target
 
@@ -47,6 +47,9 @@ class DemoTargetSpec:
     lr: float = 3e-3
     max_answer_chars: int = 700
     seed: int = 0
+    # 2: the chats are the stdlib's classes and functions only, collected in a fresh interpreter, so
+    # the same in every process (1 also took module globals, and what the process had imported changed them)
+    corpus: int = 2
 
     def cache_key(self) -> str:
         blob = json.dumps({"spec": asdict(self), "python": sys.version_info[:2]}, sort_keys=True, default=str)
@@ -54,26 +57,15 @@ class DemoTargetSpec:
 
 
 def demo_chats(max_answer_chars: int = 700, seed: int = 0) -> list[dict]:
-    """Chat records (OpenAI messages) from stdlib docstrings: question about a name -> its docstring."""
-    import importlib
-
+    """Chat records (OpenAI messages) from stdlib docstrings: question about a name -> its docstring,
+    the same in every process (peagle.testing.stdlib_docs)."""
     rng = random.Random(seed)
     chats = []
-    for mod_name in DEMO_MODULES:
-        try:
-            module = importlib.import_module(mod_name)
-        except Exception:  # a module missing from this Python build is simply not used
-            continue
-        for attr, obj in sorted(vars(module).items()):
-            if attr.startswith("_") or getattr(obj, "__module__", mod_name) != mod_name and not inspect.ismodule(obj):
-                continue
-            doc = inspect.getdoc(obj)
-            if not doc or len(doc) < 40 or inspect.ismodule(obj) and obj.__name__ != mod_name:
-                continue
-            answer = doc[:max_answer_chars].rsplit(" ", 1)[0] if len(doc) > max_answer_chars else doc
-            question = rng.choice(QUESTIONS).format(name=f"{mod_name}.{attr}")
-            chats.append({"messages": [{"role": "user", "content": question},
-                                       {"role": "assistant", "content": answer}]})
+    for mod_name, attr, doc in stdlib_docs(DEMO_MODULES):
+        answer = doc[:max_answer_chars].rsplit(" ", 1)[0] if len(doc) > max_answer_chars else doc
+        question = rng.choice(QUESTIONS).format(name=f"{mod_name}.{attr}")
+        chats.append({"messages": [{"role": "user", "content": question},
+                                   {"role": "assistant", "content": answer}]})
     rng.shuffle(chats)
     return chats
 
