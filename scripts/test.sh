@@ -12,10 +12,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # speculators 0.9.0 in its own venv, for benchmarks/peer_ab.py's test (PEAGLE_WITH_SPECULATORS=0: it skips);
 # it touches nothing of .venv, so it installs beside the installs below (~1 minute less before the tests)
-spec_pid=
+spec_pid= spec_log= vllm_log=
+# on any exit (a failed install too): stop the speculators install if it still runs, remove the temp logs
+cleanup() {
+  if [ -n "$spec_pid" ]; then kill -- "-$spec_pid" 2>/dev/null || true; fi
+  rm -f "$spec_log" "$vllm_log"
+}
+trap cleanup EXIT
 if [ "${PEAGLE_WITH_SPECULATORS:-1}" = "1" ]; then
   spec_log=$(mktemp /tmp/peagle-speculators-venv.XXXXXX.log)
-  bash scripts/speculators_venv.sh > "$spec_log" 2>&1 &
+  setsid bash scripts/speculators_venv.sh > "$spec_log" 2>&1 &  # its own group: cleanup stops pip too
   spec_pid=$!
 fi
 bash scripts/setup.sh
@@ -28,7 +34,8 @@ if [ "${PEAGLE_WITH_LOGGERS:-1}" = "1" ]; then
 fi
 if [ -n "$spec_pid" ]; then
   spec_rc=0; wait "$spec_pid" || spec_rc=$?
-  cat "$spec_log"; rm -f "$spec_log"
+  spec_pid=
+  cat "$spec_log"
   [ "$spec_rc" = 0 ] || exit "$spec_rc"
 fi
 # OMP_WAIT_POLICY=PASSIVE: the two phases' processes share 2 cores, and OpenMP threads that spin while
@@ -37,7 +44,6 @@ fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE} TOKENIZERS_PARALLELISM=false
 status=0
 vllm_log=$(mktemp /tmp/peagle-vllm-tests.XXXXXX.log)
-trap 'rm -f "$vllm_log"' EXIT
 run_vllm_phase() {  # exit 5 (nothing collected: e.g. -k matched no vLLM test) is not a failure
   .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 -m vllm "$@" || { rc=$?; [ "$rc" = 5 ] || return $rc; }
 }
