@@ -21,7 +21,7 @@ checkpoint, and checkpoints already served are not served again (their reports s
 WORK/convergence/NAME/served/). ``--steps`` may grow on a resume (the cosine is re-timed from there).
 
 JSON out (``--out``): per run its train command, the held-out estimate curve (metrics.jsonl) and the
-served checkpoints with their epochs of data.
+served checkpoints with their epochs of data; beside it (same name, .png) the curves against epochs.
 """
 
 from __future__ import annotations
@@ -201,6 +201,40 @@ def serve_k_facts(check: dict) -> dict:
             "k_check": check["predicted_vs_measured_c1"]}
 
 
+def plot(runs: list[dict], out: Path) -> None:
+    """The curves of every run against its epochs: the trainer's held-out estimate (line) and the AL
+    vLLM measured at each served checkpoint (dots, labelled with the speedup one request at a time)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(8, 4.5))
+    axes = figure.subplots()
+    for run, color in zip(runs, ("tab:blue", "tab:orange", "tab:green", "tab:red")):
+        per_epoch = run["batches_per_epoch"] or 1
+        curve = run["curve"]
+        axes.plot([c["step"] / per_epoch for c in curve], [c["al_estimate"] for c in curve], color=color, alpha=0.45,
+                  label=f"{run['name']}: held-out estimate (teacher-forced)")
+        served = [s for s in run["served"] if s.get("acceptance_length")]
+        axes.plot([s["step"] / per_epoch for s in served], [s["acceptance_length"] for s in served], "o-", color=color,
+                  label=f"{run['name']}: AL in vLLM")
+        for s in served:
+            speedup = ((s.get("speed") or {}).get("concurrency_1") or {}).get("speedup")
+            if speedup:
+                axes.annotate(f"{speedup:.2f}x", (s["step"] / per_epoch, s["acceptance_length"]),
+                              textcoords="offset points", xytext=(0, -14), ha="center", fontsize=8, color=color)
+    axes.set_xlabel("epochs of the run's data")
+    axes.set_ylabel("acceptance length (K = 5)")
+    axes.set_title("Convergence on 2 CPU cores (labels: speedup in vLLM, one request at a time)", fontsize=10)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=7, loc="lower right")
+    figure.tight_layout()
+    tmp = out.with_name(out.name + ".tmp")
+    figure.savefig(tmp, dpi=110, format="png")
+    os.replace(tmp, out)
+
+
 def _store_flags(command: str | None) -> list[str]:
     words = shlex.split(command or "")
     return [words[i + 1] for i, w in enumerate(words) if w == "--store"]
@@ -239,8 +273,10 @@ def main(argv: list[str] | None = None) -> None:
         run_one(args, fetch_target("smollm2"))
     homes = sorted(p for p in (args.work / "convergence").glob("*") if (p / "command.txt").exists())
     stores = {p.name: describe_store(p) for p in sorted((args.work / "stores").glob("*"))}
-    atomic_write_json(args.out, {"stores": stores, "runs": [record(h, args.work) for h in homes]})
-    print(f"wrote {args.out}", flush=True)
+    runs = [record(h, args.work) for h in homes]
+    atomic_write_json(args.out, {"stores": stores, "runs": runs})
+    plot(runs, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}", flush=True)
 
 
 if __name__ == "__main__":

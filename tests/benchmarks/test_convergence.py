@@ -71,3 +71,13 @@ def test_a_k_check_gives_the_committed_draft_its_serve_k_only_when_that_k_was_se
     del check["served"]["3"]
     with pytest.raises(SystemExit, match="recommends K = 3 but did not serve it"):
         convergence.serve_k_facts(check)
+
+
+def test_the_plot_draws_every_run_even_one_not_yet_served(convergence, tmp_path):
+    runs = [{"name": "peagle-half", "batches_per_epoch": 162,
+             "curve": [{"step": 25, "al_estimate": 1.2}, {"step": 600, "al_estimate": 1.78}],
+             "served": [{"step": 600, "acceptance_length": 1.65, "speed": {"concurrency_1": {"speedup": 1.41}}}]},
+            {"name": "eagle3-half", "batches_per_epoch": None, "curve": [{"step": 25, "al_estimate": 1.2}], "served": []}]
+    out = tmp_path / "convergence.png"
+    convergence.plot(runs, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not out.with_name(out.name + ".tmp").exists()
