@@ -168,16 +168,15 @@ def test_the_demo_serves_a_committed_draft_beside_its_own(tiny_demo, run_peagle,
 
 
 @pytest.mark.slow
-def test_the_demo_run_again_into_the_same_out_gives_the_same_data(tmp_path, run_peagle):
-    """The first run trains the demo target, the second finds it cached: the two processes import
-    different things before writing the chats, and the chats must not care (they once did, and the
-    second run's extract refused the store the first had written for other inputs)."""
-    out, cache = tmp_path / "demo", tmp_path / "cache"
-    for attempt in (1, 2):
-        proc = run_peagle(*TINY_DEMO, "--out", out, "--cache-dir", cache, timeout=900)
-        assert proc.returncode == 0, (attempt, proc.stdout[-3000:] + proc.stderr[-3000:])
-        if attempt == 1:
-            first = (out / "data" / "train.jsonl").read_bytes()
-            assert "training the demo target" in proc.stdout
+def test_the_demo_run_again_into_the_same_out_gives_the_same_data(tiny_demo, run_peagle):
+    """The first run (the fixture's) trained the demo target, this one finds it cached: the two
+    processes import different things before writing the chats, and the chats must not care (they
+    once did, and the second run's extract refused the store the first had written for other inputs).
+    Last in this file: it runs into the fixture's directory."""
+    out, cache, first_proc = tiny_demo
+    first = (out / "data" / "train.jsonl").read_bytes()
+    assert "training the demo target" in first_proc.stdout
+    proc = run_peagle(*TINY_DEMO, "--out", out, "--cache-dir", cache, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "training the demo target" not in proc.stdout  # cached the second time
     assert (out / "data" / "train.jsonl").read_bytes() == first
