@@ -27,6 +27,7 @@ served checkpoints with their epochs of data; beside it (same name, .png) the cu
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import re
@@ -42,7 +43,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 from data_scaling import POINTS  # noqa: E402
 from recipe_curves import BASE, VOCAB, describe_store, read_curve  # noqa: E402
 
-from peagle.pipeline.atomic import atomic_write_json  # noqa: E402
+from peagle.pipeline.atomic import atomic_write_bytes, atomic_write_json  # noqa: E402
 
 PEAGLE = [sys.executable, "-m", "peagle"]
 SERVED_KEYS = ("acceptance_length", "per_depth_acceptance", "tokens_per_target_forward", "speed",
@@ -194,7 +195,7 @@ def serve_k_facts(check: dict) -> dict:
     """draft.json's serve_k and what serving there measured, from a k_check.sh summary; refused when
     the recommended K was not served (the check was cut short)."""
     best = check["recommendation"]["best_k"]
-    served = check["served"].get(str(best)) or check["served"].get(best)
+    served = check["served"].get(str(best))  # JSON's keys are strings
     if served is None:
         raise SystemExit(f"the K check recommends K = {best} but did not serve it: run k_check.sh to its end")
     return {"serve_k": best, "at_serve_k": {"acceptance_length": served["acceptance_length"], "speed": served["speed"]},
@@ -230,9 +231,9 @@ def plot(runs: list[dict], out: Path) -> None:
     axes.grid(alpha=0.3)
     axes.legend(fontsize=7, loc="lower right")
     figure.tight_layout()
-    tmp = out.with_name(out.name + ".tmp")
-    figure.savefig(tmp, dpi=110, format="png")
-    os.replace(tmp, out)
+    png = io.BytesIO()
+    figure.savefig(png, dpi=110, format="png")
+    atomic_write_bytes(out, png.getvalue())
 
 
 def _store_flags(command: str | None) -> list[str]:

@@ -38,7 +38,7 @@ def test_the_best_is_the_highest_acceptance_for_the_target_and_method(tmp_path):
     assert best_committed("qwen3", "peagle", root=tmp_path) is None
 
 
-def test_the_committed_drafts_in_this_checkout_read(tmp_path):
+def test_the_committed_drafts_in_this_checkout_read():
     """Every draft committed here is one the demo can serve (its description reads, its K fits)."""
     from peagle.cli.committed_drafts import committed_drafts_dir
 
