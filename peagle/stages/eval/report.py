@@ -318,7 +318,10 @@ def summary_table(report: dict[str, Any]) -> str:
     for mode, name in (("online", "own loop"), ("vllm", "vLLM")):
         section = report.get(mode) or {}
         if section.get("tokens_per_target_forward") is not None:
-            lines.append(f"{name}: {_fmt(section.get('tokens_per_target_forward'), 2)} tokens/target forward"
+            engine = section.get("settings") or {}
+            how = ("" if "enforce_eager" not in engine
+                   else " (eager engines)" if engine["enforce_eager"] else " (compiled engines)")
+            lines.append(f"{name}{how}: {_fmt(section.get('tokens_per_target_forward'), 2)} tokens/target forward"
                          + (f", non-repetitive prompts AL {_fmt(section['non_repetitive'].get('acceptance_length'))}"
                             if section.get("non_repetitive") else ""))
         lines += [f"  {line}" for line in speed_lines(section.get("speed") or {})]

@@ -19,8 +19,9 @@ cores is compute-bound, where verifying K + 1 tokens costs about K + 1 plain ste
 gives the acceptance counters and the outputs; then **every prompt at once** (concurrency N = the
 number of prompts), what a shared server sees. The target alone is timed the same two ways.
 
-The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set), eager, with a
-small CPU KV cache (``VLLM_CPU_KVCACHE_SPACE`` GiB, default 1) unless the environment says otherwise.
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set), eager unless asked
+to compile (vLLM's default and its fastest setting, after a compile per engine), with a small CPU KV
+cache (``VLLM_CPU_KVCACHE_SPACE`` GiB, default 1) unless the environment says otherwise.
 """
 
 from __future__ import annotations
@@ -211,7 +212,8 @@ def _one_at_a_time(llm, TokensPrompt, prompts: list[list[int]], params: list, *,
 def _run_vllm(export_dir: str | os.PathLike, prompts: list[list[int]], *, num_speculative_tokens: int | None = None,
              max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0, stop_ids: list[int] = (),
              ignore_eos: bool = False, dtype: str = "float32", max_model_len: int | None = None,
-             target_only: bool = True, target: str | os.PathLike | None = None) -> VllmResult:
+             target_only: bool = True, enforce_eager: bool = True,
+             target: str | os.PathLike | None = None) -> VllmResult:
     """Serve ``export_dir`` with vLLM (parallel drafting asserted for a P-EAGLE export, sequential
     drafting for an EAGLE-3 one), generate, read acceptance.
 
@@ -220,7 +222,8 @@ def _run_vllm(export_dir: str | os.PathLike, prompts: list[list[int]], *, num_sp
     speculative_config={"model": export_dir, "method": "eagle3", "parallel_drafting": P, ...})``,
     P true for a P-EAGLE export.
     With ``target_only`` the verifier alone is then served on the same prompts, for the
-    greedy-output check and the plain-decoding baseline.
+    greedy-output check and the plain-decoding baseline, with the same engine settings (eager or
+    compiled: ``enforce_eager``), so the speedup compares like with like.
 
     Raises:
         UserError: when vLLM cannot be imported, or the engine did not turn parallel drafting on.
@@ -234,7 +237,7 @@ def _run_vllm(export_dir: str | os.PathLike, prompts: list[list[int]], *, num_sp
     if max_model_len is None:
         k = num_speculative_tokens or 8
         max_model_len = max(len(p) for p in prompts) + max_new_tokens + 2 * k + 16
-    engine_args = dict(enforce_eager=True, dtype=dtype, max_model_len=max_model_len, seed=seed)
+    engine_args = dict(enforce_eager=enforce_eager, dtype=dtype, max_model_len=max_model_len, seed=seed)
     spec_override: dict[str, Any] = {"num_speculative_tokens": int(num_speculative_tokens)} if num_speculative_tokens else {}
     if temperature > 0:
         # vLLM's default treats the draft as one-hot (argmax drafts); our loop samples drafts from the

@@ -85,3 +85,13 @@ def test_a_live_server_is_reported_and_compared_with_both_references(tmp_path):
     assert "812.5 generated tokens/s" in table and "consistent with parallel drafting" in table
     assert "server: greedy output equals the target's own: True" in table
     assert write_report(tmp_path, report)["per_depth_acceptance"].is_file()
+
+
+@pytest.mark.parametrize("eager, named", [(True, "vLLM (eager engines)"), (False, "vLLM (compiled engines)")])
+def test_the_summary_says_whether_vllm_ran_eager_or_compiled(eager, named):
+    """A speedup against an eager target and one against a compiled target differ by ~1.4x on CPU:
+    the summary names which engines its vLLM figures come from."""
+    from peagle.stages.eval.report import summary_table
+
+    vllm = {**section([12, 19, 29, 40]), "tokens_per_target_forward": 1.7, "settings": {"enforce_eager": eager}}
+    assert named in summary_table(build_report(sections={**sections(), "vllm": vllm}, meta={}))
