@@ -15,10 +15,11 @@ that verifies K + 1. Whether a draft pays is then a ratio of costs, not of forwa
 
 so the **break-even acceptance length** at K is ``t_step(K) / t_plain``: a draft whose AL(K) is
 below it makes decoding slower whatever its AL looks like. :func:`measure_step_costs` times each
-term in our own loop (:mod:`.online`) at one context length, medians of a few repeats after a
-warm-up; :func:`recommend_k` reads the per-depth acceptance a draft was measured at (depth d's draft
-never depends on how many drafts follow it, so AL(k) for every k <= K comes from the same steps:
-:mod:`.acceptance`) and predicts tokens/s at each K from these costs.
+term in our own loop (:mod:`.online`) at one context length, medians of a few rounds timed in
+turns after warm-up rounds (:func:`interleaved_medians`); :func:`recommend_k` reads the per-depth
+acceptance a draft was measured at (depth d's draft never depends on how many drafts follow it, so
+AL(k) for every k <= K comes from the same steps: :mod:`.acceptance`) and predicts tokens/s at each
+K from these costs.
 
 vLLM's costs per K are not timed here (one engine start per K); benchmarks/step_cost.py times both
 loops at every K and docs/performance.md compares the two.
@@ -52,16 +53,27 @@ DEFAULT_CONTEXT = 256
 """Tokens of context the costs are timed at: a chat prompt and a few hundred tokens of answer."""
 
 
-def median_seconds(fn: Callable[[], Any], *, repeats: int, warmup: int = 1) -> float:
-    """The median wall time of ``fn()`` over ``repeats`` calls, after ``warmup`` untimed ones."""
+def interleaved_medians(fns: list[Callable[[], Any]], *, repeats: int, warmup: int = 2,
+                        clock: Callable[[], float] = time.perf_counter) -> list[float]:
+    """The median wall time of each of ``fns``, timed round-robin: ``warmup`` untimed rounds of every
+    one, then ``repeats`` timed rounds.
+
+    Why round-robin: a machine's speed drifts (a process that has just prefilled or decoded runs its
+    first forwards slower for a second or two; another process wakes up). Timed one after the other,
+    whichever part comes first takes the drift alone: a 1-token forward once read 75 ms against the
+    2-token one's 51 ms, so every break-even AL came out below 1. In turns, every part sees the same
+    machine, and the ratios the recommendation reads hold.
+    """
     for _ in range(warmup):
-        fn()
-    times = []
+        for fn in fns:
+            fn()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, timed in zip(fns, times):
+            start = clock()
+            fn()
+            timed.append(clock() - start)
+    return [statistics.median(timed) for timed in times]
 
 
 @dataclass(frozen=True)
@@ -128,12 +140,12 @@ def measure_step_costs(target: TargetLM, drafter: Drafter, prompt_ids: list[int]
             _crop_to(state.cache, kept)
         return run
 
-    verify_s = [median_seconds(forward(n), repeats=repeats) for n in range(1, max_depths + 2)]
-    draft_s = [median_seconds(lambda k=k: propose(drafter, state, k, sampler), repeats=repeats)
-               for k in range(1, max_depths + 1)]
     logits_LV, aux_LAH = verify(target, state, [state.tokens[-1]] * max_depths)
     _crop_to(state.cache, kept)
-    pick_s = median_seconds(lambda: sampler.pick(logits_LV[0]), repeats=repeats)
+    verifies = [forward(n) for n in range(1, max_depths + 2)]
+    drafts = [lambda k=k: propose(drafter, state, k, sampler) for k in range(1, max_depths + 1)]
+    medians = interleaved_medians([*verifies, *drafts, lambda: sampler.pick(logits_LV[0])], repeats=repeats)
+    verify_s, draft_s, pick_s = medians[: len(verifies)], medians[len(verifies): -1], medians[-1]
 
     def bookkeeping() -> None:
         trial = DecodeState(tokens=list(state.tokens), cache=state.cache, aux_PAH=state.aux_PAH)

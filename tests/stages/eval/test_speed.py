@@ -76,3 +76,32 @@ def test_what_the_served_k_measured_sets_the_level_of_the_prediction():
     served = next(row for row in found["by_k"] if row["k"] == 3)
     assert served["calibrated_speedup"] == pytest.approx(1.5) and found["best_k"] == 5
     assert found["calibrated_speedup"] == pytest.approx(1.5 * found["predicted_speedup"] / served["predicted_speedup"])
+
+
+class DriftingMachine:
+    """A fake clock and parts whose cost is their own plus a slow start: the first ``slow_calls``
+    calls of any part take ``extra`` longer (a machine that just prefilled)."""
+
+    def __init__(self, slow_calls: int, extra: float):
+        self.now, self.calls, self.slow_calls, self.extra = 0.0, 0, slow_calls, extra
+
+    def clock(self) -> float:
+        return self.now
+
+    def part(self, cost: float):
+        def run() -> None:
+            self.now += cost + (self.extra if self.calls < self.slow_calls else 0.0)
+            self.calls += 1
+        return run
+
+
+@given(costs_ms=st.lists(st.floats(1, 100), min_size=2, max_size=9), slow_calls=st.integers(0, 30))
+def test_a_slow_start_does_not_land_on_whichever_part_is_timed_first(costs_ms, slow_calls):
+    """Timed in turns after warm-up rounds, each median is the part's own cost however long the
+    machine's slow start lasts (within the warm-up and half the timed rounds); timed one part after
+    the other, the first part's median would carry the slow start alone."""
+    from peagle.stages.eval.speed import interleaved_medians
+
+    machine = DriftingMachine(slow_calls=min(slow_calls, 4 * len(costs_ms)), extra=500.0)  # warm-up + 2 rounds
+    medians = interleaved_medians([machine.part(c) for c in costs_ms], repeats=5, warmup=2, clock=machine.clock)
+    assert medians == pytest.approx(costs_ms)
