@@ -186,7 +186,9 @@ def commit_draft(home: Path, step: int, dest: Path, *, target_name: str = "smoll
                             "32 held-out prompts x 128 tokens)"}
     if k_check is not None:
         facts.update(serve_k_facts(json.loads(k_check.read_text())))
-        facts["commands"].append(f"bash benchmarks/k_check.sh {checkpoint} EXPORT_K5 HELDOUT_PROMPTS WORK {k_check}")
+        engines = facts["at_serve_k"]["vllm_engines"]
+        facts["commands"].append(f"bash benchmarks/k_check.sh {checkpoint} EXPORT_K5 HELDOUT_PROMPTS WORK {k_check}"
+                                 + (f" {engines}" if engines else ""))
     atomic_write_json(dest / "draft.json", facts)
     return dest
 
@@ -198,7 +200,10 @@ def serve_k_facts(check: dict) -> dict:
     served = check["served"].get(str(best))  # JSON's keys are strings
     if served is None:
         raise SystemExit(f"the K check recommends K = {best} but did not serve it: run k_check.sh to its end")
-    return {"serve_k": best, "at_serve_k": {"acceptance_length": served["acceptance_length"], "speed": served["speed"]},
+    # eager or compiled engines (a check from before k_check.sh recorded it: eager, but said as unknown)
+    engines = {True: "eager", False: "compiled"}.get(served.get("enforce_eager"))
+    return {"serve_k": best, "at_serve_k": {"acceptance_length": served["acceptance_length"], "speed": served["speed"],
+                                            "vllm_engines": engines},
             "k_check": check["predicted_vs_measured_c1"]}
 
 

@@ -68,6 +68,9 @@ def test_a_k_check_gives_the_committed_draft_its_serve_k_only_when_that_k_was_se
     facts = convergence.serve_k_facts(check)
     assert facts["serve_k"] == 3 and facts["at_serve_k"]["speed"]["concurrency_1"]["speedup"] == 1.4
     assert facts["k_check"] == check["predicted_vs_measured_c1"]
+    assert facts["at_serve_k"]["vllm_engines"] is None  # a check from before the engines were recorded
+    check["served"]["3"]["enforce_eager"] = False
+    assert convergence.serve_k_facts(check)["at_serve_k"]["vllm_engines"] == "compiled"
     del check["served"]["3"]
     with pytest.raises(SystemExit, match="recommends K = 3 but did not serve it"):
         convergence.serve_k_facts(check)
