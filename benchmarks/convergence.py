@@ -200,7 +200,7 @@ def serve_k_facts(check: dict) -> dict:
     served = check["served"].get(str(best))  # JSON's keys are strings
     if served is None:
         raise SystemExit(f"the K check recommends K = {best} but did not serve it: run k_check.sh to its end")
-    # eager or compiled engines (a check from before k_check.sh recorded it: eager, but said as unknown)
+    # eager or compiled engines; None for a check made before k_check.sh recorded them (eager, unrecorded)
     engines = {True: "eager", False: "compiled"}.get(served.get("enforce_eager"))
     return {"serve_k": best, "at_serve_k": {"acceptance_length": served["acceptance_length"], "speed": served["speed"],
                                             "vllm_engines": engines},

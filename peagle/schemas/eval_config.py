@@ -77,8 +77,8 @@ class EvalConfig(TrackingOptions):
     vllm_compile: bool = False
     """Serve vLLM compiled (torch.compile, `enforce_eager=False`: vLLM's own default and its fastest
     setting), the draft's engine and the target's alone both. On 2 CPU cores it decodes ~1.4x faster
-    than eager one request at a time, after a ~90 s compile per engine (cached for the next start of
-    the same engine). Default: eager, which starts in seconds."""
+    than eager one request at a time, after a ~90 s compile per engine. Default: eager, which starts
+    in seconds."""
 
     device: str = "auto"
     """Device of the own loop: auto (cuda if available), cpu or cuda."""

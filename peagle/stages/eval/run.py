@@ -185,7 +185,8 @@ def run_eval(config: EvalConfig, *, echo: Callable[[str], None] = print) -> dict
         result = run_vllm(exported.path, prompt_ids, num_speculative_tokens=K, max_new_tokens=config.max_new_tokens,
                           temperature=config.temperature, seed=config.seed, stop_ids=stops, dtype=vllm_dtype,
                           ignore_eos=config.ignore_eos, target_only=config.temperature <= 0,
-                          enforce_eager=not config.vllm_compile, target=None if _same_path(target_dir, exported.verifier) else target_dir)
+                          enforce_eager=not config.vllm_compile,
+                          target=None if _same_path(target_dir, exported.verifier) else target_dir)
         sections["vllm"] = {**result.to_dict(), "prompt_source": prompt_source}
         greedy_outputs["vllm_target_only"] = result.target_only_outputs
 
