@@ -202,8 +202,9 @@ def serve_k_facts(check: dict) -> dict:
         raise SystemExit(f"the K check recommends K = {best} but did not serve it: run k_check.sh to its end")
     # eager or compiled engines; None for a check made before k_check.sh recorded them (eager, unrecorded)
     engines = {True: "eager", False: "compiled"}.get(served.get("enforce_eager"))
+    repeats = {key: served[key] for key in ("speedup_c1_runs", "speedup_c1_median") if key in served}
     return {"serve_k": best, "at_serve_k": {"acceptance_length": served["acceptance_length"], "speed": served["speed"],
-                                            "vllm_engines": engines},
+                                            "vllm_engines": engines, **repeats},
             "k_check": check["predicted_vs_measured_c1"]}
 
 

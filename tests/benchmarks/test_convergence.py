@@ -69,8 +69,9 @@ def test_a_k_check_gives_the_committed_draft_its_serve_k_only_when_that_k_was_se
     assert facts["serve_k"] == 3 and facts["at_serve_k"]["speed"]["concurrency_1"]["speedup"] == 1.4
     assert facts["k_check"] == check["predicted_vs_measured_c1"]
     assert facts["at_serve_k"]["vllm_engines"] is None  # a check from before the engines were recorded
-    check["served"]["3"]["enforce_eager"] = False
-    assert convergence.serve_k_facts(check)["at_serve_k"]["vllm_engines"] == "compiled"
+    check["served"]["3"].update(enforce_eager=False, speedup_c1_runs=[1.4, 1.3, 1.5], speedup_c1_median=1.4)
+    at = convergence.serve_k_facts(check)["at_serve_k"]
+    assert at["vllm_engines"] == "compiled" and at["speedup_c1_runs"] == [1.4, 1.3, 1.5] and at["speedup_c1_median"] == 1.4
     del check["served"]["3"]
     with pytest.raises(SystemExit, match="recommends K = 3 but did not serve it"):
         convergence.serve_k_facts(check)
