@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import shlex
 import subprocess
 import sys
@@ -49,6 +48,8 @@ from real_scale import (distinct_first_turns, extract_rates, heldout_chats, held
 from recipe_curves import Recipe, describe_store, merged_records, run_recipe, serve_in_vllm  # noqa: E402
 
 from peagle.pipeline.atomic import atomic_write_json  # noqa: E402
+from peagle.pipeline.store import list_commits  # noqa: E402
+from peagle.schemas.store import SUPERVISED  # noqa: E402
 
 PARTS = {"a": 1, "b": 1, "c": 2}
 """Parts of the training prompts (shares); the points train on a, a+b, a+b+c."""
@@ -59,12 +60,13 @@ MORE_SEED = 100
 """The seed of part d's first prompt chunk (the next ones count up): apart from the first parts' seeds."""
 
 
-def run(name: str, args: list[str], work: Path) -> float:
-    """One ``peagle`` command, logged to WORK/logs/NAME.log; its seconds. A failure stops the run."""
+def run(name: str, args: list[str], work: Path, *, append: bool = False) -> float:
+    """One ``peagle`` command, logged to WORK/logs/NAME.log (``append``: after the earlier runs' lines,
+    for a resumable command whose earlier runs did part of the work); its seconds. A failure stops the run."""
     (work / "logs").mkdir(parents=True, exist_ok=True)
     print(f"[{time.strftime('%H:%M:%S')}] $ peagle {shlex.join(args)}", flush=True)
     started = time.time()
-    with open(work / "logs" / f"{name}.log", "w") as log:
+    with open(work / "logs" / f"{name}.log", "a" if append else "w") as log:
         rc = subprocess.run([sys.executable, "-m", "peagle", *args], stdout=log, stderr=subprocess.STDOUT).returncode
     if rc != 0:
         tail = (work / "logs" / f"{name}.log").read_text(errors="replace").strip().splitlines()[-3:]
@@ -141,11 +143,12 @@ def extract_args(data: Path, out: Path, target: Path, answer_args: list[str]) ->
             "--seed", "0", *answer_args]
 
 
-def supervised_tokens(log: Path) -> int | None:
-    """The supervised (answer) tokens an extract committed, from its closing line."""
-    found = re.search(r"committed \d+ shards, [\d,]+ tokens \(([\d,]+) supervised\)",
-                      log.read_text(errors="replace") if log.exists() else "")
-    return int(found.group(1).replace(",", "")) if found else None
+def supervised_tokens(store: Path) -> int | None:
+    """The supervised (answer) tokens a store holds, from its shards' commit records: a store made
+    over several runs has no one closing line that counts them all."""
+    records = list_commits(store) if (store / "commits").is_dir() else []
+    return sum(n for r in records for kind, n in r.token_counts.items() if kind.startswith(SUPERVISED + ".")) \
+        if records else None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -178,11 +181,16 @@ def main(argv: list[str] | None = None) -> None:
     for name in ["heldout", *PARTS, *(["d"] if args.more_magpie_prompts else [])]:
         store = work / "stores" / name
         source = work / "data" / ("heldout.jsonl" if name == "heldout" else f"prompts-{name}.jsonl")
-        if not (store / "manifest.json").exists():
-            seconds[name] = run(f"extract-{name}", extract_args(source, store, target, answer_args), work)
+        # Always handed to extract: it finishes a store an earlier run left part-made (a manifest
+        # lists committed shards only, so its presence says nothing about the rest) or says
+        # "nothing to do"; the seconds are kept for a store this run started.
+        started_here = not (store / "manifest.json").exists()
+        took = run(f"extract-{name}", extract_args(source, store, target, answer_args), work, append=True)
+        if started_here:
+            seconds[name] = took
         stores[name] = store
     facts = {name: {**describe_store(path), **extract_rates(work / "logs" / f"extract-{name}.log"),
-                    "supervised_tokens": supervised_tokens(work / "logs" / f"extract-{name}.log"),
+                    "supervised_tokens": supervised_tokens(path),
                     "seconds": seconds.get(name)} for name, path in stores.items()}
     if args.stores_only:
         print(json.dumps({"prompts": prompts, "stores": facts}, indent=1), flush=True)

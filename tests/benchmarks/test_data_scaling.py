@@ -50,3 +50,27 @@ def test_the_double_point_trains_on_every_part_and_needs_part_d(scaling, tmp_pat
     assert scaling.POINTS["double"] == (*scaling.POINTS["all"], "d")
     with pytest.raises(SystemExit, match="give --more-magpie-prompts"):
         scaling.main(["--work", str(tmp_path), "--points", "double"])
+
+
+def test_supervised_tokens_count_a_store_made_over_several_runs(scaling, tmp_path, tiny_llama) -> None:
+    """A store two runs made (here two workers, one after the other) counts every committed shard's answer
+    tokens, as a store one run made does; a store with nothing committed counts None."""
+    from peagle.schemas.extract_config import ExtractConfig
+    from peagle.stages.extract.run import run_extract
+    from peagle.testing.chat_data import write_chat_jsonl
+
+    data = write_chat_jsonl(tmp_path / "chat.jsonl", 18, seed=5)
+
+    def extract(out: Path, **worker) -> None:
+        run_extract(ExtractConfig(data=(str(data),), target=str(tiny_llama), out=str(out), samples_per_shard=6,
+                                  backend="hf", device="cpu", max_seq_len=128, **worker),
+                    echo=lambda _: None, progress=False)
+
+    assert scaling.supervised_tokens(tmp_path / "none") is None
+    extract(tmp_path / "whole")
+    extract(tmp_path / "parts", shard_index=0, num_shards=2)
+    first = scaling.supervised_tokens(tmp_path / "parts")
+    extract(tmp_path / "parts", shard_index=1, num_shards=2)
+    whole = scaling.supervised_tokens(tmp_path / "whole")
+    assert 0 < first < whole
+    assert scaling.supervised_tokens(tmp_path / "parts") == whole
