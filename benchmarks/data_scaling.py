@@ -5,7 +5,8 @@ on the held-out prompts.
     python benchmarks/data_scaling.py --work WORK --out benchmarks/results/cpu/data_scaling.json
 
 Every step is the product's own command, skipped when its output is already there (a killed run
-resumes). What it does and why:
+resumes; the stores are handed to ``peagle extract`` every time, as it finishes a part-made store or
+says "nothing to do"). What it does and why:
 
 * **Prompts**: the templated generator's training prompts (first turn only, one answer each) and the
   target's own (``peagle prompts``, Magpie: the chat template up to the user's text, sampled), with
