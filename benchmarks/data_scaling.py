@@ -50,7 +50,6 @@ from recipe_curves import Recipe, describe_store, merged_records, run_recipe, se
 
 from peagle.pipeline.atomic import atomic_write_json  # noqa: E402
 from peagle.pipeline.store import list_commits  # noqa: E402
-from peagle.schemas.store import SUPERVISED  # noqa: E402
 
 PARTS = {"a": 1, "b": 1, "c": 2}
 """Parts of the training prompts (shares); the points train on a, a+b, a+b+c."""
@@ -148,8 +147,7 @@ def supervised_tokens(store: Path) -> int | None:
     """The supervised (answer) tokens a store holds, from its shards' commit records: a store made
     over several runs has no one closing line that counts them all."""
     records = list_commits(store) if (store / "commits").is_dir() else []
-    return sum(n for r in records for kind, n in r.token_counts.items() if kind.startswith(SUPERVISED + ".")) \
-        if records else None
+    return sum(r.num_supervised_tokens for r in records) if records else None
 
 
 def main(argv: list[str] | None = None) -> None:

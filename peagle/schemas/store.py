@@ -205,13 +205,19 @@ class ShardRecord:
     safetensors_crc32: tuple[str, ...] = ()
 
     @property
+    def num_supervised_tokens(self) -> int:
+        """The tokens a draft learns to predict (every ``supervised.<kind>`` count; 0 in records from
+        before token counts)."""
+        return sum(n for k, n in self.token_counts.items() if k.startswith(SUPERVISED + "."))
+
+    @property
     def usable(self) -> bool:
         """Whether the shard holds a sample a draft learns from: one with a supervised token (records
         from before token counts: any sample). A store none of whose shards is usable is refused by
         every reader and started afresh by the next extract with other settings."""
         if not self.num_samples:
             return False
-        return not self.token_counts or any(n for k, n in self.token_counts.items() if k.startswith(SUPERVISED + "."))
+        return not self.token_counts or self.num_supervised_tokens > 0
 
     def crc32_of(self, rel: str) -> tuple[str, ...]:
         """The recorded block checksums of this shard's file ``rel`` (its ``parquet`` or ``safetensors``);

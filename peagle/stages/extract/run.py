@@ -304,7 +304,7 @@ def extract_pending(config: ExtractConfig, plan: ExtractPlan, target: TargetDire
     skipped_total = Counter()
     for r in summary.records:
         skipped_total.update(r.skipped)
-    supervised = sum(n for r in summary.records for k, n in r.token_counts.items() if k.startswith(S.SUPERVISED + "."))
+    supervised = sum(r.num_supervised_tokens for r in summary.records)
     if summary.records:  # where the time went: a writer that keeps the target waiting is a slow disk or CPU
         rest = summary.work_seconds - summary.forward_seconds - summary.writer_wait_seconds
         echo(f"  time       {summary.work_seconds:.1f} s: target forward {summary.forward_seconds:.1f} s, "
@@ -329,7 +329,7 @@ def check_worker_input(root: Path, mine: list[P.PlannedShard], examples: list[Ba
     for r in records:
         skipped.update(r.skipped)
     counted = all(r.token_counts or not r.num_samples for r in records)  # older records did not count
-    supervised = sum(n for r in records for k, n in r.token_counts.items() if k.startswith(S.SUPERVISED + "."))
+    supervised = sum(r.num_supervised_tokens for r in records)
     try:
         check_input(num_records=sum(r.num_records for r in records), skipped=skipped, examples=examples,
                     supervised_tokens=supervised if counted else None, max_skipped_share=config.max_skipped_share,
