@@ -2,7 +2,8 @@
 # Issue 45's K check: does the K `peagle eval` recommends serve fastest? Eval's recommendation for an
 # export served at K = 5 (our loop's step costs on this machine, vLLM's per-depth acceptance), then vLLM
 # at the recommended K and at K = 1 on the same held-out prompts, one request at a time, bf16; the
-# summary (predicted against measured speedup per K) goes to OUT_JSON.
+# summary (predicted against measured speedup per K, and our own loop at the recommended K) goes to
+# OUT_JSON.
 #
 # ENGINE: compiled (default: vLLM's own default and the target's fastest setting here, ~90 s of compile
 # per engine) or eager (the setting of the checks before 2026-11-29); the draft's engines and the
@@ -37,6 +38,9 @@ for K in $REC 1; do
     [ -f "$OUT/report.json" ] || $P eval "$SERVED" "${COMMON[@]}" --mode vllm --num-depths "$K" --out "$OUT"
   done
 done
+# our own loop (HF target) at the recommended K too: the goal holds both loops to it (K = 5's is in k5/)
+[ "$REC" = 5 ] || [ -f "$W/own-k$REC/report.json" ] || \
+  $P eval "$W/export-k$REC" "${COMMON[@]}" --mode online --num-depths "$REC" --out "$W/own-k$REC"
 .venv/bin/python - "$W" "$OUT_JSON" <<'PY'
 import json, re, statistics, sys
 from pathlib import Path
@@ -60,12 +64,18 @@ for _, _, report in sorted(runs):
     served[k]["speedup_c1_runs"].append(vllm["speed"]["concurrency_1"]["speedup"])
 for entry in served.values():
     entry["speedup_c1_median"] = statistics.median(entry["speedup_c1_runs"])
+own = work / ("k5" if rec["best_k"] == 5 else f"own-k{rec['best_k']}") / "report.json"
+online = json.loads(own.read_text())["online"]
+own_loop = {"k": rec["best_k"], "acceptance_length": online["acceptance_length"], "speed": online.get("speed")}
 rows = [{"k": row["k"], "predicted": row.get("calibrated_speedup"),
          "measured": served[row["k"]]["speedup_c1_median"] if row["k"] in served else None,
          "measured_runs": served[row["k"]]["speedup_c1_runs"] if row["k"] in served else []}
         for row in rec["by_k"]]
-out.write_text(json.dumps({"recommendation": rec, "served": served, "predicted_vs_measured_c1": rows}, indent=1))
+out.write_text(json.dumps({"recommendation": rec, "served": served, "predicted_vs_measured_c1": rows,
+                           "own_loop_at_recommended_k": own_loop}, indent=1))
 for row in rows:
     print(f"K = {row['k']}: predicted {row['predicted']:.2f}x" + (f", measured {row['measured']:.2f}x" if row["measured"] else "")
           + (" (median of " + " / ".join(f"{x:.2f}" for x in row["measured_runs"]) + ")" if len(row["measured_runs"]) > 1 else ""))
+print(f"our loop at K = {own_loop['k']}: AL {own_loop['acceptance_length']:.3f}, "
+      f"{(own_loop['speed'] or {}).get('concurrency_1', {}).get('speedup') or 0:.2f}x one request at a time")
 PY
