@@ -52,6 +52,8 @@ def own_prompts(work: Path, target: Path, num: int, prompt_args: list[str]) -> P
     data = work / "data"
     out = data / "magpie-heldout.jsonl"
     if out.exists():
+        if len(read_jsonl(out)) < num:  # an earlier run's smaller set: serving it would quietly serve fewer
+            raise SystemExit(f"{out} holds fewer than --num-prompts {num}: move it away and run again")
         return out
     exclude = data / "prompt-kind-exclude.jsonl"
     atomic_write_bytes(exclude, "".join(json.dumps(c) + "\n" for c in training_prompts(data)).encode())

@@ -42,3 +42,11 @@ def test_an_export_flag_wants_a_name_and_an_export_directory(prompt_kind, tmp_pa
         prompt_kind.parse_export(str(tmp_path))
     with pytest.raises(argparse.ArgumentTypeError, match="not a peagle export"):
         prompt_kind.parse_export(f"x={tmp_path / 'missing'}")
+
+
+def test_a_smaller_set_from_an_earlier_run_is_refused_not_served(prompt_kind, tmp_path):
+    (tmp_path / "data").mkdir()
+    _write(tmp_path / "data" / "magpie-heldout.jsonl", ["What is a prime number?"])
+    assert prompt_kind.own_prompts(tmp_path, Path("/t"), 1, []) == tmp_path / "data" / "magpie-heldout.jsonl"
+    with pytest.raises(SystemExit, match="fewer than --num-prompts 2"):
+        prompt_kind.own_prompts(tmp_path, Path("/t"), 2, [])
