@@ -79,13 +79,20 @@ def checkpoints(run: Path) -> list[Path]:
 
 def serve(checkpoint: Path, served: Path, *, target: Path, prompts: Path, dtype: str) -> dict:
     """Export one checkpoint and measure it in vLLM (its report reused when there)."""
-    report = served / "report" / "report.json"
-    if not report.exists():
+    if not (served / "report" / "report.json").exists():
         subprocess.run([*PEAGLE, "export", str(checkpoint), "--out", str(served / "export"), "--speculative-tokens",
                         "5"], check=True, stdout=subprocess.DEVNULL)
-        subprocess.run([*PEAGLE, "eval", str(served / "export"), "--target", str(target), "--prompts", str(prompts),
-                        "--out", str(served / "report"), "--num-depths", "5", "--mode", "vllm", "--max-prompts",
-                        "32", "--max-new-tokens", "128", "--target-dtype", dtype, "--quiet"], check=True,
+    return measure(served / "export", prompts, served / "report", target=target, dtype=dtype)
+
+
+def measure(export: Path, prompts: Path, report_dir: Path, *, target: Path, dtype: str, num_prompts: int = 32) -> dict:
+    """An export in vLLM at K = 5 on ``prompts`` (128 new tokens each; its report reused when there):
+    the served facts every served checkpoint records (prompt_kind.py measures the same way)."""
+    report = report_dir / "report.json"
+    if not report.exists():
+        subprocess.run([*PEAGLE, "eval", str(export), "--target", str(target), "--prompts", str(prompts),
+                        "--out", str(report_dir), "--num-depths", "5", "--mode", "vllm", "--max-prompts",
+                        str(num_prompts), "--max-new-tokens", "128", "--target-dtype", dtype, "--quiet"], check=True,
                        stdout=subprocess.DEVNULL)
     vllm = json.loads(report.read_text())["vllm"]
     return {key: vllm.get(key) for key in SERVED_KEYS}

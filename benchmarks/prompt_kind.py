@@ -22,7 +22,6 @@ speed; the prompt sets' files and sizes.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import time
@@ -30,15 +29,12 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
-from peagle.pipeline.atomic import atomic_write_bytes, atomic_write_json  # noqa: E402
+from convergence import PEAGLE, measure  # noqa: E402
+from real_scale import read_jsonl, write_jsonl  # noqa: E402
 
-PEAGLE = [sys.executable, "-m", "peagle"]
-SERVED_KEYS = ("acceptance_length", "per_depth_acceptance", "tokens_per_target_forward", "speed", "num_steps")
+from peagle.pipeline.atomic import atomic_write_json  # noqa: E402
+
 HELDOUT_SEED = 900  # data_scaling.py's parts use seeds 0-1 (a-c) and 100+ (d)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def training_prompts(data: Path) -> list[dict]:
@@ -55,23 +51,10 @@ def own_prompts(work: Path, target: Path, num: int, prompt_args: list[str]) -> P
         if len(read_jsonl(out)) < num:  # an earlier run's smaller set: serving it would quietly serve fewer
             raise SystemExit(f"{out} holds fewer than --num-prompts {num}: move it away and run again")
         return out
-    exclude = data / "prompt-kind-exclude.jsonl"
-    atomic_write_bytes(exclude, "".join(json.dumps(c) + "\n" for c in training_prompts(data)).encode())
+    exclude = write_jsonl(data / "prompt-kind-exclude.jsonl", training_prompts(data))
     subprocess.run([*PEAGLE, "prompts", "--target", str(target), "--out", str(out), "--seed", str(HELDOUT_SEED),
                     "--num-prompts", str(num), "--exclude-prompts", str(exclude), *prompt_args], check=True)
     return out
-
-
-def serve(export: Path, prompts: Path, report_dir: Path, *, target: Path, num: int, dtype: str) -> dict:
-    """peagle eval in vLLM as convergence.py serves a checkpoint (its report reused when there)."""
-    report = report_dir / "report.json"
-    if not report.exists():
-        subprocess.run([*PEAGLE, "eval", str(export), "--target", str(target), "--prompts", str(prompts),
-                        "--out", str(report_dir), "--num-depths", "5", "--mode", "vllm", "--max-prompts", str(num),
-                        "--max-new-tokens", "128", "--target-dtype", dtype, "--quiet"], check=True,
-                       stdout=subprocess.DEVNULL)
-    vllm = json.loads(report.read_text())["vllm"]
-    return {key: vllm.get(key) for key in SERVED_KEYS}
 
 
 def prompt_facts(path: Path) -> dict:
@@ -115,8 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     for name, export in args.export:
         result["exports"][name] = {"export": str(export)}
         for kind, prompts in kinds.items():
-            served = serve(export, prompts, args.work / "prompt-kind" / name / kind, target=target,
-                           num=args.num_prompts, dtype=args.eval_dtype)
+            served = measure(export, prompts, args.work / "prompt-kind" / name / kind, target=target,
+                             dtype=args.eval_dtype, num_prompts=args.num_prompts)
             result["exports"][name][kind] = served
             speed = (served.get("speed") or {}).get("concurrency_1") or {}
             print(f"[{time.strftime('%H:%M:%S')}] {name} on {kind} prompts: AL {served['acceptance_length']:.3f}, "
