@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from peagle.model.draft import PEagleDraft
+from peagle.model.gqa_attention import use_gqa_sdpa
 from peagle.model.target import load_causal_lm
 from peagle.model.proposer import CachedProposer
 from peagle.pipeline.progress import track
@@ -65,7 +66,8 @@ class HFTarget:
 
     Aux states are ``hidden_states[i]`` for the draft's aux layer ids: the stream entering layer i,
     the same tensors extraction stores (docs/store.md). They stay on the model's device; logits come
-    back to the CPU, where acceptance and sampling run.
+    back to the CPU, where acceptance and sampling run. :meth:`load` attends with
+    :mod:`peagle.model.gqa_attention` (verification's masked forwards without K/V head copies).
     """
 
     def __init__(self, model, aux_layer_ids: list[int]):
@@ -77,7 +79,7 @@ class HFTarget:
     @classmethod
     def load(cls, model_dir: str, aux_layer_ids: list[int], *, dtype: torch.dtype = torch.float32,
              device: str | torch.device = "cpu") -> "HFTarget":
-        return cls(load_causal_lm(model_dir, dtype, device), aux_layer_ids)
+        return cls(use_gqa_sdpa(load_causal_lm(model_dir, dtype, device)), aux_layer_ids)
 
     @torch.no_grad()
     def forward(self, input_ids_L: Tensor, cache):
