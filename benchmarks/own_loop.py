@@ -13,7 +13,8 @@ rest (acceptance, the cache crop, the loop), per plain token the forward and the
 parts' sum misses shows up, and an A/B of a setting is read on the loop's own ratio.
 
 * ``attention``: the loop with the target on transformers' sdpa and on ``gqa_attention`` (what
-  ``HFTarget.load`` uses), alternating, ``--repeats`` times each: the same tokens, the step's cost.
+  ``HFTarget.load`` uses), alternating on one model, ``--repeats`` times each: the same tokens, the
+  step's cost.
 * ``compiled plain``: plain decoding with the target's forward under ``torch.compile`` (dynamic
   shapes) against the eager one, and the verification's forward compiled the same way: whether our
   loop's baseline is the target's fastest setting in transformers (``--no-compiled`` skips it: ~3-5
@@ -100,24 +101,27 @@ def decode(target, drafter, prompts: list[list[int]], *, k: int, max_new_tokens:
 
 def attention_ab(target_dir: str, draft, prompts, *, k: int, max_new_tokens: int, stops: set[int], repeats: int
                  ) -> dict[str, list[dict]]:
-    """The loop on transformers' sdpa and on gqa_attention, alternating (one model each, loaded once)."""
-    from peagle.model.target import load_causal_lm
+    """The loop on transformers' sdpa and on gqa_attention, alternating on one model (two models would
+    sit in different memory, and that alone moved a loop's speed by ~5 % here)."""
+    from peagle.model.gqa_attention import NAME
     from peagle.stages.eval import online
 
-    dtype = draft.fc.weight.dtype
-    targets = {"sdpa": online.HFTarget(load_causal_lm(target_dir, dtype, "cpu"), draft.config.aux_layer_ids),
-               "gqa_attention": online.HFTarget.load(target_dir, draft.config.aux_layer_ids, dtype=dtype)}
-    drafters = {name: online.proposer_drafter(draft, t.vocab_size) for name, t in targets.items()}
-    for name, t in targets.items():  # warm-up: first-call allocations out of the timings
-        decode(t, drafters[name], prompts[:1], k=k, max_new_tokens=16, stops=stops)
-    runs: dict[str, list[dict]] = {name: [] for name in targets}
+    target = online.HFTarget.load(target_dir, draft.config.aux_layer_ids, dtype=draft.fc.weight.dtype)
+    drafter = online.proposer_drafter(draft, target.vocab_size)
+    settings = {"sdpa": "sdpa", "gqa_attention": NAME}
+    for implementation in settings.values():  # warm-up: first-call allocations out of the timings
+        target.model.set_attn_implementation(implementation)
+        decode(target, drafter, prompts[:1], k=k, max_new_tokens=16, stops=stops)
+    runs: dict[str, list[dict]] = {name: [] for name in settings}
     for i in range(repeats):
-        for name, t in targets.items():
-            runs[name].append(decode(t, drafters[name], prompts, k=k, max_new_tokens=max_new_tokens, stops=stops))
+        for name, implementation in settings.items():
+            target.model.set_attn_implementation(implementation)
+            runs[name].append(decode(target, drafter, prompts, k=k, max_new_tokens=max_new_tokens, stops=stops))
             r = runs[name][-1]
             print(f"{name} run {i + 1}: {r['speedup']:.3f}x (AL {r['acceptance_length']:.3f}); step "
                   f"{r['spec_step_ms']:.1f} ms = verify {r['verify_ms']:.1f} + draft {r['draft_ms']:.1f} + rest "
                   f"{r['spec_rest_ms']:.1f}; plain token {r['plain_forward_ms'] + r['plain_rest_ms']:.1f} ms", flush=True)
+    target.model.set_attn_implementation(NAME)
     return runs
 
 

@@ -68,25 +68,46 @@ class HFTarget:
     the same tensors extraction stores (docs/store.md). They stay on the model's device; logits come
     back to the CPU, where acceptance and sampling run. :meth:`load` attends with
     :mod:`peagle.model.gqa_attention` (verification's masked forwards without K/V head copies).
+
+    ``compiled``: the forward runs under ``torch.compile`` (dynamic shapes), plain decoding and
+    verification alike: on 2 CPU cores SmolLM2's plain step drops from ~45 to ~32 ms, so the target
+    alone is measured at its fastest setting (benchmarks/own_loop.py). Dynamo guards on the KV
+    cache's strides, and a cache holds three layouts (the prefill's transposed projections, a
+    ``torch.cat``'s contiguous tensors, a crop's views of longer ones): each would be a recompile
+    (~30 s here) and a run hits the recompile limit. So a compiled target makes the cache contiguous
+    before each forward (a copy only after a prefill or a crop): two graphs, one token and several.
     """
 
-    def __init__(self, model, aux_layer_ids: list[int]):
+    def __init__(self, model, aux_layer_ids: list[int], *, compiled: bool = False):
         self.model = model.eval()
         self.aux_layer_ids = list(aux_layer_ids)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.device = next(model.parameters()).device
+        self.compiled = compiled
+        self._forward = torch.compile(model, dynamic=True) if compiled else model
 
     @classmethod
     def load(cls, model_dir: str, aux_layer_ids: list[int], *, dtype: torch.dtype = torch.float32,
-             device: str | torch.device = "cpu") -> "HFTarget":
-        return cls(use_gqa_sdpa(load_causal_lm(model_dir, dtype, device)), aux_layer_ids)
+             device: str | torch.device = "cpu", compiled: bool = False) -> "HFTarget":
+        return cls(use_gqa_sdpa(load_causal_lm(model_dir, dtype, device)), aux_layer_ids, compiled=compiled)
 
     @torch.no_grad()
     def forward(self, input_ids_L: Tensor, cache):
-        out = self.model(input_ids=input_ids_L.to(self.device)[None], past_key_values=cache, use_cache=True,
-                         output_hidden_states=True)
+        if self.compiled and cache is not None:
+            _make_contiguous(cache)
+        out = self._forward(input_ids=input_ids_L.to(self.device)[None], past_key_values=cache, use_cache=True,
+                            output_hidden_states=True)
         aux_LAH = torch.stack([out.hidden_states[i][0] for i in self.aux_layer_ids], dim=1)
         return out.logits[0].float().cpu(), aux_LAH, out.past_key_values
+
+
+def _make_contiguous(cache) -> None:
+    """Every layer's keys and values of a transformers ``DynamicCache`` as contiguous tensors."""
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is not None and not layer.keys.is_contiguous():
+            layer.keys = layer.keys.contiguous()
+        if getattr(layer, "values", None) is not None and not layer.values.is_contiguous():
+            layer.values = layer.values.contiguous()
 
 
 def proposer_drafter(draft: PEagleDraft, target_vocab_size: int) -> Drafter:

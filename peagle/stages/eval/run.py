@@ -167,7 +167,8 @@ def run_eval(config: EvalConfig, *, echo: Callable[[str], None] = print) -> dict
         if device == "cuda" and not torch.cuda.is_available():
             raise UserError("--device cuda was asked for, but torch sees no CUDA device")
         dtype = TORCH_DTYPES[config.target_dtype]
-        target = online.HFTarget.load(target_dir, draft.config.aux_layer_ids, dtype=dtype, device=device)
+        target = online.HFTarget.load(target_dir, draft.config.aux_layer_ids, dtype=dtype, device=device,
+                                      compiled=config.online_compile)
         drafter = online.proposer_drafter(draft.to(device=device, dtype=dtype), target.vocab_size)
         result = online.evaluate_online(target, drafter, prompt_ids, num_depths=K, max_new_tokens=config.max_new_tokens,
                                         temperature=config.temperature, seed=config.seed, stop_ids=set(stops),

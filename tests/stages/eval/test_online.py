@@ -127,3 +127,28 @@ def test_distinct_ngram_ratio():
     assert distinct_ngram_ratio(list(range(10))) == 1.0
     assert distinct_ngram_ratio([7] * 20) == pytest.approx(1 / 17)
     assert distinct_ngram_ratio([1, 2]) == 1.0
+
+
+
+def test_a_compiled_target_decodes_the_same_tokens_without_recompiling_per_step(tmp_path, prompts):
+    """``HFTarget(compiled=True)``: the same greedy tokens as eager, plain and speculative (float32, a
+    draft whose guesses are always rejected: the cache is cropped every step), and the graphs stay few
+    (a 2-layer target: the compile is the test's cost)."""
+    import torch._dynamo
+
+    from peagle.testing.tiny_target import TinyTargetSpec, build_tiny_target
+
+    path = str(build_tiny_target(tmp_path / "two-layers", TinyTargetSpec(num_layers=2)))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    outputs = {}
+    for compiled in (False, True):
+        hf = HFTarget.load(path, [0, 1, 2], dtype=torch.float32, compiled=compiled)
+        outputs[compiled] = [(plain_generate(hf, p, max_new_tokens=10, sampler=Sampler()).tokens,
+                              speculative_generate(hf, lambda tokens_S, aux, k, pick: (None, [3] * k), p,
+                                                   num_depths=K, max_new_tokens=10, sampler=Sampler()).tokens)
+                             for p in prompts[:2]]
+    assert outputs[True] == outputs[False]
+    # prefill, one token, K + 1 tokens and transformers' output-capture hook; a cache left as cropped or
+    # as the prefill laid it out makes a graph per layout (6 here, and more as a run goes on)
+    assert 0 < torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 4
