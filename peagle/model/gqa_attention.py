@@ -5,9 +5,9 @@ transformers passes SDPA a causal mask (its ``is_causal`` flag is top-left align
 outnumber queries). Under a mask its sdpa path repeats every K/V head to the query heads first
 (``repeat_kv``: CUDA's fused kernels need that) and only a mask-free call, such as a plain
 decoding step over one token, gets ``enable_gqa``. torch's CPU kernel takes ``enable_gqa`` with a
-mask as it is, so on a CPU the copies are pure cost: two per layer per verification, ~1.5 ms of a
-~45 ms SmolLM2 step on 2 cores, about half of what verifying K + 1 tokens costs over one (the
-same-output A/B is tests/model/test_gqa_attention.py; the step costs, benchmarks/step_cost.py).
+mask as it is, so on a CPU the copies are pure cost: two per layer per verification, ~1-2 ms of a
+~45 ms SmolLM2 verification on 2 cores timed alone, ~1 % of our loop's speed with a trained draft
+(benchmarks/own_loop.py; the same-output check is tests/model/test_gqa_attention.py).
 
 :func:`use_gqa_sdpa` switches a loaded model to :data:`NAME`: transformers' own sdpa function in
 every case but "CPU, grouped K/V heads, a mask", where one SDPA call with ``enable_gqa`` replaces

@@ -75,7 +75,8 @@ class HFTarget:
     cache's strides, and a cache holds three layouts (the prefill's transposed projections, a
     ``torch.cat``'s contiguous tensors, a crop's views of longer ones): each would be a recompile
     (~30 s here) and a run hits the recompile limit. So a compiled target makes the cache contiguous
-    before each forward (a copy only after a prefill or a crop): two graphs, one token and several.
+    before each forward (a copy only after a prefill or a crop): a run compiles 4 graphs (the prefill,
+    one token, several, and transformers' output-capture hook).
     """
 
     def __init__(self, model, aux_layer_ids: list[int], *, compiled: bool = False):
