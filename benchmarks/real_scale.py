@@ -75,6 +75,9 @@ class Scale:
     feed about 4 steps/s)."""
     min_steps: int = 100
     max_steps: int = 6000
+    keep_checkpoints: int = 3
+    """Checkpoints each run keeps: the smoke keeps one, as five runs of three 150-230 MB checkpoints
+    filled a CI machine's disk (2.5 GB of a 3.5 GB test folder)."""
     export_files_mib: int = 15
     """Parts of the packed results are at most this size (a device call returns files of 16 MiB)."""
 
@@ -84,7 +87,8 @@ SMOKE = Scale(device="cpu", num_magpie=4, num_templated=20, prompt_chunks=1, min
               prompt_max_new=48, answer_batch=16,
               samples_per_shard=16, max_new_tokens=24, max_seq_len=256, max_batch_tokens=4096, hidden_dtype="bf16",
               heldout_chats=4, serve_prompts=2, vocab=256, token_budget=512, num_workers=0, startup_s=5.0,
-              steps_per_s={"peagle-1l": 1.0, "peagle-4l": 1.0, "eagle3-1l": 1.0}, min_steps=3, max_steps=4)
+              steps_per_s={"peagle-1l": 1.0, "peagle-4l": 1.0, "eagle3-1l": 1.0}, min_steps=3, max_steps=4,
+              keep_checkpoints=1)
 """The real target on 2 CPU cores, every step at toy size (tests/benchmarks/test_gpu_real_scale.py)."""
 
 PARTS = {"a0": 1, "a1": 3, "a2": 12}
@@ -236,7 +240,8 @@ def train_args(run: Run, stores: dict[str, Path], weights: dict[str, float], *, 
     flags = ["train", *store_flags, "--target", str(target), "--out", str(out), "--eval-store", str(heldout),
              "--draft-vocab-size", str(scale.vocab), "--token-budget", str(scale.token_budget),
              "--max-steps", str(steps), "--warmup-steps", str(max(1, steps // 20)), "--eval-every", str(every),
-             "--save-every", str(every), "--num-workers", str(scale.num_workers), *COMMON_TRAIN, *run.flags]
+             "--save-every", str(every), "--keep-checkpoints", str(scale.keep_checkpoints),
+             "--num-workers", str(scale.num_workers), *COMMON_TRAIN, *run.flags]
     if "s2" in stores and "s2" in run.stores:
         flags.append("--allow-incomplete")  # s2 is cut at the generation deadline
     return flags
