@@ -207,6 +207,13 @@ class TrainConfig(TrackingOptions):
     `forward_kl` (KL(target || draft)) or `tv` (total variation distance, 1 - the acceptance
     probability of speculative sampling). See docs/loss.md for what the untracked tail does to each."""
 
+    aux_noise: float = 0.0
+    """Gaussian noise on the target's aux states in training (not in --eval-store's evaluation), its
+    standard deviation this fraction of each state's RMS (0: none). EAGLE-1 trained on noised
+    features so the draft tolerates its own feature errors; here it is a regulariser against a draft
+    that learns a small store by heart (docs/quality.md). Drawn from the run's checkpointed RNG, so a
+    resumed run draws what the killed one would have."""
+
     max_anchors: int | None = None
     """(--method peagle) Cap M on the draft chains of each sample: at most M of its positions start a chain (get
     depth 1 elements); every deeper element extends one of those chains, and the deeper depths'
@@ -336,6 +343,8 @@ class TrainConfig(TrackingOptions):
             raise UserError(f"--down-sample-ratio-min must be in [0, 1], got {self.down_sample_ratio_min}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise UserError(f"--lr must be > 0, got {self.lr}")
+        if not (math.isfinite(self.aux_noise) and self.aux_noise >= 0):
+            raise UserError(f"--aux-noise must be >= 0, got {self.aux_noise}")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise UserError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         if not (math.isfinite(self.grad_clip) and self.grad_clip >= 0):

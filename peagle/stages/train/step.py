@@ -61,6 +61,7 @@ from peagle.model.flex import FLEX_KERNEL_OPTIONS, is_compile_failure
 from peagle.model.regional_compile import DraftCompiler, resolve_compile_mode
 from peagle.schemas.errors import UserError, one_line
 from peagle.schemas.train_config import TrainConfig
+from peagle.stages.train.aux_noise import noised
 from peagle.stages.train.train_batch import TrainBatch
 from peagle.stages.train.device import default_compute_dtype, resolve_device
 from peagle.stages.train.loss import (LossStats, agreement_rates, chain_acceptance, chain_acceptance_length,
@@ -137,15 +138,19 @@ class DraftStep(nn.Module):
 
 
 def unit_forward(model: nn.Module, batch: TrainBatch, plan: UnitPlan, *, attention: str,
-                 compute_dtype: torch.dtype, method: TrainingMethod = PEAGLE) -> tuple[LossStats, Tensor]:
+                 compute_dtype: torch.dtype, method: TrainingMethod = PEAGLE,
+                 aux_noise: float = 0.0) -> tuple[LossStats, Tensor]:
     """One unit's KL sums (``loss_sum`` has grad) and the top-1 agreement ``correct_e`` of the rows it
-    charges, from a batch already on the device: gathers only (the method's ``unit_inputs``)."""
+    charges, from a batch already on the device: gathers only (the method's ``unit_inputs``). A model
+    in training mode reads its aux states with ``aux_noise`` (aux_noise.py); evaluation never does."""
 
     def charged(t: Tensor) -> Tensor:
         return t if plan.target_idx_e is None else t[plan.target_idx_e]
 
     b = batch
     inputs = method.unit_inputs(b, plan, attention)
+    if aux_noise > 0 and model.training:
+        inputs = (inputs[0], noised(inputs[1], aux_noise), *inputs[2:])  # every method: (tokens, aux, ...)
     device_type = b.tokens_T.device.type
     with torch.autocast(device_type, dtype=compute_dtype, enabled=compute_dtype != torch.float32):
         out = model(inputs, plan.supervised_idx_e, charged(b.target_ids_Ek), charged(b.target_probs_Ek),
@@ -329,7 +334,8 @@ class TrainStep:
             try:
                 with self.compiler.forward_context():
                     return unit_forward(self.model, batch, plan, attention=self.attention,
-                                        compute_dtype=self.compute_dtype, method=self.method)
+                                        compute_dtype=self.compute_dtype, method=self.method,
+                                        aux_noise=self.config.aux_noise)
             except Exception as err:  # noqa: BLE001 - only compile failures of the layers are handled
                 if not self.compiler.fall_back(err):
                     raise
