@@ -127,36 +127,36 @@ def attention_ab(target_dir: str, draft, prompts, *, k: int, max_new_tokens: int
 
 def compiled_plain(target_dir: str, aux_layer_ids: list[int], dtype: torch.dtype, prompt: list[int], *,
                    k: int, tokens: int = 64, repeats: int = 3) -> dict[str, Any]:
-    """ms per token of plain decoding with the target eager and under ``torch.compile``, and of a
-    verification forward (K + 1 tokens over the cache, then cropped back) both ways."""
+    """ms per token of plain decoding with the target eager and compiled (``HFTarget(compiled=True)``,
+    what ``peagle eval --online-compile`` serves), and of a verification forward (K + 1 tokens over
+    the cache, then cropped back) both ways, timed as eval times its step costs
+    (``speed.interleaved_medians``)."""
     from peagle.stages.eval import online, speed
 
-    target = online.HFTarget.load(target_dir, aux_layer_ids, dtype=dtype)
-
-    def plain_ms() -> float:
-        return 1e3 * online.plain_generate(target, prompt, max_new_tokens=tokens, sampler=online.Sampler()).seconds / tokens
-
-    def verify_ms() -> float:
+    out: dict[str, Any] = {}
+    for name, compiled in (("eager", False), ("compiled", True)):
+        started = time.perf_counter()
+        target = online.HFTarget.load(target_dir, aux_layer_ids, dtype=dtype, compiled=compiled)
         state = online.prefill(target, prompt, online.Sampler())
-        kept, times = state.cache.get_seq_length(), []
-        for _ in range(8):
-            start = time.perf_counter()
-            online.verify(target, state, [state.tokens[-1]] * k)
-            times.append(time.perf_counter() - start)
-            speed._crop_to(state.cache, kept)
-        return 1e3 * statistics.median(times[2:])
+        kept = state.cache.get_seq_length()
 
-    plain_ms()
-    out = {"eager_plain_ms": [plain_ms() for _ in range(repeats)], "eager_verify_ms": verify_ms()}
-    started = time.perf_counter()
-    target.model.forward = torch.compile(target.model.forward, dynamic=True)
-    plain_ms()
-    out["compile_s"] = time.perf_counter() - started
-    out["compiled_plain_ms"] = [plain_ms() for _ in range(repeats)]
-    out["compiled_verify_ms"] = verify_ms()
-    print(f"plain decoding: eager {statistics.median(out['eager_plain_ms']):.1f} ms a token, compiled "
-          f"{statistics.median(out['compiled_plain_ms']):.1f} (compile {out['compile_s']:.0f} s); verification of "
-          f"{k + 1}: eager {out['eager_verify_ms']:.1f} ms, compiled {out['compiled_verify_ms']:.1f}", flush=True)
+        def plain() -> None:
+            online.plain_generate(target, prompt, max_new_tokens=tokens, sampler=online.Sampler())
+
+        def verification() -> None:
+            online.verify(target, state, [state.tokens[-1]] * k)
+            speed._crop_to(state.cache, kept)
+
+        plain()  # a compiled target compiles here: its graphs for prefill, one token and K + 1
+        verification()
+        if compiled:
+            out["compile_s"] = time.perf_counter() - started
+        plain_s, verify_s = speed.interleaved_medians([plain, verification], repeats=repeats, warmup=1)
+        out[f"{name}_plain_ms"] = 1e3 * plain_s / tokens
+        out[f"{name}_verify_ms"] = 1e3 * verify_s
+    print(f"plain decoding: eager {out['eager_plain_ms']:.1f} ms a token, compiled {out['compiled_plain_ms']:.1f} "
+          f"(compile {out['compile_s']:.0f} s); verification of {k + 1}: eager {out['eager_verify_ms']:.1f} ms, "
+          f"compiled {out['compiled_verify_ms']:.1f}", flush=True)
     return out
 
 
