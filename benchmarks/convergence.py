@@ -216,6 +216,13 @@ def serve_k_facts(check: dict) -> dict:
 
 
 def plot(runs: list[dict], out: Path) -> None:
+    """:func:`figure_of` ``runs`` as a PNG at ``out`` (written whole or not at all)."""
+    png = io.BytesIO()
+    figure_of(runs).savefig(png, dpi=110, format="png")
+    atomic_write_bytes(out, png.getvalue())
+
+
+def figure_of(runs: list[dict]):
     """The curves of every run against its epochs: the trainer's held-out estimate (line) and the AL
     vLLM measured at each served checkpoint (dots, labelled with the speedup one request at a time)."""
     import matplotlib
@@ -223,9 +230,10 @@ def plot(runs: list[dict], out: Path) -> None:
     matplotlib.use("Agg", force=True)
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(8, 4.5))
+    figure = Figure(figsize=(11, 4.5))
     axes = figure.subplots()
-    for run, color in zip(runs, ("tab:blue", "tab:orange", "tab:green", "tab:red")):
+    for i, run in enumerate(runs):  # every run its own colour (a fixed list of four once dropped the fifth)
+        color = f"C{i % 10}"
         per_epoch = run["batches_per_epoch"] or 1
         curve = run["curve"]
         axes.plot([c["step"] / per_epoch for c in curve], [c["al_estimate"] for c in curve], color=color, alpha=0.45,
@@ -242,11 +250,9 @@ def plot(runs: list[dict], out: Path) -> None:
     axes.set_ylabel("acceptance length (K = 5)")
     axes.set_title("Convergence on 2 CPU cores (labels: speedup in vLLM, one request at a time)", fontsize=10)
     axes.grid(alpha=0.3)
-    axes.legend(fontsize=7, loc="lower right")
+    axes.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))  # beside the curves, never on them
     figure.tight_layout()
-    png = io.BytesIO()
-    figure.savefig(png, dpi=110, format="png")
-    atomic_write_bytes(out, png.getvalue())
+    return figure
 
 
 def _store_flags(command: str | None) -> list[str]:

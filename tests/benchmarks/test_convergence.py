@@ -85,3 +85,7 @@ def test_the_plot_draws_every_run_even_one_not_yet_served(convergence, tmp_path)
     out = tmp_path / "convergence.png"
     convergence.plot(runs, out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not out.with_name(out.name + ".tmp").exists()
+    many = [{**runs[0], "name": f"run-{i}"} for i in range(6)]  # more runs than a palette of four
+    lines = convergence.figure_of(many).axes[0].get_lines()
+    assert sorted({line.get_label().split(":")[0] for line in lines}) == [f"run-{i}" for i in range(6)]
+    assert len({line.get_color() for line in lines}) == 6
