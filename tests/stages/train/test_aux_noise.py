@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from peagle.stages.train.loop import run_training
 from peagle.testing.trainer import trainer_for_draft
 
 sys.path.insert(0, str(Path(__file__).parent))  # sibling test helpers, whatever pytest's import mode
-from test_loop import TIMING, metrics, run_config  # noqa: E402
+from test_loop import assert_resume_reproduces, metrics, run_config  # noqa: E402
 from test_partition_equivalence import K, batch_of, random_items, tiny_draft  # noqa: E402
 
 
@@ -65,16 +64,7 @@ def test_a_noised_run_resumes_exactly(tiny_store, tmp_path):
     assert [r["loss"] for r in metrics(straight)[:2]] != [r["loss"] for r in metrics(plain)[:2]]
 
     resumed = tmp_path / "resumed"
-    shutil.copytree(straight, resumed)
-    shutil.rmtree(resumed / "checkpoints" / "step-00000004")  # as if killed after the step-2 checkpoint
-    (resumed / "metrics.jsonl").write_text("".join(line + "\n" for line in
-                                                   (straight / "metrics.jsonl").read_text().splitlines()[:3]))
-    run_training(run_config(tiny_store, resumed, aux_noise=0.3))
-    assert metrics(resumed) == [r | ({} if r["kind"] == "eval" else {k: r2[k] for k in TIMING})
-                                for r, r2 in zip(metrics(straight), metrics(resumed))]
-    a = torch.load(straight / "checkpoints" / "step-00000004" / "model.pt")
-    b = torch.load(resumed / "checkpoints" / "step-00000004" / "model.pt")
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_resume_reproduces(straight, resumed, run_config(tiny_store, straight, aux_noise=0.3))
     with pytest.raises(UserError, match=r"--aux-noise was 0.3 in the checkpointed run and is 0.0 now"):
         run_training(run_config(tiny_store, resumed, max_steps=5))
     with pytest.raises(UserError, match=r"--aux-noise must be >= 0, got -0.1"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -140,18 +141,24 @@ def test_training_records_its_own_provenance(finished_run):
     assert json.loads((finished_run / "run.json").read_text())[PROVENANCE_KEY] == recorded
 
 
-def test_resume_from_an_earlier_checkpoint_reproduces_the_run(finished_run, tmp_path, tiny_store):
-    out = tmp_path / "resumed"
-    shutil.copytree(finished_run, out)
+def assert_resume_reproduces(finished: Path, out: Path, config: TrainConfig) -> None:
+    """Copy ``finished`` (a 4-step run of ``config``) to ``out`` as if killed after its step-2
+    checkpoint, with a half-written metrics tail, resume it under ``config``: the same metrics but
+    timings, and the same step-4 weights bit for bit."""
+    shutil.copytree(finished, out)
     shutil.rmtree(out / "checkpoints" / "step-00000004")  # as if killed after the step-2 checkpoint
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"kind": "train", "step": 3, "loss": 123.0}\n{"kind": "tra')  # a half-written tail
-    run_training(run_config(tiny_store, out))
+    run_training(dataclasses.replace(config, out=str(out)))
     assert metrics(out) == [r | ({} if r["kind"] == "eval" else {k: r2[k] for k in TIMING})
-                            for r, r2 in zip(metrics(finished_run), metrics(out))]
-    a = torch.load(finished_run / "checkpoints" / "step-00000004" / "model.pt")
+                            for r, r2 in zip(metrics(finished), metrics(out))]
+    a = torch.load(finished / "checkpoints" / "step-00000004" / "model.pt")
     b = torch.load(out / "checkpoints" / "step-00000004" / "model.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_from_an_earlier_checkpoint_reproduces_the_run(finished_run, tmp_path, tiny_store):
+    assert_resume_reproduces(finished_run, tmp_path / "resumed", run_config(tiny_store, finished_run))
 
 
 TIMING = ("tokens_per_s", "data_wait_share", "step_time_s")
