@@ -47,7 +47,7 @@ from peagle.schemas.errors import UserError
 __all__ = [  # the part names are re-exported: the trainer builds its state dict under them
     "CONFIG", "DATALOADER", "LR_SCHEDULER", "MODEL", "OPTIMIZER", "PER_RANK_PARTS", "RNG", "SHARED_PARTS",
     "TRAIN_STATE", "Checkpointer", "load_checkpoint", "load_model_and_optimizer", "model_and_optimizer_state",
-    "rng_state", "seed_rngs", "set_rng_state",
+    "rank_seed", "rng_state", "seed_rngs", "set_rng_state",
 ]
 
 
@@ -74,6 +74,14 @@ def seed_rngs(seed: int) -> None:
     torch.manual_seed(seed)
     np.random.seed(seed % 2**32)  # numpy takes 32-bit seeds only
     random.seed(seed)
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of ``rank``'s own draws once the draft is built: ranks that drew alike from one seed
+    (the draft's initialisation must be the same everywhere) would otherwise draw the same noise
+    (``--aux-noise``) on every rank, correlated where it is meant to be independent."""
+    key = json.dumps([int(seed), int(rank)]).encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1
 
 
 def set_rng_state(state: dict[str, Any]) -> None:

@@ -139,6 +139,7 @@ class Trainer:
             refuse_non_finite_export(c.init_from)
             self._say(load_weights_into(draft, c.init_from))
         self.build_step(draft, total_steps)
+        ckpt.seed_rngs(ckpt.rank_seed(c.seed, self.rank))  # alike above, each rank its own draws from here
         self.extra = {"store_manifest_hash": self.loader.manifest_hashes[0],
                       "store_manifest_hashes": list(self.loader.manifest_hashes),
                       "draft_vocab": None if vocab is None else vocab.identity_record(),

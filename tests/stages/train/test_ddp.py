@@ -7,7 +7,7 @@ This file is also the torchrun script: ``python -m torch.distributed.run --nproc
 OUT`` runs ``_worker`` on each rank (rank r takes micro-batch r of every step); the test runs it and
 one process that takes both micro-batches of every step (grad_accum 2), and compares the per-step
 losses and the final weights. A real ``peagle train`` under torchrun is checked too: it runs, its
-checkpoint records two ranks, and a resume with another world size is refused in one line.
+checkpoint records two ranks (each with its own RNG state), and a resume with another world size is refused in one line.
 """
 
 from __future__ import annotations
@@ -186,6 +186,8 @@ def test_peagle_train_under_torchrun(tmp_path, tiny_store):
     assert eval_line["num_chains"] > 0 and isinstance(eval_line["num_no_target"], int)
     data = torch.load(run / "checkpoints" / "step-00000002" / "dataloader.pt")
     assert data["world_size"] == 2 and {"rank_0", "rank_1"} <= set(data)
+    rng = torch.load(run / "checkpoints" / "step-00000002" / "rng.pt")  # each rank draws its own (--aux-noise)
+    assert not torch.equal(rng["rank_0"]["torch"], rng["rank_1"]["torch"])
 
     proc = subprocess.run([sys.executable, "-m", "peagle", *args(3)],
                           capture_output=True, text=True, env=env, timeout=300)

@@ -107,7 +107,8 @@ def test_a_run_writes_metrics_evals_and_checkpoints(finished_run):
 
 
 def test_python_and_numpy_rngs_start_from_the_seed(finished_run):
-    """Nothing in training draws from them, so the checkpoint holds the states right after seeding."""
+    """Nothing in training draws from them, so the checkpoint holds the states right after the rank's
+    own seeding (seed 0, rank 0: ``rank_seed(0, 0)``, once the draft is built)."""
     import random
 
     import numpy as np
@@ -115,9 +116,10 @@ def test_python_and_numpy_rngs_start_from_the_seed(finished_run):
     saved = ckpt.load_checkpoint(cf.list_checkpoints(finished_run)[0])[ckpt.RNG]
     ckpt.seed_rngs(12345)
     ckpt.set_rng_state(saved)
-    assert random.getstate() == random.Random(0).getstate()
+    seed = ckpt.rank_seed(0, 0)
+    assert random.getstate() == random.Random(seed).getstate()
     name, keys, pos, *_ = np.random.get_state()
-    assert np.array_equal(keys, np.random.RandomState(0).get_state()[1]) and pos == 624
+    assert np.array_equal(keys, np.random.RandomState(seed % 2**32).get_state()[1]) and pos == 624
 
 
 def test_the_checkpoint_holds_the_unwrapped_draft(finished_run):
