@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shutil
 
 import pytest
 
@@ -135,13 +136,15 @@ def test_the_tiny_demo_runs_every_stage_and_writes_its_summary(tiny_demo):
 
 @pytest.mark.slow
 def test_the_demo_serves_a_committed_draft_beside_its_own(tiny_demo, run_peagle, tmp_path):
-    """A draft that travelled without the target's embedding (trained on the demo's store with a frozen
-    embedding, exported --without-target-embedding, described by draft.json) is made whole with the
-    demo's target and measured on the same held-out prompts; the summary carries both."""
+    """A draft that travelled without the target's embedding (trained with a frozen embedding on a copy of
+    the demo's store, since deleted, exported --without-target-embedding, described by draft.json) is
+    made whole with the demo's target and measured on the same held-out prompts; the summary carries both."""
     out, cache, _ = tiny_demo
     summary = json.loads((out / "summary.json").read_text())
     target = summary["target"]["path"]
-    trained = run_peagle("train", "--store", out / "store", "--target", target, "--out", tmp_path / "run", "--num-layers",
+    elsewhere = tmp_path / "store"  # where it trained, gone by the time it is served (as on a newcomer's machine)
+    shutil.copytree(out / "store", elsewhere)
+    trained = run_peagle("train", "--store", elsewhere, "--target", target, "--out", tmp_path / "run", "--num-layers",
                          "1", "--num-depths", "2", "--draft-vocab-size", "512", "--max-steps", "2", "--token-budget",
                          "512", "--no-train-embeddings", "--num-workers", "0", "--heldout-fraction", "0")
     assert trained.returncode == 0, trained.stderr[-2000:]
@@ -150,6 +153,7 @@ def test_the_demo_serves_a_committed_draft_beside_its_own(tiny_demo, run_peagle,
     assert exported.returncode == 0, exported.stderr
     (committed / "draft.json").write_text(json.dumps({"target": "tiny", "method": "peagle", "num_depths": 2,
                                                       "serve_k": 1, "acceptance_length": 1.0, "trained": {"steps": 2}}))
+    shutil.rmtree(elsewhere)
     again = tmp_path / "demo"  # the same target (cached), the same held-out prompts
     proc = run_peagle(*TINY_DEMO, "--out", again, "--cache-dir", cache, "--committed-draft", committed, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

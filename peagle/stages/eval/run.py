@@ -77,12 +77,19 @@ def _warn(message: str) -> None:
 def resolve_store(config: EvalConfig, exported: ExportedDraft) -> tuple[Store | None, float | None]:
     """(store, held-out fraction or None) for offline chains and store prompts (``EvalConfig.store``).
 
-    A store the run trained on counts only its held-out samples (the loader's sample_id hash rule).
+    A store the run trained on counts only its held-out samples (the loader's sample_id hash rule). A
+    store the run recorded that is not on this machine (a draft that travelled, a store since deleted)
+    is none: what needs no store still runs; ``--store`` named and missing is an error.
     """
     run = exported.run_config
     train_stores = [str(Path(parse_store_spec(s).path).resolve()) for s in run.get("store") or []]
     path = config.store or run.get("eval_store") or (train_stores[0] if train_stores else None)
     if path is None:
+        return None, None
+    if config.store is None and not Path(path).exists():  # where the run trained, not where the draft is now
+        if config.mode is None or "offline" in config.mode or not config.prompts:
+            _warn(f"the run's store {path} is not on this machine: no offline chains, no prompts from it "
+                  "(pass --store to name where it is)")
         return None, None
     store = open_store(path)
     settings = store.settings
@@ -102,7 +109,8 @@ def resolve_modes(config: EvalConfig, has_store: bool) -> list[str]:
     since the server holds the accelerator."""
     if config.mode is not None:
         if "offline" in config.mode and not has_store:
-            raise UserError("--mode offline needs a store: pass --store (the run records none)")
+            raise UserError("--mode offline needs a store: pass --store (the run records none, or one not on this "
+                            "machine)")
         if "vllm" in config.mode and not vllm_available():
             raise UserError("--mode vllm needs vLLM importable here (scripts/install_vllm.sh); drop it from --mode")
         return list(config.mode)

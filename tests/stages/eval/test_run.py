@@ -47,3 +47,32 @@ def test_cli_eval_on_a_run_directory(run_dir, tiny_llama, run_peagle):
 def test_cli_eval_vllm_mode_without_vllm_is_one_clear_line(run_dir, tiny_llama, run_peagle, tmp_path):
     done = run_peagle("eval", run_dir, "--target", tiny_llama, "--mode", "vllm", "--out", tmp_path / "r")
     assert done.returncode == 2 and "vLLM" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_draft_whose_store_is_not_here_is_still_measured(tiny_llama, run_peagle, tmp_path):
+    """An export records the stores its run trained on; a draft that travelled (a committed one, a copy on
+    another machine) finds none of them: what needs no store runs, what needs one is one line."""
+    import shutil
+
+    run = tiny_eval_run(tmp_path, tiny_llama, num_chats=4, samples_per_shard=2, max_seq_len=128, step=3)
+    export = tmp_path / "export"
+    assert run_peagle("export", run, "--out", export).returncode == 0
+    shutil.rmtree(tmp_path / "store")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "Name three colours."}]}) + "\n")
+    common = ["--target", tiny_llama, "--max-new-tokens", "4", "--max-prompts", "1", "--quiet"]
+
+    given = run_peagle("eval", export, *common, "--mode", "online", "--prompts", prompts, "--out", tmp_path / "a")
+    assert given.returncode == 0, given.stderr
+    assert "warning" not in given.stderr  # nothing asked of the store: nothing to say
+    assert json.loads((tmp_path / "a" / "report.json").read_text())["online"]["num_prompts"] == 1
+
+    built_in = run_peagle("eval", export, *common, "--mode", "online", "--out", tmp_path / "b")
+    assert built_in.returncode == 0, built_in.stderr
+    assert f"the run's store {tmp_path / 'store'} is not on this machine" in built_in.stderr
+
+    offline = run_peagle("eval", export, *common, "--mode", "offline", "--out", tmp_path / "c")
+    assert offline.returncode == 2 and "--mode offline needs a store" in offline.stderr
+    named = run_peagle("eval", export, *common, "--store", tmp_path / "store", "--out", tmp_path / "d")
+    assert named.returncode == 2 and "does not exist" in named.stderr
+    assert "Traceback" not in offline.stderr + named.stderr
