@@ -31,7 +31,7 @@ class EvalConfig(TrackingOptions):
 
     store: str | None = None
     """Store for offline chains and prompts. Default: the run's --eval-store, else the held-out
-    samples of its first training store."""
+    samples of its first training store (none if that store is not on this machine)."""
 
     prompts: str | None = None
     """Prompts file: JSONL lines with `messages`, `prompt` or `prompt_token_ids`, or a .txt file of user
