@@ -331,8 +331,8 @@ def summary_table(report: dict[str, Any]) -> str:
         lines.append(f"K: {recommended['best_k']} predicted fastest here ({_fmt(recommended_speedup(recommended), 2)}x "
                      f"plain decoding; {_fmt(gain, 2)}x the served K = {recommended.get('served_k')}), from "
                      f"{recommended.get('acceptance_from')}'s per-depth acceptance and our loop's step costs; "
-                     "break-even AL by K: " + " ".join(_fmt(r['break_even_acceptance_length'], 2)
-                                                      for r in recommended.get("by_k") or []))
+                     "break-even AL by K (a line through the timed steps): "
+                     + " ".join(_fmt(r['break_even_acceptance_length'], 2) for r in recommended.get("by_k") or []))
     live = report.get("server") or {}
     if live:
         lines.append(f"server: {_fmt(live.get('tokens_per_target_forward'), 2)} tokens/target forward, "

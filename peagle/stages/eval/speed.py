@@ -19,7 +19,7 @@ term in our own loop (:mod:`.online`) at one context length, medians of a few ro
 turns after warm-up rounds (:func:`interleaved_medians`); :func:`recommend_k` reads the per-depth
 acceptance a draft was measured at (depth d's draft never depends on how many drafts follow it, so
 AL(k) for every k <= K comes from the same steps: :mod:`.acceptance`) and predicts tokens/s at each
-K from these costs.
+K from these costs, smoothed by a line over K (:meth:`StepCosts.fitted_step_s`).
 
 vLLM's costs per K are not timed here (one engine start per K); benchmarks/step_cost.py times both
 loops at every K and docs/performance.md compares the two.
@@ -102,13 +102,36 @@ class StepCosts:
         return self.verify_s[k] + self.draft_s[k - 1] + self.bookkeeping_s
 
     def break_even(self, k: int) -> float:
-        """The acceptance length at which K = k drafts neither speed nor slow decoding."""
+        """The acceptance length at which K = k drafts neither speed nor slow decoding, as timed."""
         return self.step_s(k) / self.plain_s
+
+    def fitted_step_s(self) -> list[float]:
+        """``step_s(k)`` for k = 1..max_depths on the least-squares line through the timed ones (slope
+        >= 0). Why: a step is one verification of K + 1 tokens, a proposal of K and a fixed part, each
+        affine in K, but each K is timed apart, a few percent of noise apiece; the demo once read
+        break-even ALs of 1.47 1.75 1.40 1.35 1.54 for K = 1..5, and an argmax over such values picks
+        noise. The line keeps what K costs and drops what one timing got wrong."""
+        return fitted_line([self.step_s(k) for k in range(1, self.max_depths + 1)])
+
+    def fitted_break_even(self) -> list[float]:
+        """:meth:`break_even` for k = 1..max_depths from :meth:`fitted_step_s`: what the K recommendation reads."""
+        return [step / self.plain_s for step in self.fitted_step_s()]
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "plain_s": self.plain_s,
                 "step_s": [self.step_s(k) for k in range(1, self.max_depths + 1)],
-                "break_even_acceptance_length": [self.break_even(k) for k in range(1, self.max_depths + 1)]}
+                "break_even_acceptance_length": [self.break_even(k) for k in range(1, self.max_depths + 1)],
+                "fitted_step_s": self.fitted_step_s(), "fitted_break_even_acceptance_length": self.fitted_break_even()}
+
+
+def fitted_line(values: list[float]) -> list[float]:
+    """``values[i]`` (at x = i + 1) on their least-squares line, its slope clamped at 0 from below: a
+    step never gets cheaper with more drafts, so a falling fit is noise and the mean is the best level."""
+    n = len(values)
+    mean_x, mean_y = (n + 1) / 2, sum(values) / n
+    spread = sum((x - mean_x) ** 2 for x in range(1, n + 1))
+    slope = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in enumerate(values, start=1)) / spread) if n > 1 else 0.0
+    return [mean_y + slope * (x - mean_x) for x in range(1, n + 1)]
 
 
 def _crop_to(cache, length: int) -> None:
@@ -165,13 +188,16 @@ def measure_step_costs(target: TargetLM, drafter: Drafter, prompt_ids: list[int]
 
 def recommend_k(per_depth_acceptance: list[float], costs: StepCosts) -> dict[str, Any]:
     """Predicted tokens/s against plain decoding at every K the acceptance was measured for (and the
-    costs were timed for), and the K with the most; ``per_depth_acceptance[d-1]`` = P(a >= d)."""
+    costs were timed for), and the K with the most; ``per_depth_acceptance[d-1]`` = P(a >= d). The
+    costs are the fitted ones (:meth:`StepCosts.fitted_step_s`); each row keeps the timed break-even too."""
     usable = [p for p in per_depth_acceptance[: costs.max_depths] if p is not None]
     if not usable or any(p != p for p in usable):  # NaN: nothing measured
         return {"best_k": None, "by_k": [], "reason": "no per-depth acceptance measured"}
     lengths = acceptance_lengths(usable, 1.0)
-    by_k = [{"k": k, "acceptance_length": al, "break_even_acceptance_length": costs.break_even(k),
-             "predicted_speedup": al / costs.break_even(k)} for k, al in enumerate(lengths, start=1)]
+    fitted = costs.fitted_break_even()
+    by_k = [{"k": k, "acceptance_length": al, "break_even_acceptance_length": fitted[k - 1],
+             "timed_break_even_acceptance_length": costs.break_even(k), "predicted_speedup": al / fitted[k - 1]}
+            for k, al in enumerate(lengths, start=1)]
     best = max(by_k, key=lambda row: row["predicted_speedup"])
     return {"best_k": best["k"], "predicted_speedup": best["predicted_speedup"], "by_k": by_k}
 

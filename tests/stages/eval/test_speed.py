@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, strategies as st
 
-from peagle.stages.eval.speed import StepCosts, k_recommendation, recommend_k, speed_figures
+from peagle.stages.eval.speed import StepCosts, fitted_line, k_recommendation, recommend_k, speed_figures
 
 
 def costs(verify_ms: list[float], draft_ms: list[float], bookkeeping_ms: float = 1.0, pick_ms: float = 0.0) -> StepCosts:
@@ -43,11 +43,41 @@ def test_the_recommendation_is_the_argmax_of_predicted_speed(acceptance, verify,
     acceptance = sorted(acceptance, reverse=True)  # P(a >= d) falls with d
     c = costs(verify, draft)
     found = recommend_k(acceptance, c)
-    predicted = {row["k"]: (1 + sum(acceptance[: row["k"]])) * c.plain_s / c.step_s(row["k"]) for row in found["by_k"]}
+    fitted = c.fitted_step_s()
+    predicted = {row["k"]: (1 + sum(acceptance[: row["k"]])) * c.plain_s / fitted[row["k"] - 1] for row in found["by_k"]}
     assert [row["k"] for row in found["by_k"]] == list(range(1, len(acceptance) + 1))
     assert predicted[found["best_k"]] == pytest.approx(max(predicted.values()))
     for row in found["by_k"]:
         assert row["predicted_speedup"] == pytest.approx(predicted[row["k"]])
+
+
+@given(intercept=st.floats(0.1, 100), slope=st.floats(0, 10), n=st.integers(1, 8))
+def test_the_line_through_costs_that_are_affine_in_k_is_the_costs(intercept, slope, n):
+    values = [intercept + slope * k for k in range(1, n + 1)]
+    assert fitted_line(values) == pytest.approx(values, rel=1e-9, abs=1e-9)
+
+
+@given(values=st.lists(st.floats(0.1, 100), min_size=1, max_size=8))
+def test_the_line_keeps_the_mean_and_never_falls(values):
+    line = fitted_line(values)
+    assert sum(line) / len(line) == pytest.approx(sum(values) / len(values), rel=1e-9)
+    assert all(b >= a - 1e-9 for a, b in zip(line, line[1:]))
+
+
+def test_one_mistimed_k_no_longer_picks_the_k():
+    """The demo's timed break-even ALs (1.47 1.75 1.40 1.35 1.54 for K = 1..5, a P-EAGLE draft whose
+    step barely grows with K): K = 4 was picked by noise alone; on the line (flat: the timed slope is
+    below zero) every K costs the same, and the acceptance decides."""
+    timed = [1.47, 1.75, 1.40, 1.35, 1.54]
+    c = costs([10.0] + [10.0 * b - 1.0 for b in timed], [0.0] * 5, bookkeeping_ms=1.0)  # plain 10 ms
+    assert [round(b, 2) for b in c.to_dict()["break_even_acceptance_length"]] == timed
+    acceptance = [0.31, 0.03, 0.01, 0.005, 0.002]  # the demo's draft
+    found = recommend_k(acceptance, c)
+    assert [round(r["timed_break_even_acceptance_length"], 2) for r in found["by_k"]] == timed
+    timed_best = max(range(1, 6), key=lambda k: (1 + sum(acceptance[:k])) / timed[k - 1])
+    assert timed_best == 4 and found["best_k"] == 5
+    line = [r["break_even_acceptance_length"] for r in found["by_k"]]
+    assert line == pytest.approx([sum(timed) / 5] * 5)
 
 
 def test_the_recommendation_reads_what_vllm_served_first_and_compares_with_the_served_k():
