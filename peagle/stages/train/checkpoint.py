@@ -43,6 +43,7 @@ from peagle.schemas.checkpoint import (ALL_PARTS, CHECKPOINTS_DIR, CONFIG, DATAL
                                        METADATA_FILE, MODEL, OPTIMIZER, PER_RANK_PARTS, RNG, SHARED_PARTS,
                                        TRAIN_STATE, WEIGHTS_FINITE_KEY, part_file, step_dir_name)
 from peagle.schemas.errors import UserError
+from peagle.stages.train.seeds import stable_seed
 
 __all__ = [  # the part names are re-exported: the trainer builds its state dict under them
     "CONFIG", "DATALOADER", "LR_SCHEDULER", "MODEL", "OPTIMIZER", "PER_RANK_PARTS", "RNG", "SHARED_PARTS",
@@ -80,8 +81,7 @@ def rank_seed(seed: int, rank: int) -> int:
     """The seed of ``rank``'s own draws once the draft is built: ranks that drew alike from one seed
     (the draft's initialisation must be the same everywhere) would otherwise draw the same noise
     (``--aux-noise``) on every rank, correlated where it is meant to be independent."""
-    key = json.dumps([int(seed), int(rank)]).encode()
-    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1
+    return stable_seed(int(seed), int(rank))
 
 
 def set_rng_state(state: dict[str, Any]) -> None:

@@ -27,12 +27,12 @@ Randomness comes only from the ``generator`` argument; :func:`cod_generator` see
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Callable
 
 import torch
 from torch import Tensor
+
+from peagle.stages.train.seeds import stable_seed
 
 
 def cod_depth_counts(n_valid: int, num_depths: int, down_sample_ratio: float = 0.7,
@@ -163,14 +163,8 @@ def _draw_chains(m_L: Tensor, counts: list[int], filter_position_zero: bool,
 
 
 def cod_generator(run_seed: int, epoch: int, sample_id: str) -> torch.Generator:
-    """A CPU generator seeded by a stable hash of (run seed, epoch, sample_id).
-
-    sha256 over a JSON encoding (unambiguous, unlike string concatenation; stable across processes,
-    unlike Python's salted ``hash()``), truncated to 63 bits.
-    """
-    key = json.dumps([int(run_seed), int(epoch), str(sample_id)]).encode()
-    seed = int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1
-    return torch.Generator(device="cpu").manual_seed(seed)
+    """A CPU generator seeded by a stable hash of (run seed, epoch, sample_id) (:func:`stable_seed`)."""
+    return torch.Generator(device="cpu").manual_seed(stable_seed(int(run_seed), int(epoch), str(sample_id)))
 
 
 def pack_cod(per_sample: list[tuple[Tensor, Tensor]], doc_starts: list[int]) -> tuple[Tensor, Tensor, Tensor]:
