@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -52,8 +53,6 @@ def test_cli_eval_vllm_mode_without_vllm_is_one_clear_line(run_dir, tiny_llama, 
 def test_a_draft_whose_store_is_not_here_is_still_measured(tiny_llama, run_peagle, tmp_path):
     """An export records the stores its run trained on; a draft that travelled (a committed one, a copy on
     another machine) finds none of them: what needs no store runs, what needs one is one line."""
-    import shutil
-
     run = tiny_eval_run(tmp_path, tiny_llama, num_chats=4, samples_per_shard=2, max_seq_len=128, step=3)
     export = tmp_path / "export"
     assert run_peagle("export", run, "--out", export).returncode == 0
