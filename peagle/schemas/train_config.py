@@ -24,6 +24,7 @@ COMPILE_MODES = ("auto", "layers", "flex", "off")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 FLEX_KERNELS = ("auto", "rows-safe", "tma", "flash")
 OPTIMIZERS = ("adamw", "muon")
+MUON_NS_DTYPES = ("float32", "bfloat16")
 LOSSES = ("forward_kl", "tv")
 PEAGLE_ONLY = ("down_sample_ratio", "down_sample_ratio_min", "max_anchors", "mask_token_id")
 """Fields of P-EAGLE's COD sampling and mask slots: `--method eagle3` refuses them set (it trains every
@@ -202,6 +203,12 @@ class TrainConfig(TrackingOptions):
     so the two keep their ratio). Muon's step has a fixed spectral size, so it needs a larger rate
     than AdamW's: on the quality benchmark 0.02 to 0.1 did alike and 0.01 lost Muon's gain."""
 
+    muon_ns_dtype: str = "float32"
+    """Dtype of Muon's Newton-Schulz iterations with --optimizer muon: `float32`, or `bfloat16` (what
+    Muon's authors run: the five iterations only need singular values near 1, and bf16 keeps them within
+    ~3 %). A cost per optimizer step, not per token: a large share of a deep draft's CPU step
+    (benchmarks/train_step_profile.py); bf16 matmuls run faster where the CPU has AVX512-BF16 or AMX."""
+
     loss: str = "forward_kl"
     """Training loss per element against the stored top-k, renormalised over the draft vocab:
     `forward_kl` (KL(target || draft)) or `tv` (total variation distance, 1 - the acceptance
@@ -353,6 +360,8 @@ class TrainConfig(TrackingOptions):
             raise UserError(f"--optimizer must be one of {'|'.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if not (math.isfinite(self.muon_lr) and self.muon_lr > 0):
             raise UserError(f"--muon-lr must be > 0, got {self.muon_lr}")
+        if self.muon_ns_dtype not in MUON_NS_DTYPES:
+            raise UserError(f"--muon-ns-dtype must be one of {'|'.join(MUON_NS_DTYPES)}, got {self.muon_ns_dtype!r}")
         if self.optimizer == "muon" and self.fsdp:
             raise UserError("--fsdp needs --optimizer adamw: Muon (the default optimizer) orthogonalises whole "
                             "matrices and FSDP2 shards them; add --optimizer adamw, or drop --fsdp to use DDP")

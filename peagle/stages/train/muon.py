@@ -56,18 +56,19 @@ SCALE_MODES = ("spectral", "match_adamw")
 
 
 def newton_schulz(matrix_AB: Tensor, steps: int = 5, coefficients: tuple[float, float, float] = QUINTIC,
-                  eps: float = 1e-7) -> Tensor:
+                  eps: float = 1e-7, dtype: torch.dtype = torch.float32) -> Tensor:
     """Approximate the orthogonal factor ``U Vᵀ`` of ``matrix_AB = U S Vᵀ`` with matmuls only.
 
     ``X`` starts as the matrix divided by its Frobenius norm (so every singular value is <= 1);
     each step ``X <- a·X + (b·XXᵀ + c·(XXᵀ)²)·X`` keeps the singular vectors and maps every singular
     value through ``σ -> a·σ + b·σ³ + c·σ⁵``. The Gram matrix is taken on the short side. Computed
-    in float32 (float64 for float64 input) and returned in the input's dtype.
+    in ``dtype`` (float32, or bfloat16 as Muon's authors run it; float64 input stays float64) and
+    returned in the input's dtype.
     """
     if matrix_AB.ndim != 2:
         raise ValueError(f"newton_schulz needs a matrix, got shape {tuple(matrix_AB.shape)}")
     a, b, c = coefficients
-    x = matrix_AB.to(torch.float64 if matrix_AB.dtype == torch.float64 else torch.float32)
+    x = matrix_AB.to(torch.float64 if matrix_AB.dtype == torch.float64 else dtype)
     tall = x.shape[0] > x.shape[1]
     if tall:
         x = x.mT
@@ -91,7 +92,9 @@ def muon_scale(shape: torch.Size | tuple[int, ...], mode: str) -> float:
 class MuonAdamW(torch.optim.Optimizer):
     """Muon on the param groups with ``muon=True`` (2-D weights only), AdamW on the others.
 
-    Muon group keys: ``lr``, ``momentum``, ``nesterov``, ``ns_steps``, ``scale_mode``,
+    ``ns_dtype`` is the Newton-Schulz iterations' dtype (:func:`newton_schulz`): a setting of the run
+    (``--muon-ns-dtype``, compared on resume like every flag), not a group key, so checkpoints written
+    before it existed load as they are. Muon group keys: ``lr``, ``momentum``, ``nesterov``, ``ns_steps``, ``scale_mode``,
     ``weight_decay`` (decoupled, like AdamW's). AdamW group keys: ``lr``, ``betas``, ``eps``,
     ``weight_decay``. State per parameter: ``momentum_buffer`` (Muon) or ``step``, ``exp_avg``,
     ``exp_avg_sq`` (AdamW, the same update as ``torch.optim.AdamW``), all tensors, so
@@ -100,7 +103,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def __init__(self, param_groups: Iterable[dict], *, lr: float = 2e-3, muon_lr: float = 0.02,
                  momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5, scale_mode: str = "spectral",
-                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0):
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
+                 ns_dtype: torch.dtype = torch.float32):
         if scale_mode not in SCALE_MODES:
             raise ValueError(f"scale_mode must be one of {', '.join(SCALE_MODES)}, got {scale_mode!r}")
         if not 0.0 <= momentum < 1.0:
@@ -109,6 +113,7 @@ class MuonAdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, scale_mode=scale_mode,
                         betas=betas, eps=eps, weight_decay=weight_decay, muon=False)
         super().__init__(groups, defaults)
+        self.ns_dtype = ns_dtype
         for group in self.param_groups:
             if group["muon"] and any(p.ndim != 2 for p in group["params"]):
                 raise ValueError("Muon updates 2-D weights only; a muon=True group holds shapes "
@@ -140,7 +145,7 @@ class MuonAdamW(torch.optim.Optimizer):
         buf = state["momentum_buffer"]
         buf.mul_(group["momentum"]).add_(p.grad)
         direction = p.grad.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf
-        update = newton_schulz(direction, steps=group["ns_steps"])
+        update = newton_schulz(direction, steps=group["ns_steps"], dtype=self.ns_dtype)
         p.mul_(1.0 - group["lr"] * group["weight_decay"])
         p.add_(update, alpha=-group["lr"] * muon_scale(p.shape, group["scale_mode"]))
 

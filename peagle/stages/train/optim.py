@@ -74,7 +74,8 @@ def build_optimizer(draft: PEagleDraft, config: TrainConfig, device: torch.devic
 
         groups = muon_param_groups(draft, muon_lr=config.muon_lr, adamw_lr=config.lr,
                                    weight_decay=config.weight_decay)
-        return MuonAdamW(groups, lr=config.lr, muon_lr=config.muon_lr, betas=(0.9, 0.95), eps=1e-8)
+        return MuonAdamW(groups, lr=config.lr, muon_lr=config.muon_lr, betas=(0.9, 0.95), eps=1e-8,
+                         ns_dtype=getattr(torch, config.muon_ns_dtype))
     fused = uses_fused_optimizer(device) if fused is None else fused
     decay, no_decay = [], []
     for name, p in draft.named_parameters():
