@@ -178,7 +178,8 @@ def commit_draft(home: Path, step: int, dest: Path, *, target_name: str = "smoll
     export = [*PEAGLE, "export", str(checkpoint), "--out", str(dest), "--without-target-embedding", "--dtype", "bfloat16",
               "--speculative-tokens", str(report["meta"]["num_depths"])]
     subprocess.run(export, check=True, stdout=subprocess.DEVNULL)
-    found = record(home, home.parent.parent)
+    work = home.parent.parent
+    found = record(home, work)
     vllm = report["vllm"]
     facts = {"target": target_name, "method": "peagle" if vllm["parallel_drafting"] else "eagle3",
              "num_depths": report["meta"]["num_depths"], "acceptance_length": vllm["acceptance_length"],
@@ -187,17 +188,29 @@ def commit_draft(home: Path, step: int, dest: Path, *, target_name: str = "smoll
              "trained": {"steps": step, "epochs": next((s["epochs"] for s in found["served"] if s["step"] == step), None),
                          "tokens": sum(describe_store(Path(p.split(":")[0]))["tokens"] or 0 for p in
                                        _store_flags(found["command"]))},
-             "commands": ["python benchmarks/data_scaling.py --work WORK --stores-only", found["command"],
-                          shlex.join(["peagle", *export[3:]]).replace(str(dest), "DIR")],
+             "commands": ["python benchmarks/data_scaling.py --work WORK --stores-only",
+                          with_placeholders(found["command"], work),
+                          with_placeholders(shlex.join(["peagle", *export[3:]]).replace(str(dest), "DIR"), work)],
              "measured_by": f"peagle eval (vLLM {vllm['settings'].get('vllm_version')}, {vllm['settings'].get('dtype')}, "
                             "32 held-out prompts x 128 tokens)"}
     if k_check is not None:
         facts.update(serve_k_facts(json.loads(k_check.read_text())))
         engines = facts["at_serve_k"]["vllm_engines"]
-        facts["commands"].append(f"bash benchmarks/k_check.sh {checkpoint} EXPORT_K5 HELDOUT_PROMPTS WORK {k_check}"
-                                 + (f" {engines}" if engines else ""))
+        facts["commands"].append(with_placeholders(f"bash benchmarks/k_check.sh {checkpoint} EXPORT_K5 HELDOUT_PROMPTS "
+                                                   f"WORK {k_check}" + (f" {engines}" if engines else ""), work))
     atomic_write_json(dest / "draft.json", facts)
     return dest
+
+
+def with_placeholders(command: str, work: Path) -> str:
+    """One machine's paths in a committed command as the names a reader fills in: WORK for
+    data_scaling.py's work dir, TARGET for the ``--target`` the command names (a committed draft travels,
+    its commands must not name the machine that trained it)."""
+    words = shlex.split(command)
+    target = next((words[i + 1] for i, word in enumerate(words[:-1]) if word == "--target"), None)
+    if target:
+        command = command.replace(target, "TARGET")
+    return command.replace(str(work.resolve()), "WORK").replace(str(work), "WORK")
 
 
 def serve_k_facts(check: dict) -> dict:

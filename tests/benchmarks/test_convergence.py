@@ -42,6 +42,14 @@ def test_the_parts_are_weighted_by_their_samples_and_each_method_gets_its_flags(
     assert wider.count("--token-budget") == 1 and wider[wider.index("--token-budget") + 1] == "4096"
 
 
+def test_committed_commands_name_work_and_target_not_this_machine(convergence, tmp_path):
+    command = (f"peagle train --store {tmp_path}/stores/a:10 --target /cache/targets/SmolLM2 --out "
+               f"{tmp_path}/convergence/x/run --eval-store {tmp_path}/stores/heldout")
+    assert convergence.with_placeholders(command, tmp_path) == (
+        "peagle train --store WORK/stores/a:10 --target TARGET --out WORK/convergence/x/run --eval-store WORK/stores/heldout")
+    assert convergence.with_placeholders("peagle export WORK/ckpt --out DIR", tmp_path) == "peagle export WORK/ckpt --out DIR"
+
+
 def test_the_record_reads_the_curve_and_the_served_checkpoints_with_their_epochs(convergence, tmp_path):
     home = tmp_path / "convergence" / "peagle-all"
     (home / "run").mkdir(parents=True)

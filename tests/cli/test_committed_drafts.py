@@ -47,3 +47,13 @@ def test_the_committed_drafts_in_this_checkout_read():
     for file in drafts:
         draft = read_committed(file.parent)
         assert 1 <= draft.serve_k <= draft.num_depths and (file.parent / "model.safetensors").is_file()
+
+
+def test_the_committed_drafts_name_no_machine_paths():
+    """A committed draft travels: its files name WORK and TARGET, never the trainer's machine."""
+    from peagle.cli.committed_drafts import committed_drafts_dir
+
+    for file in sorted(committed_drafts_dir().glob("*/draft.json")):
+        text = file.read_text()
+        for machine_path in ("/work/", "/root/", "/home/", "/tmp/"):
+            assert machine_path not in text, f"{file} names {machine_path}"
