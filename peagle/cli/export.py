@@ -31,5 +31,5 @@ def _run(config: ExportConfig) -> None:
 
 COMMAND = ConfigCommand(name="export", config_class=ExportConfig, run=_run, help=_HELP, arguments=("source",),
                         metavars={"source": "SOURCE", "out": "DIR", "target": "DIR",
-                                  "dtype": "|".join(EXPORT_DTYPES)})
+                                  "speculative_schedule": "SCHEDULE", "dtype": "|".join(EXPORT_DTYPES)})
 COMMAND.register(app)

@@ -26,18 +26,23 @@ from peagle.model.finite import describe, non_finite_tensors
 from peagle.model.target import CONFIG_FILE, read_config_json
 from peagle.pipeline.checkpoint_files import DraftCheckpoint, read_draft_checkpoint
 from peagle.schemas.errors import UserError
+from peagle.schemas.speculative_schedule import SCHEDULE_KEY, Schedule, check_schedule
 
 
 def export_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *, verifier_name: str | None = None,
-                      speculative_tokens: int | None = None, dtype: str = "float32") -> Path:
+                      speculative_tokens: int | None = None, dtype: str = "float32",
+                      speculative_schedule: Schedule | None = None, k_flag: str = "--speculative-tokens") -> Path:
     """Export the checkpoint ``source`` names (a run's newest valid one, or one checkpoint) to ``out``.
 
     ``verifier_name`` defaults to the target path training used, ``speculative_tokens`` to the trained
-    number of depths (a larger K is allowed, with a warning: deeper drafts are untrained).
+    number of depths, which bound it for a P-EAGLE draft (:func:`check_served_k`).
+    ``speculative_schedule`` (a K per batch size, peagle/schemas/speculative_schedule.py) goes into the
+    ``peagle`` section, checked against K and the drafting method. ``k_flag``: the flag that gave K,
+    as an error line names it.
 
     Raises:
-        UserError: no usable checkpoint, a default that the checkpoint cannot supply, or an ``out``
-            that holds something other than an export.
+        UserError: no usable checkpoint, a default that the checkpoint cannot supply, a K or schedule
+            the draft cannot serve, or an ``out`` that holds something other than an export.
     """
     ckpt = read_draft_checkpoint(source)
     bad = non_finite_tensors(ckpt.state_dict)
@@ -52,12 +57,39 @@ def export_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *, veri
     k = speculative_tokens or trained_depths
     if k is None:
         raise UserError("the checkpoint records no num_depths: pass --speculative-tokens")
-    if trained_depths is not None and k > trained_depths:
-        print(f"peagle: warning: --speculative-tokens {k} exceeds the {trained_depths} trained depths; "
-              "deeper drafts are untrained and will rarely be accepted", file=sys.stderr)
+    check_served_k(int(k), trained_depths, ckpt.draft_config.method, flag=k_flag)
+    provenance = export_provenance(ckpt)
+    if speculative_schedule is not None:
+        provenance[SCHEDULE_KEY] = check_schedule(speculative_schedule, speculative_tokens=int(k),
+                                                  parallel=ckpt.draft_config.method == "peagle",
+                                                  where="--speculative-schedule")
     return write_export(ckpt.state_dict, ckpt.draft_config, out, verifier_name=verifier,
                         verifier_architectures=verifier_architectures(target, verifier), speculative_tokens=int(k),
-                        dtype=getattr(torch, dtype), provenance=export_provenance(ckpt))
+                        dtype=getattr(torch, dtype), provenance=provenance)
+
+
+def check_served_k(k: int, trained_depths: int | None, method: str, *, flag: str) -> None:
+    """A K a draft trained at ``trained_depths`` can be served at: up to them for P-EAGLE, any for EAGLE-3.
+
+    Why the two differ: a P-EAGLE draft proposes depth d from the d-th mask slot of one forward, and
+    training (COD) only ever built mask slots up to depth ``num_depths - 1``: a deeper slot is a
+    position the draft never learned to read. EAGLE-3 proposes depth d by running the same forward
+    once more on its own previous hidden state (peagle/model/sequential.py, vLLM's eagle3 proposer),
+    the step training unrolled ``num_depths`` times: one more is the same computation, only less
+    often accepted, which is how EAGLE-3 drafts are served past their training-time-test steps.
+    A draft that records no trained depths (another tool's export) is not bounded.
+
+    Raises:
+        UserError: a P-EAGLE K above its trained depths, in one line.
+    """
+    if trained_depths is None or k <= trained_depths:
+        return
+    if method == "peagle":
+        raise UserError(f"{flag} {k}: this P-EAGLE draft was trained at {trained_depths} depths, so it serves K = 1 "
+                        f"to {trained_depths} (its mask slots past depth {trained_depths} were never trained); "
+                        f"train with --num-depths {k} to serve K = {k}")
+    print(f"peagle: warning: {flag} {k} exceeds the {trained_depths} steps this EAGLE-3 draft was trained to "
+          "unroll; it drafts them the same way, less often accepted", file=sys.stderr)
 
 
 def export_provenance(ckpt: DraftCheckpoint) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from typing import Any
 
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.errors import UserError
+from peagle.schemas.speculative_schedule import SCHEDULE_KEY, Schedule, check_schedule
 
 SPECULATORS_VERSION = "0.9.0"
 """The speculators release whose format this writes (config field ``speculators_version``)."""
@@ -186,6 +187,18 @@ def check_export_config(config_json: Any, where: str) -> None:
     if verifier is not None and not (isinstance(verifier, dict)
                                      and isinstance(verifier.get("name_or_path", ""), str)):
         raise refuse("speculators_config.verifier", f"is {verifier!r}, not an object with a name_or_path")
+    section = config_json.get(PROVENANCE_KEY)
+    if isinstance(section, dict) and section.get(SCHEDULE_KEY) is not None:
+        check_schedule(section[SCHEDULE_KEY], speculative_tokens=k, parallel=method == "peagle",
+                       where=f"{where} ({PROVENANCE_KEY}.{SCHEDULE_KEY})")
+
+
+def recorded_schedule(config_json: dict[str, Any]) -> Schedule | None:
+    """The batch-size schedule of K an export carries (peagle/schemas/speculative_schedule.py), checked
+    with the rest of config.json by :func:`check_export_config`; None when it carries none."""
+    section = config_json.get(PROVENANCE_KEY)
+    schedule = section.get(SCHEDULE_KEY) if isinstance(section, dict) else None
+    return [list(entry) for entry in schedule] if schedule is not None else None
 
 
 def _is_int(value: Any) -> bool:

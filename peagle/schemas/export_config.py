@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from peagle.schemas.dtypes import dtype_choice
 from peagle.schemas.errors import UserError
+from peagle.schemas.speculative_schedule import parse_schedule
 
 EXPORT_DTYPES = ("float32", "bfloat16")
 
@@ -28,7 +29,15 @@ class ExportConfig:
     given to training; a hub-style name (org/model) makes the export portable."""
 
     speculative_tokens: int | None = None
-    """K: draft tokens vLLM proposes per step. Default: the trained number of depths."""
+    """K: draft tokens vLLM proposes per step (up to 8 and more: a P-EAGLE draft serves K = 1 up to its
+    trained depths, an EAGLE-3 draft any K). Default: the trained number of depths."""
+
+    speculative_schedule: str | None = None
+    """A K per batch size, e.g. `1:5,2-8:0` (K 5 one request at a time, no drafting from 2 requests on;
+    the last range's K holds for larger batches), as `peagle eval` writes it (its report's
+    k_recommendation.schedule), carried in the export's peagle section for vLLM's
+    num_speculative_tokens_per_batch_size (docs/performance.md). Each K is 0..--speculative-tokens;
+    a P-EAGLE draft takes only its served K or 0 (vLLM 0.32's parallel drafting)."""
 
     target: str | None = None
     """Target model directory whose embedding a SOURCE written without it gets back: its rows are
@@ -48,3 +57,5 @@ class ExportConfig:
         object.__setattr__(self, "dtype", dtype_choice("dtype", self.dtype, EXPORT_DTYPES))
         if self.speculative_tokens is not None and self.speculative_tokens < 1:
             raise UserError(f"--speculative-tokens must be >= 1, got {self.speculative_tokens}")
+        if self.speculative_schedule is not None:
+            parse_schedule(self.speculative_schedule)  # its form now; its Ks once the draft is known

@@ -21,6 +21,7 @@ benchmarks/results/cpu/drafts/ are served.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -36,6 +37,7 @@ from peagle.pipeline.checkpoint_files import (checkpoint_step, list_checkpoints,
 from peagle.schemas.checkpoint import CHECKPOINTS_DIR, MODEL
 from peagle.schemas.errors import UserError
 from peagle.schemas.export_config import ExportConfig
+from peagle.schemas.speculative_schedule import VLLM_KEY, Schedule, parse_schedule
 
 
 def run_export(config: ExportConfig, *, echo: Callable[[str], None] = print) -> Path:
@@ -47,6 +49,10 @@ def run_export(config: ExportConfig, *, echo: Callable[[str], None] = print) -> 
             another target, or what ``export_checkpoint`` refuses.
     """
     source, out = Path(config.source), Path(config.out)
+    if config.speculative_schedule and ((source / EMBEDDING_RECORD).is_file() or looks_like_export(source)):
+        raise UserError(f"{source} is an export: --speculative-schedule is written when a checkpoint is exported "
+                        "(peagle export RUN_DIR --speculative-schedule ...); serve this one with vLLM's "
+                        "--speculative-config instead")
     if (source / EMBEDDING_RECORD).is_file():
         if config.target is None:
             raise UserError(f"{source} was written without the target's embedding ({EMBEDDING_RECORD}): "
@@ -64,10 +70,12 @@ def run_export(config: ExportConfig, *, echo: Callable[[str], None] = print) -> 
         return path
     checkpoint = resolve_checkpoint(config.source)
     refuse_non_finite_checkpoint(checkpoint)
+    schedule = parse_schedule(config.speculative_schedule) if config.speculative_schedule else None
     if not config.without_target_embedding:
         path = export_checkpoint(checkpoint, out, verifier_name=config.verifier_name,
-                                 speculative_tokens=config.speculative_tokens, dtype=config.dtype)
-        echo(f"exported {config.source} -> {path}  (serve: vllm serve {path})")
+                                 speculative_tokens=config.speculative_tokens, dtype=config.dtype,
+                                 speculative_schedule=schedule)
+        echo(f"exported {config.source} -> {path}  (serve: vllm serve {path}{serve_flags(schedule)})")
         return path
     refuse_trained_embedding(read_draft_checkpoint(checkpoint).train_config, checkpoint)
     # the whole export beside --out under a name a later run's clean-up knows (.OUT.tmp-PID-*), then stripped
@@ -75,7 +83,8 @@ def run_export(config: ExportConfig, *, echo: Callable[[str], None] = print) -> 
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
     try:
         whole = export_checkpoint(checkpoint, work / "whole", verifier_name=config.verifier_name,
-                                  speculative_tokens=config.speculative_tokens, dtype=config.dtype)
+                                  speculative_tokens=config.speculative_tokens, dtype=config.dtype,
+                                  speculative_schedule=schedule)
         path = without_target_embedding(whole, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -113,3 +122,11 @@ def refuse_non_finite_checkpoint(checkpoint: Path) -> None:
     hint = f"export {earlier[-1]} instead" if earlier else "export an earlier checkpoint with finite weights"
     raise UserError(f"checkpoint {checkpoint} holds non-finite weights (NaN or inf) in {describe(names)}; "
                     f"vLLM would serve a draft that drafts nothing useful; {hint}")
+
+
+def serve_flags(schedule: Schedule | None) -> str:
+    """What `vllm serve EXPORT` needs besides the export to serve ``schedule``: vLLM reads no schedule
+    from a speculators config.json (peagle/schemas/speculative_schedule.py)."""
+    if schedule is None:
+        return ""
+    return f" --speculative-config '{json.dumps({VLLM_KEY: schedule}, separators=(',', ':'))}'"
