@@ -161,8 +161,13 @@ def test_every_metric_reaches_every_backend_at_its_step_once(run):
 
 @pytest.mark.slow
 def test_eval_logs_what_it_measured_into_the_runs_of_the_run(run, peagle):
-    proc = peagle("eval", run, "--mode", "offline", "--max-samples", "4", "--quiet", env=env(run.parent))
+    """Told where (its own --logger, store and directory: a received run's trackers.json is shown, not
+    followed), eval continues the run's runs there: the measured figures at the run's last step."""
+    proc = peagle("eval", run, "--mode", "offline", "--max-samples", "4", "--quiet", "--logger", LOGGERS,
+                  "--logger-dir", run / "logs", "--mlflow-tracking-uri", f"file:{(run / 'mlruns').resolve()}",
+                  env=env(run.parent))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "shown, not followed" in proc.stderr
     report = json.loads((run / "eval" / "report.json").read_text())
     measured = report["offline"]["acceptance_length"]
     state = read_state(run)["backends"]

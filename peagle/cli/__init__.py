@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import sys
 from importlib import metadata
 from types import TracebackType
@@ -28,7 +29,8 @@ from typing import Any
 import typer
 
 from peagle.schemas.errors import (UserError, as_os_error, decode_error_line, encode_error_line, non_utf8_argument,
-                                   os_error_line)
+                                   not_weights_only_line, os_error_line)
+from peagle.schemas.secrets import redact_text
 
 ROOT_OPTIONS = ("--verbose", "--version")
 """Options of ``peagle`` itself, given before the sub-command."""
@@ -128,7 +130,7 @@ def _report_click_error(err: Any) -> int:
     if ctx is not None and err.exit_code == 2:
         message = message if message.endswith((".", "!", "?")) else message + "."
         message += f" See `{ctx.command_path} --help`."
-    print(f"peagle: error: {message}", file=sys.stderr)
+    print(f"peagle: error: {redact_text(message)}", file=sys.stderr)
     return err.exit_code
 
 
@@ -156,7 +158,8 @@ def _text_file_read(tb: TracebackType | None) -> str | None:
 
 
 def _fail(line: str) -> None:
-    print(f"peagle: error: {line}", file=sys.stderr)
+    # redacted: a library's message may quote a URL with its credentials (schemas/secrets.py)
+    print(f"peagle: error: {redact_text(line)}", file=sys.stderr)
     sys.exit(2)
 
 
@@ -189,6 +192,8 @@ def main(argv: list[str] | None = None) -> None:
         _fail(os_error_line(err))
     except UnicodeDecodeError as err:
         _fail(decode_error_line(err, _text_file_read(err.__traceback__)))
+    except pickle.UnpicklingError as err:  # a weights file torch refused, where no reader named it
+        _fail(not_weights_only_line(None, err))
     except UnicodeEncodeError as err:
         line = encode_error_line(err)
         if line is None:

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from peagle.model.draft import PEagleDraft
+from peagle.model.export_provenance import moved_config, portable_provenance, recorded_path
 from peagle.model.speculators_config import (ARCHITECTURE, CONFIG_JSON, PROVENANCE_KEY,  # noqa: F401
                                              SPECULATORS_MODEL_TYPES, SPECULATORS_VERSION, VARIANT_FLAGS,
                                              build_config, check_export_config, check_recorded_draft_config,
@@ -194,7 +195,7 @@ def write_export(state_dict: dict[str, Tensor], draft_config: DraftConfig, out: 
     tensors = export_state_dict(state_dict, draft_config, dtype=dtype)
     config_json = build_config(draft_config, verifier_name=verifier_name, verifier_architectures=verifier_architectures,
                                speculative_tokens=speculative_tokens, dtype=str(dtype).removeprefix("torch."),
-                               provenance=provenance)
+                               provenance=None if provenance is None else portable_provenance(provenance, out))
     out = Path(out)
     # an export is replaced whole, a damaged one too (it holds an export's files and nothing else)
     if out.exists() and any(out.iterdir()) and not (is_export_dir(out) or holds_only_export_files(out)):
@@ -273,6 +274,10 @@ class ExportedDraft:
     @property
     def num_depths_trained(self) -> int | None:
         return self.provenance.get("num_depths_trained")
+
+    def recorded_path(self, text: str) -> Path:
+        """A path the ``peagle`` section records, as a path here (:func:`recorded_path`)."""
+        return recorded_path(self.path, self.provenance, text)
 
 
 def load_export(path: str | os.PathLike) -> ExportedDraft:
@@ -398,7 +403,7 @@ def without_target_embedding(export_dir: str | os.PathLike, out: str | os.PathLi
     """
     from safetensors.torch import save_file
 
-    config_json = read_export_config(export_dir)
+    config_json = moved_config(read_export_config(export_dir), export_dir, out)
     tensors = _read_tensors(Path(export_dir))
     embedding = tensors.pop(TARGET_EMBEDDING_KEY)
     record = {"key": TARGET_EMBEDDING_KEY, "shape": list(embedding.shape), "dtype": str(embedding.dtype).removeprefix("torch."),
@@ -449,7 +454,7 @@ def with_target_embedding(stripped_dir: str | os.PathLike, target_dir: str | os.
         raise UserError(f"{stripped / EMBEDDING_RECORD} is missing or unreadable (no such file): {stripped} is not "
                         "an export written without its embedding")
     record = read_embedding_record(stripped / EMBEDDING_RECORD)
-    config_json = read_export_config(stripped)
+    config_json = moved_config(read_export_config(stripped), stripped, out)
     tensors = _read_tensors(stripped)
     weights = TargetWeights(target_dir)
     key = weights.find(TARGET_EMBEDDING_KEY)

@@ -28,6 +28,7 @@ import functools
 import hashlib
 import json
 import os
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ from torch import Tensor
 
 from peagle.model.weights_hash import weights_sha256
 from peagle.schemas import store as S
-from peagle.schemas.errors import UserError, one_line
+from peagle.schemas.errors import UserError, not_weights_only_line, one_line
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -46,6 +47,8 @@ WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
 WEIGHT_INDEX_SUFFIX = ".index.json"
+PICKLE_WEIGHT_SUFFIXES = (".bin", ".pt", ".pth")
+"""Weight files in torch's pickle format: read with weights-only unpickling, never anything more."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tekken.json", "vocab.json", "vocab.txt", "spiece.model",
                    "sentencepiece.bpe.model")
 """Files that hold a tokenizer's vocabulary (one is needed; ``*.tiktoken`` files count too)."""
@@ -177,9 +180,26 @@ def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype, device: torch.de
 
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **({"gguf_file": gguf_file} if gguf_file else {}))
+    except pickle.UnpicklingError as err:  # a pytorch_model.bin that is a pickle of code: torch refused it
+        raise UserError(not_weights_only_line(_pickle_file(err.__traceback__, Path(path)), err)) from None
     except (OSError, ValueError, KeyError, SafetensorError) as err:  # the last: a damaged weights file
         raise UserError(f"cannot load target model from {path}: {one_line(err, with_type=False)}") from err
     return model.to(device).eval()
+
+
+def _pickle_file(tb: Any, root: Path) -> Path | None:
+    """The weight file of ``root`` that transformers was unpickling when torch refused it: the innermost
+    frame holding a path to a pickle-format weight file; else the directory's only such file."""
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        for value in frame.f_locals.values():
+            if isinstance(value, (str, os.PathLike)) and str(value).endswith(PICKLE_WEIGHT_SUFFIXES):
+                return Path(value)
+    found = sorted(p for p in root.iterdir() if p.name.endswith(PICKLE_WEIGHT_SUFFIXES))
+    return found[0] if len(found) == 1 else root
 
 
 def architecture(config: Any) -> str:

@@ -19,13 +19,16 @@ import json
 import os
 import re
 import shutil
+import socket
+import sys
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from peagle.pipeline.failpoints import failpoint
-from peagle.schemas.errors import UserError, as_os_error, os_error_line
+from peagle.schemas.errors import UserError, as_os_error, os_error_line, shown_path
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -263,14 +266,71 @@ def create_exclusive(path: str | os.PathLike, data: bytes) -> bool:
         _discard(tmp)
 
 
+LOCK_NOTE_S = 5.0
+"""How long a wait for a :func:`file_lock` goes on in silence; then one line names who holds it."""
+LOCK_NOTE_EVERY_S = 60.0
+"""How often that line comes again while the wait goes on (it goes on as long as the holder holds)."""
+_LOCK_POLL_S = (0.002, 0.1)
+"""First and longest pause between two tries of a held lock."""
+
+
+def _say_waiting(line: str) -> None:
+    print(f"peagle: {line}", file=sys.stderr, flush=True)
+
+
+def lock_holder(fd: int) -> str:
+    """Who holds the lock file open as ``fd``, as its holder recorded it (pid, host, since when)."""
+    try:
+        record = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (OSError, ValueError):
+        record = {}
+    if not isinstance(record, dict) or "pid" not in record:
+        return "a process that records nothing in it (an older peagle, or another program)"
+    pid, host = record.get("pid"), record.get("host") or "?"
+    here = host == socket.gethostname()
+    alive = "" if not here or not isinstance(pid, int) else (
+        "" if pid_alive(pid) else ", which no longer runs: a process it started holds the lock on")
+    return f"pid {pid} on {host} since {record.get('since', '?')}{alive}"
+
+
+def _take_lock(fd: int, path: str | os.PathLike, say: Callable[[str], None]) -> None:
+    """``flock(fd, LOCK_EX)``, saying after :data:`LOCK_NOTE_S` (and every :data:`LOCK_NOTE_EVERY_S`) who
+    holds it: a wait on a suspended or stuck holder is told from work, and goes on."""
+    pause, started = _LOCK_POLL_S[0], time.monotonic()
+    note_at = started + LOCK_NOTE_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        now = time.monotonic()
+        if now >= note_at:
+            say(f"waiting {now - started:.0f} s for the lock {shown_path(path)}, held by {lock_holder(fd)}; still "
+                "waiting (a suspended or stuck holder: resume or end it, and this goes on)")
+            note_at = now + LOCK_NOTE_EVERY_S
+        time.sleep(pause)
+        pause = min(pause * 2, _LOCK_POLL_S[1])
+
+
 @contextlib.contextmanager
-def file_lock(path: str | os.PathLike) -> Iterator[None]:
-    """An exclusive advisory lock (flock) held for the block; serialises writers of one store."""
+def file_lock(path: str | os.PathLike, *, say: Callable[[str], None] = _say_waiting) -> Iterator[None]:
+    """An exclusive advisory lock (flock) held for the block; serialises writers of one store.
+
+    The holder writes its pid, host and start time into the file (emptied when it lets go), so a
+    process that waits longer than :data:`LOCK_NOTE_S` says who it waits for (:func:`_take_lock`).
+    """
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        _take_lock(fd, path, say)
+        with contextlib.suppress(OSError):  # the record is for people; a lock without it still locks
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                      "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode() + b"\n", 0)
         yield
     finally:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
 

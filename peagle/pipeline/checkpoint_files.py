@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +24,7 @@ from peagle.pipeline.store import sha256_file
 from peagle.schemas.checkpoint import (ALL_PARTS, CHECKPOINTS_DIR, CONFIG, DRAFT_CONFIG_KEY, FORMAT_VERSION,
                                        METADATA_FILE, MODEL, PROVENANCE_KEY, STEP_DIR, TRAIN_CONFIG_KEY, part_file)
 from peagle.schemas.draft_config import DraftConfig
-from peagle.schemas.errors import UserError
+from peagle.schemas.errors import UserError, not_weights_only_line
 
 DRAFT_PARTS = (MODEL, CONFIG)
 """The parts that hold a trained draft, and so the ones export checks (not the optimizer state: a
@@ -82,8 +83,16 @@ def checkpoint_step(path: Path) -> int:
 
 
 def read_checkpoint_part(path: str | os.PathLike, key: str, *, map_location: str | torch.device = "cpu") -> Any:
-    """One part of a checkpoint (weights-only unpickling: plain containers and tensors)."""
-    return torch.load(Path(path) / part_file(key), map_location=map_location, weights_only=True)
+    """One part of a checkpoint (weights-only unpickling: plain containers and tensors).
+
+    Raises:
+        UserError: the part holds anything else (a pickle that would run code), naming the file.
+    """
+    file = Path(path) / part_file(key)
+    try:
+        return torch.load(file, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise UserError(not_weights_only_line(file, err)) from None
 
 
 @dataclass(kw_only=True)

@@ -137,3 +137,20 @@ def non_utf8_argument(argv: list[str]) -> str | None:
             return (f"{os.fsencode(arg).decode('utf-8', 'backslashreplace')} holds bytes that are not UTF-8; peagle "
                     "writes paths and names into UTF-8 files (JSON, Parquet): rename it with UTF-8 characters only")
     return None
+
+
+_UNPICKLE_GLOBAL = re.compile(r"(?:unsupported global: GLOBAL|unsupported GLOBAL|unsupported class) ([^\s]+)",
+                              re.IGNORECASE)
+
+
+def not_weights_only_line(path: str | os.PathLike | None, err: BaseException) -> str:
+    """One line for a file torch's weights-only unpickler refused (a pickle that would run code, or one
+    that is no checkpoint at all): which file and why, in peagle's words. Never torch's own advice
+    (re-run with ``weights_only=False``), which is the one thing that would run the code."""
+    found = _UNPICKLE_GLOBAL.search(str(err))
+    why = (f"it names {found.group(1)}, which is code" if found
+           else "it holds more than tensors and plain containers")
+    subject = shown_path(path) if path is not None else "a weights file"
+    return (f"{subject} is not a weights-only file ({why}); peagle never unpickles code: use a file that holds "
+            "tensors only (safetensors, or torch.save of tensors and plain containers) from a source you trust")
+

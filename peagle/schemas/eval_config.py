@@ -52,6 +52,11 @@ class EvalConfig(TrackingOptions):
     (other requests in between are detected and refused). vLLM does not publish whether it drafts in
     parallel; the report judges it by comparing with the online/vllm modes (docs/usage.md)."""
 
+    server_timeout: float = 30.0
+    """Seconds one request to --server may take, from connecting to the last byte of its answer
+    (/v1/models, /metrics; the one /v1/completions request of every prompt gets 1800 s, or this if
+    longer): a server that answers slower, or drips its answer, is given up on in one line."""
+
     out: str | None = None
     """Report directory (report.json + PNG plots). Default: RUN_DIR/eval, or EXPORT_DIR-eval."""
 
@@ -111,6 +116,8 @@ class EvalConfig(TrackingOptions):
             if self.temperature > 0:
                 raise UserError(f"--server measures greedy decoding (temperature 0, as the server's acceptance "
                                 f"is compared with our loop's), got --temperature {self.temperature:g}")
+        if not self.server_timeout > 0:
+            raise UserError(f"--server-timeout must be > 0 seconds, got {self.server_timeout}")
         if self.temperature < 0:
             raise UserError(f"--temperature must be >= 0, got {self.temperature}")
         for name in ("max_new_tokens", "max_prompts", "max_samples"):

@@ -48,15 +48,16 @@ class TrackingOptions:
     an optional extra (pip install 'peagle[wandb]'). train logs, on rank 0 at the steps of
     metrics.jsonl: loss, learning rate, tokens/s, data wait, per-depth agreement, the acceptance-length
     estimates (training batches, held-out), bad steps, CUDA memory; the run config and store description
-    once. eval logs what it measured to the same run (also without --logger, when SOURCE is a run that
-    logged). A missing package or an unreachable server stops the run in one line before its first step."""
+    once. eval logs what it measured only where its own --logger says (a run's trackers.json is shown,
+    not followed), into the run's runs when it names the same store. A missing package or an
+    unreachable server stops the run in one line before its first step."""
 
     run_name: str | None = None
     """Name of the run in the trackers. Default: the name of the run directory (--out of train)."""
 
     logger_dir: str | None = None
     """Where TensorBoard's event files, W&B's run files and Trackio's database go. Default: RUN_DIR/logs
-    (train; eval: the run's, else OUT/logs)."""
+    (train), OUT/logs (eval)."""
 
     logger_project: str = "peagle"
     """W&B and Trackio project, MLflow experiment."""
@@ -71,7 +72,9 @@ class TrackingOptions:
 
     mlflow_tracking_uri: str | None = None
     """MLflow tracking server or store (http://HOST:5000, file:PATH, sqlite:///PATH). Default:
-    MLFLOW_TRACKING_URI when set, else a file store in RUN_DIR/mlruns."""
+    MLFLOW_TRACKING_URI when set, else a file store in RUN_DIR/mlruns (eval: OUT/mlruns). Credentials
+    in it (http://USER:PASS@HOST, ?token=T) go to MLflow as its username and password (or token),
+    never into a file or a line peagle writes."""
 
     def check_tracking(self) -> None:
         """Normalise ``logger`` (canonical order, ``none`` when empty) and check the values.

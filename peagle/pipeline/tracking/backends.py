@@ -25,8 +25,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from peagle.pipeline.tracking.preflight import TrackingPlan
+from peagle.pipeline.tracking.preflight import TrackingPlan, mlflow_client_uri
 from peagle.pipeline.tracking.scalars import as_json_text, flat_params
+from peagle.schemas.secrets import redact_text
 
 MLFLOW_PARAM_CHARS = 6000
 """MLflow's limit on a param value (longer ones are cut, with a warning of its own)."""
@@ -107,8 +108,10 @@ class MlflowBackend:
         from mlflow import MlflowClient
         from mlflow.entities import Param
 
-        self.client = MlflowClient(tracking_uri=plan.mlflow_uri)
-        same_store = saved.get("tracking_uri") == plan.mlflow_uri
+        # the client gets the URI without credentials; they go where it reads them (mlflow_client_uri)
+        self.client = MlflowClient(tracking_uri=mlflow_client_uri(plan.mlflow_uri))
+        shown_uri = redact_text(plan.mlflow_uri)  # what trackers.json keeps: never a credential
+        same_store = redact_text(str(saved.get("tracking_uri") or "")) == shown_uri
         self.run_id = saved.get("run_id") if same_store else None
         if self.run_id is not None:
             self.client.update_run(self.run_id, status="RUNNING")
@@ -121,7 +124,7 @@ class MlflowBackend:
                 self.client.log_batch(self.run_id, params=items[i:i + MLFLOW_BATCH])
             for name, value in {"config": config, **extras}.items():
                 self.client.log_dict(self.run_id, value, f"peagle/{name}.json")
-        self.state = {"run_id": self.run_id, "tracking_uri": plan.mlflow_uri}
+        self.state = {"run_id": self.run_id, "tracking_uri": shown_uri}
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         from mlflow.entities import Metric

@@ -10,17 +10,19 @@ settings are a :class:`TrackingPlan` that :mod:`.tracker` opens the backends fro
 
 from __future__ import annotations
 
+import base64
 import importlib
 import netrc
 import os
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from peagle.schemas.errors import UserError, one_line
+from peagle.schemas.secrets import Credentials, redact_text, split_credentials
 from peagle.schemas.tracking_config import TrackingOptions
 
 MODULES = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
@@ -62,19 +64,37 @@ def require(name: str) -> None:
                         f"({one_line(err, 120)}): pip install 'peagle[{name}]'") from None
 
 
-def check_reachable(url: str, *, what: str, hint: str, timeout: float = TIMEOUT_S) -> None:
+def auth_headers(credentials: Credentials) -> dict[str, str]:
+    """The ``Authorization`` header a URI's credentials stand for: Basic for ``user:pass@``, Bearer for a
+    ``?token=`` (as MLflow's client sends MLFLOW_TRACKING_USERNAME/PASSWORD and MLFLOW_TRACKING_TOKEN)."""
+    if credentials.username is not None or credentials.password is not None:
+        pair = f"{credentials.username or ''}:{credentials.password or ''}".encode()
+        return {"Authorization": "Basic " + base64.b64encode(pair).decode()}
+    if credentials.token is not None:
+        return {"Authorization": f"Bearer {credentials.token}"}
+    return {}
+
+
+def check_reachable(url: str, *, what: str, hint: str, timeout: float = TIMEOUT_S,
+                    credentials: Credentials | None = None) -> None:
     """Any HTTP answer from ``url`` will do (an error status is an answer); no answer is one line.
+    Credentials (in ``url``, or ``credentials`` of the URI it was made from) are sent as a header,
+    never in the request line, and never named.
 
     Raises:
-        UserError: the connection failed or timed out, naming the URL and the reason.
+        UserError: the connection failed or timed out, naming the URL (redacted) and the reason.
     """
+    own = split_credentials(url)
+    headers = auth_headers(own) or auth_headers(credentials or own)
+    request = urllib.request.Request(own.uri, method="GET", headers=headers)
     try:
-        urllib.request.urlopen(urllib.request.Request(url, method="GET"), timeout=timeout).close()
+        urllib.request.urlopen(request, timeout=timeout).close()
     except urllib.error.HTTPError:
         return
     except (urllib.error.URLError, OSError, ValueError) as err:
         reason = getattr(err, "reason", None) or err
-        raise UserError(f"{what}: cannot reach {url} ({one_line(reason, 120, with_type=False)}); {hint}") from None
+        raise UserError(f"{what}: cannot reach {redact_text(url)} ({one_line(reason, 120, with_type=False)}); "
+                        f"{hint}") from None
 
 
 def wandb_base_url(environ: Mapping[str, str]) -> str:
@@ -132,7 +152,8 @@ def resolve_mlflow_uri(asked: str | None, default: str, environ: Mapping[str, st
     uri = asked or environ.get("MLFLOW_TRACKING_URI") or default
     scheme = urllib.parse.urlparse(uri).scheme.split("+")[0]
     if scheme in ("http", "https"):
-        check_reachable(uri.rstrip("/") + "/health", what="--logger mlflow",
+        credentials = split_credentials(uri)
+        check_reachable(credentials.uri.rstrip("/") + "/health", what="--logger mlflow", credentials=credentials,
                         hint="start the tracking server or pass another --mlflow-tracking-uri "
                              "(file:PATH is a store on disk, no server)")
     elif scheme in ("sqlite", "postgresql", "mysql", "mssql"):
@@ -140,9 +161,29 @@ def resolve_mlflow_uri(asked: str | None, default: str, environ: Mapping[str, st
             try:
                 importlib.import_module(module)
             except ImportError:
-                raise UserError(f"--mlflow-tracking-uri {uri} is a database store, which needs MLflow's full "
+                raise UserError(f"--mlflow-tracking-uri {redact_text(uri)} is a database store, which needs MLflow's full "
                                 f"package ({module} does not import): pip install mlflow; or use file:PATH") from None
     return uri
+
+
+def mlflow_client_uri(uri: str, environ: MutableMapping[str, str] | None = None) -> str:
+    """The tracking URI to give MLflow's client: without its credentials, which go where the client
+    reads them, this process's MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD (``user:pass@``) or
+    MLFLOW_TRACKING_TOKEN (``?token=``). So neither MLflow's requests nor its own records (a file
+    store's ``meta.yaml`` keeps the URI it was given) hold them; a MLFLOW_TRACKING_URI with
+    credentials is replaced by its clean form here too, for any MLflow code that reads it."""
+    environ = os.environ if environ is None else environ
+    credentials = split_credentials(uri)
+    if credentials.username is not None:
+        environ["MLFLOW_TRACKING_USERNAME"] = credentials.username
+    if credentials.password is not None:
+        environ["MLFLOW_TRACKING_PASSWORD"] = credentials.password
+    if credentials.token is not None:
+        environ["MLFLOW_TRACKING_TOKEN"] = credentials.token
+    from_env = environ.get("MLFLOW_TRACKING_URI")
+    if from_env and split_credentials(from_env).uri != from_env:
+        environ["MLFLOW_TRACKING_URI"] = split_credentials(from_env).uri
+    return credentials.uri
 
 
 def plan_tracking(options: TrackingOptions, *, log_dir: Path, run_name: str, mlflow_default: str,

@@ -8,9 +8,16 @@ backend that fails mid-run (a server gone) is dropped with one warning line; the
 ``metrics.jsonl`` keeps everything.
 
 **One run per run directory.** ``RUN_DIR/trackers.json`` keeps each backend's run id (W&B's id,
-MLflow's run id and store, Trackio's run name, TensorBoard's directory) and the resolved settings: a
-resumed `peagle train` continues those runs, and `peagle eval` given the run (or an export of it)
-logs what it measured into them (:func:`eval_plan`).
+MLflow's run id and store, Trackio's run name, TensorBoard's directory) and the resolved settings,
+credentials redacted (``peagle.schemas.secrets``): a resumed `peagle train` continues those runs.
+
+**A received run is data, not instructions.** `peagle eval` of a run (or an export of it) logs only
+to the trackers its own command line (or ``--config`` file) names, writes only under its ``--out``
+(TensorBoard's events, W&B's files and MLflow's default store go to OUT/logs and OUT/mlruns), and
+shows what the run's ``trackers.json`` recorded without following it (:func:`eval_plan`): a moved
+run, or one somebody handed over, cannot make eval write at another path or talk to another server.
+The run's backend runs are continued only inside the destination the command line named (the same
+MLflow store, the same W&B project and entity), so the figures still join the run they measure.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from peagle.pipeline.tracking.backends import BACKENDS
 from peagle.pipeline.tracking.preflight import TrackingPlan, plan_tracking
 from peagle.pipeline.tracking.scalars import record_scalars, report_scalars
 from peagle.schemas.errors import UserError, one_line
+from peagle.schemas.secrets import redact, redact_text
 from peagle.schemas.tracking_config import TrackingOptions
 
 STATE_FILE = "trackers.json"
@@ -57,7 +65,8 @@ class Tracker:
     """Open backends, a queue and the thread that feeds them (module docstring)."""
 
     def __init__(self, backends: list[Any], *, say: Callable[[str], None] = _say):
-        self.backends, self.say = backends, say
+        self.backends = backends
+        self.say = lambda line: say(redact_text(line))  # a library's error may quote a URL with credentials
         self.queue: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._work, name="peagle-trackers", daemon=True)
         self.thread.start()
@@ -123,10 +132,12 @@ class Tracker:
 
 
 def open_tracker(plan: TrackingPlan | None, *, state_dir: Path, start: int | None, config: dict[str, Any],
-                 extras: dict[str, Any], say: Callable[[str], None] = _say) -> Tracker | None:
-    """Open every backend of ``plan``, continuing the runs ``state_dir/trackers.json`` names, and write
-    the file anew with their ids; None without a plan. ``start``: the step a training run goes on from
-    (None for `peagle eval`, which adds to a run and purges nothing).
+                 extras: dict[str, Any], say: Callable[[str], None] = _say,
+                 saved: dict[str, Any] | None = None) -> Tracker | None:
+    """Open every backend of ``plan``, continuing the runs ``state_dir/trackers.json`` names (or
+    ``saved``'s, where given: eval's), and write the file anew with their ids; None without a plan.
+    ``start``: the step a training run goes on from (None for `peagle eval`, which adds to a run and
+    purges nothing). ``config`` and ``extras`` reach the backends redacted, and so does the file.
 
     Raises:
         UserError: a backend failed to open (one line naming it and why).
@@ -135,7 +146,9 @@ def open_tracker(plan: TrackingPlan | None, *, state_dir: Path, start: int | Non
         return None
     for note in plan.notes:
         say(note)
-    saved = read_state(state_dir).get("backends", {})
+    if saved is None:
+        saved = read_state(state_dir).get("backends", {})
+    config, extras = redact(config), redact(extras)
     backends = []
     for name in plan.loggers:
         try:
@@ -144,44 +157,69 @@ def open_tracker(plan: TrackingPlan | None, *, state_dir: Path, start: int | Non
         except Exception as err:  # the library's own: name it in one line, before any work
             for opened in backends:
                 opened.close(True)
-            raise UserError(f"--logger {name} failed to start its run: {one_line(err, 200)}") from None
+            raise UserError(f"--logger {name} failed to start its run: {redact_text(one_line(err, 200))}") from None
     state = {"version": STATE_VERSION, "plan": {**asdict(plan), "log_dir": str(plan.log_dir), "notes": []},
              "backends": {**saved, **{b.name: b.state for b in backends}}}
     state_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(state_dir / STATE_FILE, state)
+    atomic_write_json(state_dir / STATE_FILE, redact(state))
     say(f"logging to {', '.join(plan.loggers)} as run {plan.run_name!r} ({plan.log_dir})")
     return Tracker(backends, say=say)
 
 
-def eval_plan(options: TrackingOptions, *, run_dir: Path | None, out: Path) -> TrackingPlan | None:
-    """What `peagle eval` logs to: the run's own trackers (``RUN_DIR/trackers.json``, same settings, so the
-    same runs) and any more that ``--logger`` asks for; None when neither names one. Checked now,
+def eval_plan(options: TrackingOptions, *, run_dir: Path | None, out: Path,
+              say: Callable[[str], None] = _say) -> TrackingPlan | None:
+    """What `peagle eval` logs to: the trackers its own ``--logger`` names, with its own settings and
+    defaults under ``out`` (OUT/logs, OUT/mlruns); None when it names none. What the run's
+    ``trackers.json`` recorded is shown in one line, never followed (module docstring). Checked now,
     before any mode runs (:func:`plan_tracking`)."""
-    saved = read_state(run_dir).get("plan") or {}
-    loggers = tuple(dict.fromkeys([*(saved.get("loggers") or []), *options.loggers]))
-    if not loggers:
+    recorded = read_state(run_dir).get("plan") or {}
+    if isinstance(recorded.get("loggers"), list) and recorded["loggers"]:
+        mlflow = f" (MLflow: {_shown(recorded['mlflow_uri'])})" if recorded.get("mlflow_uri") else ""
+        say(redact_text(f"note: the run logged to {_shown(', '.join(map(str, recorded['loggers'])))}{mlflow}; its "
+                        f"{STATE_FILE} is shown, not followed: eval logs only where its own --logger says"
+                        + ("" if options.loggers else " (none here)")))
+    if not options.loggers:
         return None
-    merged = TrackingOptions(
-        logger=",".join(loggers), run_name=options.run_name or saved.get("run_name"),
-        logger_dir=options.logger_dir or saved.get("log_dir"), logger_project=saved.get("project") or options.logger_project,
-        wandb_entity=options.wandb_entity or saved.get("wandb_entity"),
-        wandb_mode=saved.get("wandb_mode") or options.wandb_mode,
-        mlflow_tracking_uri=options.mlflow_tracking_uri or saved.get("mlflow_uri"))
-    merged.check_tracking()
     home = run_dir if run_dir is not None else out
-    return plan_tracking(merged, log_dir=home / "logs", run_name=home.name,
-                         mlflow_default=f"file:{(home / 'mlruns').resolve()}")
+    return plan_tracking(options, log_dir=out / "logs", run_name=home.resolve().name,
+                         mlflow_default=f"file:{(out / 'mlruns').resolve()}")
+
+
+def _shown(value: Any, limit: int = 160) -> str:
+    """A value a run recorded, as one printable line (a received file may hold control characters)."""
+    return "".join(c if c.isprintable() else "?" for c in " ".join(str(value).split()))[:limit]
+
+
+def continued_runs(plan: TrackingPlan, run_dir: Path | None) -> dict[str, Any]:
+    """The run's backend runs (``RUN_DIR/trackers.json``) that eval continues: only those inside the
+    destination ``plan`` names (MLflow: the same store; W&B and Trackio: the same project and
+    entity), so a run id is data within a place the command line chose, never a place to go."""
+    recorded = read_state(run_dir)
+    backends = recorded.get("backends") or {}
+    out: dict[str, Any] = {}
+    mlflow = backends.get("mlflow") or {}
+    if plan.mlflow_uri and mlflow.get("run_id") and \
+            redact_text(str(mlflow.get("tracking_uri") or "")) == redact_text(plan.mlflow_uri):
+        out["mlflow"] = mlflow
+    wandb = backends.get("wandb") or {}
+    if wandb.get("run_id") and wandb.get("project") == plan.project and wandb.get("entity") == plan.wandb_entity:
+        out["wandb"] = wandb
+    trackio = backends.get("trackio") or {}
+    if trackio.get("run_name") and trackio.get("project") == plan.project:
+        out["trackio"] = {"run_name": trackio["run_name"]}
+    return out
 
 
 def log_eval_report(plan: TrackingPlan | None, report: dict[str, Any], *, run_dir: Path | None, out: Path,
                     config: dict[str, Any], say: Callable[[str], None] = _say) -> None:
     """Log what a `peagle eval` report measured, at the run's last trained step (so the measured
-    acceptance lengths sit at the end of the trainer's estimates), into the runs of ``plan``."""
+    acceptance lengths sit at the end of the trainer's estimates), into the runs of ``plan``; the
+    state of what eval logged goes to ``out/trackers.json`` (nothing is written in the run)."""
     if plan is None:
         return
     step = last_step(run_dir)
-    tracker = open_tracker(plan, state_dir=run_dir if run_dir is not None else out, start=None,
-                           config={"eval": config}, extras={}, say=say)
+    tracker = open_tracker(plan, state_dir=out, start=None, config={"eval": config}, extras={}, say=say,
+                           saved=continued_runs(plan, run_dir))
     scalars = report_scalars(report)
     tracker.log(step, scalars)
     tracker.summarise(scalars)

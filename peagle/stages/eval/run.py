@@ -23,6 +23,7 @@ import torch
 
 import peagle
 from peagle.model.checkpoint_export import export_checkpoint
+from peagle.model.export_provenance import recorded_path
 from peagle.model.speculators_format import (PROVENANCE_KEY, ExportedDraft, load_export, looks_like_export,
                                               read_export_config)
 from peagle.model.target import CONFIG_FILE, check_store_matches_target, load_tokenizer, open_target
@@ -32,6 +33,7 @@ from peagle.pipeline.tracking.tracker import eval_plan, log_eval_report
 from peagle.schemas.checkpoint import CHECKPOINTS_DIR
 from peagle.schemas.errors import UserError
 from peagle.schemas.eval_config import EvalConfig
+from peagle.schemas.secrets import redact
 from peagle.schemas.train_config import parse_store_spec
 from peagle.stages.eval import offline, online, prompts as prompt_sources, report as reporting, server as serving, speed
 from peagle.stages.eval.vllm_eval import run_vllm, vllm_available
@@ -62,9 +64,10 @@ def resolve_source(config: EvalConfig) -> EvalSource:
     is_run = (source / CHECKPOINTS_DIR).is_dir()
     out = Path(config.out) if config.out else (source / "eval" if is_run else source.with_name(source.name + "-eval"))
     if looks_like_export(source):  # a damaged config.json is named as such (read_export_config)
-        ckpt = (read_export_config(source).get(PROVENANCE_KEY) or {}).get("checkpoint")
-        run_dir = Path(ckpt).parent.parent if ckpt and Path(ckpt).parent.parent.is_dir() else None
-        return EvalSource(source, run_dir, out)
+        provenance = read_export_config(source).get(PROVENANCE_KEY) or {}
+        ckpt = provenance.get("checkpoint")
+        run_dir = recorded_path(source, provenance, ckpt).parent.parent if isinstance(ckpt, str) and ckpt else None
+        return EvalSource(source, run_dir if run_dir is not None and run_dir.is_dir() else None, out)
     export_dir = export_checkpoint(source, out / "export", verifier_name=config.target,
                                    speculative_tokens=config.num_depths)
     return EvalSource(export_dir, source if is_run else source.parent.parent, out)
@@ -82,8 +85,9 @@ def resolve_store(config: EvalConfig, exported: ExportedDraft) -> tuple[Store | 
     is none: what needs no store still runs; ``--store`` named and missing is an error.
     """
     run = exported.run_config
-    train_stores = [str(Path(parse_store_spec(s).path).resolve()) for s in run.get("store") or []]
-    path = config.store or run.get("eval_store") or (train_stores[0] if train_stores else None)
+    train_stores = [str(exported.recorded_path(parse_store_spec(s).path).resolve()) for s in run.get("store") or []]
+    recorded_eval = str(exported.recorded_path(run["eval_store"])) if run.get("eval_store") else None
+    path = config.store or recorded_eval or (train_stores[0] if train_stores else None)
     if path is None:
         return None, None
     if config.store is None and not Path(path).exists():  # where the run trained, not where the draft is now
@@ -147,7 +151,8 @@ def run_eval(config: EvalConfig, *, echo: Callable[[str], None] = print) -> dict
     probe = None
     if "server" in modes:  # before any slow mode: a wrong server is one line at once
         probe = serving.probe_server(config.server, export_dir=where.export_dir,
-                                     verifiers=[exported.verifier, target_dir], num_depths=K)
+                                     verifiers=[exported.verifier, target_dir], num_depths=K,
+                                     timeout=config.server_timeout)
     torch.manual_seed(config.seed)
     sections: dict[str, dict[str, Any]] = {}
     greedy_outputs: dict[str, list[list[int]] | None] = {}  # the target's own, for the server's check
@@ -223,7 +228,8 @@ def run_eval(config: EvalConfig, *, echo: Callable[[str], None] = print) -> dict
         "modes": modes,
         "settings": {k: v for k, v in asdict(config).items() if k not in ("source", "quiet")},
     }
-    report = reporting.build_report(sections=sections, meta=meta, speed=speed_report)
+    # redacted: the settings may hold a tracking URI or a server URL with credentials (schemas/secrets.py)
+    report = redact(reporting.build_report(sections=sections, meta=meta, speed=speed_report))
     reporting.write_report(where.out, report, metrics=reporting.read_metrics(where.run_dir))
     log_eval_report(tracking, report, run_dir=where.run_dir, out=where.out, config=meta["settings"])
     echo(reporting.summary_table(report))

@@ -31,29 +31,42 @@ What a server tells and what it does not (vLLM 0.32):
   ``vllm:request_success`` and ``vllm:generation_tokens`` must be exactly ours, else the run is
   refused. vLLM counts generated tokens every engine step, in the same record as the drafts, and
   every verified draft yields a token, so no other request's drafts can pass unseen.
+
+A URL is not trusted to be a vLLM server (docs/reliability.md, "What peagle trusts"): each request
+has one deadline for the whole of it, not per read (:func:`_http`; ``--server-timeout``), an answer
+is at most :data:`MAX_ANSWER_BYTES`, and a banner instead of HTTP, JSON of another shape, a body cut
+short or headers dripped past the deadline are each one line naming the URL.
 """
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
 import math
 import re
+import socket
+import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from peagle.schemas.errors import UserError
+from peagle.schemas.errors import UserError, one_line
+from peagle.schemas.secrets import redact_text
 from peagle.stages.eval.vllm_eval import PER_POS_COUNTER, SPEC_COUNTERS, counters_section
 
 GENERATION_COUNTER = "vllm:generation_tokens"
 FINISHED_COUNTER = "vllm:request_success"
 PROBE_TIMEOUT_S = 30.0
-"""Seconds a GET of /v1/models or /metrics may take."""
+"""Seconds a GET of /v1/models or /metrics may take, the whole request (``--server-timeout``)."""
 GENERATE_TIMEOUT_S = 1800.0
 """Seconds the one completion request (every prompt) may take before the server is given up on."""
+MAX_ANSWER_BYTES = 64 * 2**20
+"""The most bytes one answer may hold (the completion of every prompt as token ids, or /metrics, is far
+less): a larger one is refused, never read into memory."""
+READ_CHUNK = 64 * 1024
 SETTLE_TIMEOUT_S = 10.0
 """Seconds to wait for the counters to count our last request (vLLM records them after answering)."""
 AL_TOLERANCE = 0.05
@@ -129,37 +142,109 @@ def counters_from_metrics(text: str, url: str) -> ServerCounters:
         generation_tokens=int(totals[GENERATION_COUNTER]), finished_requests=int(totals.get(FINISHED_COUNTER, 0)))
 
 
-def _http(url: str, *, body: dict[str, Any] | None = None, timeout: float = PROBE_TIMEOUT_S) -> bytes:
-    """GET (or POST ``body`` as JSON) and return the response body.
+def _read_capped(response: http.client.HTTPResponse, shown: str) -> bytes:
+    """The body of ``response``, at most :data:`MAX_ANSWER_BYTES` (more is refused, not read).
 
     Raises:
-        UserError: naming the URL, when the server cannot be reached or answers with an error status.
+        UserError: the body is larger, or shorter than its Content-Length said (cut short).
     """
+    length = response.getheader("Content-Length") or ""
+    if length.strip().isdigit() and int(length) > MAX_ANSWER_BYTES:
+        raise UserError(f"{shown} answered {int(length):,} bytes, more than the {MAX_ANSWER_BYTES:,} an answer of "
+                        "a vLLM server may hold: is this the server?")
+    chunks, total = [], 0
+    while True:
+        chunk = response.read(READ_CHUNK)
+        if not chunk:
+            break
+        total += len(chunk)
+        if total > MAX_ANSWER_BYTES:
+            raise UserError(f"{shown} answered more than the {MAX_ANSWER_BYTES:,} bytes an answer of a vLLM server "
+                            "may hold: is this the server?")
+        chunks.append(chunk)
+    if response.length:  # bytes the Content-Length promised that never came
+        raise http.client.IncompleteRead(b"".join(chunks), response.length)
+    return b"".join(chunks)
+
+
+def _http(url: str, *, body: dict[str, Any] | None = None, timeout: float = PROBE_TIMEOUT_S) -> bytes:
+    """GET (or POST ``body`` as JSON) and return the response body, within ``timeout`` seconds for the
+    whole request (connecting, sending, every header and body byte: a timer closes the socket at the
+    deadline, so a server that drips its answer a byte at a time is given up on too) and at most
+    :data:`MAX_ANSWER_BYTES`.
+
+    Raises:
+        UserError: one line naming the URL (credentials redacted): unreachable, past the deadline, an
+            answer that is not HTTP (a banner), cut short, too large, or an error status.
+    """
+    shown = redact_text(url)
+    parts = urllib.parse.urlsplit(url)
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
+    headers = {"Content-Type": "application/json"} if data else {}
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.read()
-    except urllib.error.HTTPError as err:
-        detail = " ".join(err.read().decode(errors="replace").split())[:300]
-        raise UserError(f"{url} answered HTTP {err.code}: {detail or err.reason}") from err
-    except (urllib.error.URLError, OSError) as err:
-        reason = getattr(err, "reason", None) or err
-        raise UserError(f"cannot reach the server at {url} ({reason}): is `vllm serve EXPORT_DIR` running "
-                        "there?") from err
+        connection = (http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection)(
+            parts.hostname or "", parts.port, timeout=timeout)
+    except (http.client.InvalidURL, ValueError) as err:
+        raise UserError(f"--server {shown} is not a URL peagle can reach ({one_line(err, 120, with_type=False)})")
+    past_deadline = threading.Event()
+
+    def cut() -> None:
+        past_deadline.set()
+        with contextlib.suppress(OSError, AttributeError):
+            connection.sock.shutdown(socket.SHUT_RDWR)
+
+    timer = threading.Timer(timeout, cut)
+    timer.daemon = True
+    timer.start()
+    late = (f"{shown} did not answer within {timeout:g} s (the whole request: --server-timeout): is the server "
+            "busy, or is this not a vLLM server?")
+    try:
+        connection.request("POST" if data else "GET", (parts.path or "/") + (f"?{parts.query}" if parts.query else ""),
+                           body=data, headers=headers)
+        response = connection.getresponse()
+        raw = _read_capped(response, shown)
+    except http.client.IncompleteRead as err:
+        raise UserError(late if past_deadline.is_set() else
+                        f"{shown} answered a body cut short ({len(err.partial):,} bytes of "
+                        f"{len(err.partial) + (err.expected or 0):,}): did the server stop?") from None
+    except (http.client.HTTPException, UnicodeError) as err:  # a banner, a header line too long, too many
+        raise UserError(late if past_deadline.is_set() else
+                        f"{shown} did not answer in HTTP ({one_line(err, 120)}): is this a vLLM server?") from None
+    except OSError as err:
+        if past_deadline.is_set() or isinstance(err, TimeoutError):
+            raise UserError(late) from None
+        reason = getattr(err, "strerror", None) or one_line(err, 120, with_type=False)
+        raise UserError(f"cannot reach the server at {shown} ({reason}): is `vllm serve EXPORT_DIR` running "
+                        "there?") from None
+    finally:
+        timer.cancel()
+        connection.close()
+    if past_deadline.is_set():
+        raise UserError(late)
+    if response.status >= 400:
+        detail = " ".join(raw[:2000].decode(errors="replace").split())[:300]
+        raise UserError(f"{shown} answered HTTP {response.status}: {detail or response.reason}")
+    return raw
 
 
 def _json(url: str, **kwargs: Any) -> Any:
     raw = _http(url, **kwargs)
     try:
         return json.loads(raw)
-    except ValueError as err:
-        raise UserError(f"{url} answered something that is not JSON ({raw[:80]!r}): is this a vLLM server?") from err
+    except ValueError:
+        raise UserError(f"{redact_text(url)} answered something that is not JSON ({raw[:80]!r}): is this a vLLM "
+                        "server?") from None
 
 
-def read_counters(url: str) -> ServerCounters:
+def _other_shape(url: str, what: str, answer: Any) -> UserError:
+    shown = json.dumps(answer)[:80] if not isinstance(answer, (bytes, str)) else repr(answer[:80])
+    return UserError(f"{redact_text(url)} answered JSON of another shape ({what} expected, got {shown}): is this "
+                     "a vLLM server (its OpenAI-compatible API)?")
+
+
+def read_counters(url: str, *, timeout: float = PROBE_TIMEOUT_S) -> ServerCounters:
     """The server's counters now (:func:`counters_from_metrics` of ``URL/metrics``)."""
-    return counters_from_metrics(_http(f"{url}/metrics").decode(errors="replace"), url)
+    return counters_from_metrics(_http(f"{url}/metrics", timeout=timeout).decode(errors="replace"), url)
 
 
 @dataclass(frozen=True)
@@ -169,6 +254,8 @@ class ServerProbe:
     url: str
     model: str
     num_speculative_tokens: int
+    timeout: float = PROBE_TIMEOUT_S
+    """Seconds one request may take (--server-timeout); the completion request gets GENERATE_TIMEOUT_S or this."""
 
 
 def _names_match(name: str, wanted: list[str]) -> bool:
@@ -181,14 +268,19 @@ def _names_match(name: str, wanted: list[str]) -> bool:
     return False
 
 
-def probe_server(url: str, *, export_dir: str | Path, verifiers: list[str], num_depths: int) -> ServerProbe:
+def probe_server(url: str, *, export_dir: str | Path, verifiers: list[str], num_depths: int,
+                 timeout: float = PROBE_TIMEOUT_S) -> ServerProbe:
     """Check, before anything is generated, that ``url`` serves this export with a draft of K tokens.
 
     Raises:
-        UserError: the server is unreachable, serves another model, drafts nothing, or drafts another K.
+        UserError: the server is unreachable, answers what a vLLM server does not, serves another
+            model, drafts nothing, or drafts another K.
     """
     url = url.rstrip("/")
-    cards = (_json(f"{url}/v1/models") or {}).get("data") or []
+    answer = _json(f"{url}/v1/models", timeout=timeout)
+    cards = answer.get("data") if isinstance(answer, dict) else None
+    if not isinstance(cards, list) or not all(isinstance(c, dict) for c in cards):
+        raise _other_shape(f"{url}/v1/models", '{"data": [model cards]}', answer)
     wanted = [str(export_dir), str(Path(export_dir).resolve()), *[v for v in verifiers if v]]
     served = next((c for c in cards
                    if _names_match(str(c.get("id")), wanted) or _names_match(str(c.get("root")), wanted)), None)
@@ -196,13 +288,13 @@ def probe_server(url: str, *, export_dir: str | Path, verifiers: list[str], num_
         names = ", ".join(str(c.get("root") or c.get("id")) for c in cards) or "nothing"
         raise UserError(f"the server at {url} serves {names}, not {export_dir} (nor its verifier "
                         f"{' / '.join(v for v in verifiers if v)}): start it with `vllm serve {export_dir}`")
-    counters = read_counters(url)
+    counters = read_counters(url, timeout=timeout)
     K = len(counters.accepted_per_pos)
     if K != num_depths:
         raise UserError(f"the server at {url} drafts K = {K} tokens, this evaluation K = {num_depths} (the export's, "
                         f"or --num-depths): pass --num-depths {K}, or serve with --speculative-config "
                         f"'{{\"num_speculative_tokens\": {num_depths}}}'")
-    return ServerProbe(url=url, model=str(served["id"]), num_speculative_tokens=K)
+    return ServerProbe(url=url, model=str(served.get("id")), num_speculative_tokens=K, timeout=timeout)
 
 
 def complete(probe: ServerProbe, prompts: list[list[int]], *, max_new_tokens: int, stop_ids: list[int],
@@ -217,9 +309,14 @@ def complete(probe: ServerProbe, prompts: list[list[int]], *, max_new_tokens: in
             "presence_penalty": 0.0, "frequency_penalty": 0.0, "stop_token_ids": list(stop_ids),
             "ignore_eos": ignore_eos, "return_token_ids": True}
     start = time.perf_counter()
-    answer = _json(f"{probe.url}/v1/completions", body=body, timeout=GENERATE_TIMEOUT_S)
+    answer = _json(f"{probe.url}/v1/completions", body=body, timeout=max(GENERATE_TIMEOUT_S, probe.timeout))
     seconds = time.perf_counter() - start
-    choices = sorted(answer.get("choices") or [], key=lambda c: c.get("index", 0))
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not isinstance(choices, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("index", 0), int) and (c.get("token_ids") is None or (
+                isinstance(c["token_ids"], list) and all(type(t) is int for t in c["token_ids"]))) for c in choices):
+        raise _other_shape(f"{probe.url}/v1/completions", '{"choices": [{"index": N, "token_ids": [ids]}]}', answer)
+    choices = sorted(choices, key=lambda c: c.get("index", 0))
     if len(choices) != len(prompts) or any(c.get("token_ids") is None for c in choices):
         raise UserError(f"{probe.url}/v1/completions answered {len(choices)} choices for {len(prompts)} prompts"
                         " or no token_ids (return_token_ids needs vLLM >= 0.10)")
@@ -246,13 +343,13 @@ def check_only_ours(delta: ServerCounters, *, num_prompts: int, num_tokens: int,
 def measure_server(probe: ServerProbe, prompts: list[list[int]], *, max_new_tokens: int, stop_ids: list[int],
                    ignore_eos: bool) -> tuple[dict[str, Any], list[list[int]]]:
     """Generate on the server and read its acceptance: (the report's ``server`` section, the outputs)."""
-    before = read_counters(probe.url)
+    before = read_counters(probe.url, timeout=probe.timeout)
     outputs, seconds = complete(probe, prompts, max_new_tokens=max_new_tokens, stop_ids=stop_ids, ignore_eos=ignore_eos)
     deadline = time.monotonic() + SETTLE_TIMEOUT_S
-    delta = read_counters(probe.url).minus(before)
+    delta = read_counters(probe.url, timeout=probe.timeout).minus(before)
     while delta.finished_requests < len(prompts) and time.monotonic() < deadline:
         time.sleep(0.2)
-        delta = read_counters(probe.url).minus(before)
+        delta = read_counters(probe.url, timeout=probe.timeout).minus(before)
     K = probe.num_speculative_tokens
     check_only_ours(delta, num_prompts=len(prompts), num_tokens=sum(len(o) for o in outputs), num_depths=K,
                     url=probe.url)

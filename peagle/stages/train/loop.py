@@ -43,6 +43,7 @@ from peagle.schemas.checkpoint import (CHECKPOINTS_DIR, DRAFT_CONFIG_KEY, PROVEN
 from peagle.schemas.draft_config import METHOD_NAMES, DraftConfig
 from peagle.schemas.errors import UserError
 from peagle.schemas.loader_config import stream_config
+from peagle.schemas.secrets import redact
 from peagle.schemas.train_config import TrainConfig, parse_store_spec
 from peagle.stages.train import checkpoint as ckpt
 from peagle.stages.train import follow
@@ -392,9 +393,10 @@ class Trainer:
                 self.tracker.log_record(record)
 
     def _config_part(self) -> dict[str, Any]:
-        """What export and resume read: the run config, the draft config, the stores trained on and the
-        provenance of the training process."""
-        return {TRAIN_CONFIG_KEY: self.config.to_dict(), DRAFT_CONFIG_KEY: self.draft_config.to_dict(),
+        """What export and resume read: the run config (credentials redacted: a tracking URI's stay in
+        the process, schemas/secrets.py), the draft config, the stores trained on and the provenance of
+        the training process."""
+        return {TRAIN_CONFIG_KEY: redact(self.config.to_dict()), DRAFT_CONFIG_KEY: self.draft_config.to_dict(),
                 "world_size": self.world_size, **self.extra}
 
     def _say(self, line: str) -> None:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from peagle.pipeline.tracking.preflight import (has_wandb_login, plan_tracking, require, resolve_mlflow_uri,
-                                                resolve_wandb_mode)
+from peagle.pipeline.tracking.preflight import (has_wandb_login, mlflow_client_uri, plan_tracking, require,
+                                                resolve_mlflow_uri, resolve_wandb_mode)
 from peagle.schemas.errors import UserError
 from peagle.schemas.tracking_config import TrackingOptions, parse_loggers
 
@@ -105,3 +105,14 @@ def test_a_plan_resolves_every_default(tmp_path):
     plan = plan_tracking(options(logger="tensorboard", logger_dir=str(tmp_path / "elsewhere")), log_dir=Path("unused"),
                          run_name="run", mlflow_default="file:/x")
     assert plan.log_dir == tmp_path / "elsewhere" and plan.run_name == "run" and plan.mlflow_uri is None
+
+
+def test_mlflow_gets_its_uri_without_credentials_and_them_apart():
+    environ = {"MLFLOW_TRACKING_URI": "http://bob:envpw@h:5000"}
+    assert mlflow_client_uri("http://alice:s3cret@mlflow:5000", environ) == "http://mlflow:5000"
+    assert environ == {"MLFLOW_TRACKING_URI": "http://h:5000", "MLFLOW_TRACKING_USERNAME": "alice",
+                       "MLFLOW_TRACKING_PASSWORD": "s3cret"}
+    environ = {}
+    assert mlflow_client_uri("https://mlflow/?token=t0k", environ) == "https://mlflow/"
+    assert environ == {"MLFLOW_TRACKING_TOKEN": "t0k"}
+    assert mlflow_client_uri("file:/data/mlruns", environ) == "file:/data/mlruns" and len(environ) == 1

@@ -1,7 +1,7 @@
 """The tracker (peagle/pipeline/tracking/tracker.py) with the real libraries: records reach the
 backends from the tracker's thread, a resumed run continues the same runs (TensorBoard purges what the
 killed process logged past the resume point), a backend that fails mid-run is dropped with one line
-while the others go on, and `peagle eval` finds the run's trackers in RUN_DIR/trackers.json."""
+while the others go on, and `peagle eval` shows the run's RUN_DIR/trackers.json without following it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 import pytest
 
 from peagle.pipeline.tracking.preflight import plan_tracking
-from peagle.pipeline.tracking.tracker import eval_plan, last_step, open_tracker, read_state
+from peagle.pipeline.tracking.tracker import continued_runs, eval_plan, last_step, open_tracker, read_state
 from peagle.schemas.tracking_config import TrackingOptions
 from peagle.testing import tracker_readers as readers
 
@@ -74,17 +74,26 @@ def test_a_backend_that_fails_mid_run_is_dropped_in_one_line_and_the_others_go_o
     assert [s for s, _ in tb["train/loss"]] == [1, 2, 3]
 
 
-def test_eval_finds_the_runs_trackers_and_the_last_step(tmp_path):
+def test_eval_shows_the_runs_trackers_and_logs_only_where_it_is_told(tmp_path):
+    """A received run is data: eval logs to the trackers its own --logger names, with its own defaults
+    under OUT, and continues the run's backend runs only inside the destination it named."""
     run = tmp_path / "run"
-    open_tracker(plan(run, "tensorboard"), state_dir=run, start=0, config={}, extras={}, say=lambda _: None).close()
+    open_tracker(plan(run), state_dir=run, start=0, config={}, extras={}, say=lambda _: None).close()
     (run / "metrics.jsonl").write_text("".join(json.dumps(train_line(s, 1.0)) + "\n" for s in (10, 20)) + "{torn")
     asked = TrackingOptions()
     asked.check_tracking()
-    found = eval_plan(asked, run_dir=run, out=run / "eval")
-    assert found.loggers == ("tensorboard",) and found.log_dir == run / "logs" and found.run_name == "run"
+    said = []
+    assert eval_plan(asked, run_dir=run, out=run / "eval", say=said.append) is None
+    assert len(said) == 1 and "the run logged to tensorboard, mlflow" in said[0] and "not followed" in said[0]
     assert last_step(run) == 20 and last_step(None) == 0
-    assert eval_plan(asked, run_dir=None, out=tmp_path / "report") is None
+    assert eval_plan(asked, run_dir=None, out=tmp_path / "report", say=said.append) is None and len(said) == 1
     more = TrackingOptions(logger="mlflow")
     more.check_tracking()
-    found = eval_plan(more, run_dir=run, out=run / "eval")
-    assert found.loggers == ("tensorboard", "mlflow") and found.mlflow_uri == f"file:{(run / 'mlruns').resolve()}"
+    found = eval_plan(more, run_dir=run, out=tmp_path / "report", say=said.append)
+    assert found.loggers == ("mlflow",) and found.log_dir == tmp_path / "report" / "logs" and found.run_name == "run"
+    assert found.mlflow_uri == f"file:{(tmp_path / 'report' / 'mlruns').resolve()}"
+    assert continued_runs(found, run) == {}  # another store than the run's: a new run there
+    same = TrackingOptions(logger="mlflow", mlflow_tracking_uri=f"file:{run / 'mlruns'}")
+    same.check_tracking()
+    found = eval_plan(same, run_dir=run, out=tmp_path / "report", say=said.append)
+    assert continued_runs(found, run) == {"mlflow": read_state(run)["backends"]["mlflow"]}

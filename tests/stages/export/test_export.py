@@ -50,7 +50,10 @@ def test_run_export_writes_the_newest_valid_checkpoint(tmp_path, tiny_llama):
     assert config["peagle"]["step"] == 10 and config["peagle"]["store_manifest_hash"] == "ab" * 32
     # Provenance is what training recorded, not the exporting machine's.
     assert (config["peagle"]["git_revision"], config["peagle"]["peagle_version"]) == ("0123abcd", "0.0.9")
-    assert config["peagle"]["host"] == {"hostname": "trainer"}
+    # The section travels (export_provenance.py): no host name, paths relative to the export
+    assert config["peagle"]["host"] == {} and config["peagle"]["path_base"] == "export"
+    assert config["peagle"]["checkpoint"] == os.path.relpath(read_draft_checkpoint(tmp_path / "run").path, out)
+    assert config["peagle"]["run_config"]["store"] == [os.path.relpath("/data/store", out)]
     loaded = load_export(out)  # eval's reader: the same tensors come back
     for name, tensor in old.state_dict().items():
         assert torch.equal(loaded.draft.state_dict()[name], tensor), name
