@@ -29,6 +29,8 @@ AREAS = {  # summary area -> table row label, in table order
     "bad inputs": "malformed input records",
     "half-made writes": "`kill -9` of `peagle export`, `store convert` and a store's first run; unusable stores",
     "damaged exports": "damaged exports (config.json fields, cut short, sizes)",
+    "secrets": "secrets in a `--config` file and the environment (every file and line of train, export, eval)",
+    "hostile input": "a received run, planted pickles, hostile servers and config files; a held lock",
 }
 COLUMNS = ("trials", "faults_injected", "faults_survived", "bad_inputs_tried", "bad_inputs_handled", "data_lost")
 HEADER = ("| What | Tests passed | Trials | Faults injected | Faults survived | Bad inputs tried | "
