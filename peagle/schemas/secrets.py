@@ -135,8 +135,3 @@ def split_credentials(uri: str) -> Credentials:
     if not parts.netloc and uri.startswith(f"{parts.scheme}:") and not uri.startswith(f"{parts.scheme}://"):
         clean = clean.replace(f"{parts.scheme}://", f"{parts.scheme}:", 1)  # file:PATH stays file:PATH
     return Credentials(clean, username, password, token)
-
-
-def has_credentials(uri: str | None) -> bool:
-    """Whether ``uri`` holds user-info or a secret query parameter."""
-    return bool(uri) and split_credentials(uri) != Credentials(uri)

@@ -3,7 +3,7 @@ values never leave the process in what peagle writes; a client gets its URI with
 
 from __future__ import annotations
 
-from peagle.schemas.secrets import MARK, Credentials, has_credentials, redact, redact_text, split_credentials
+from peagle.schemas.secrets import MARK, Credentials, redact, redact_text, split_credentials
 
 ENV = {"HF_TOKEN": "hf_abcdefghijklmnop", "WANDB_API_KEY": "0123456789abcdef", "MLFLOW_TRACKING_PASSWORD": "s3cret-pw",
        "TOKENIZERS_PARALLELISM": "false", "SSH_AUTH_SOCK": "/tmp/ssh-abcdefgh/agent.1", "SHORT_TOKEN": "abc",
@@ -43,4 +43,3 @@ def test_a_client_gets_the_uri_without_its_credentials():
         "file://localhost/data/mlruns", "bob", "pw", None)
     assert split_credentials("file:/data/mlruns?token=x") == Credentials("file:/data/mlruns", None, None, "x")
     assert split_credentials("http://mlflow:5000") == Credentials("http://mlflow:5000")
-    assert has_credentials("http://a:b@h") and not has_credentials("http://h") and not has_credentials(None)
