@@ -26,8 +26,9 @@ def _run(config: EvalConfig) -> None:
 
 
 COMMAND = ConfigCommand(
-    name="eval", config_class=EvalConfig, run=_run, help=_HELP, arguments=("source",), comma_lists=frozenset({"mode"}),
+    name="eval", config_class=EvalConfig, run=_run, help=_HELP, arguments=("source",),
+    comma_lists=frozenset({"mode", "concurrency"}),
     metavars={"source": "SOURCE", "target": "MODEL_DIR", "store": "STORE", "prompts": "FILE", "out": "DIR",
-              "mode": ",".join(ALL_EVAL_MODES), "server": "URL", "target_dtype": "|".join(TARGET_DTYPES), "device": "|".join(DEVICES),
+              "mode": ",".join(ALL_EVAL_MODES), "concurrency": "COUNTS", "server": "URL", "target_dtype": "|".join(TARGET_DTYPES), "device": "|".join(DEVICES),
               **TRACKING_METAVARS})
 COMMAND.register(app)

@@ -38,7 +38,14 @@ class EvalConfig(TrackingOptions):
     messages. Default: the store's samples up to their first assistant reply, else a few built-in ones."""
 
     num_depths: int | None = None
-    """K: draft tokens per step (all modes). Default: the export's speculative_tokens."""
+    """K: draft tokens per step (all modes), up to the draft's trained depths for a P-EAGLE draft (8 for
+    one trained at --num-depths 8; an EAGLE-3 draft takes more). The step costs and the K
+    recommendation cover K = 1 up to it. Default: the export's speculative_tokens."""
+
+    concurrency: tuple[int, ...] | None = None
+    """Comma list of concurrencies to time vLLM at besides one request at a time and every prompt at
+    once (e.g. 4,8: the prompts in waves of 4, then of 8, at once), the target alone likewise.
+    Default: none."""
 
     mode: tuple[str, ...] | None = None
     """Comma list of offline,online,vllm,server. Default: every mode that can run here (offline needs a
@@ -125,6 +132,9 @@ class EvalConfig(TrackingOptions):
                 raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.num_depths is not None and self.num_depths < 1:
             raise UserError(f"--num-depths must be >= 1, got {self.num_depths}")
+        if self.concurrency is not None and (not self.concurrency or min(self.concurrency) < 1):
+            raise UserError(f"--concurrency takes a comma list of request counts >= 1, got "
+                            f"{','.join(map(str, self.concurrency))}")
         if self.device not in DEVICES:
             raise UserError(f"--device must be one of {'|'.join(DEVICES)}, got {self.device!r}")
         object.__setattr__(self, "target_dtype", dtype_choice("target-dtype", self.target_dtype, TARGET_DTYPES))

@@ -82,7 +82,7 @@ def report_scalars(report: dict[str, Any]) -> dict[str, float]:
         if forward is not None:
             out[f"measured/{mode}/tokens_per_target_forward"] = forward
         speeds = section.get("speed") or {}
-        for concurrency in ("concurrency_1", "concurrency_n"):
+        for concurrency in [k for k in speeds if k.startswith("concurrency_")]:  # 1, --concurrency's, n
             for key, tag in SPEED_NAMES.items():
                 number = _number((speeds.get(concurrency) or {}).get(key))
                 if number is not None:

@@ -182,7 +182,7 @@ def plot_speed(report: dict[str, Any]):
     bars = []
     for mode in ("online", "vllm"):
         speed = (report.get(mode) or {}).get("speed") or {}
-        for key in ("concurrency_1", "concurrency_n"):
+        for key in concurrency_keys(speed):
             figures = speed.get(key) or {}
             if figures.get("spec_tokens_per_second") is not None and figures.get("plain_tokens_per_second") is not None:
                 bars.append((f"{MODE_LABELS[mode]}\nconcurrency {figures['concurrency']}", figures))
@@ -287,16 +287,30 @@ def _fmt(x: Any, digits: int = 3) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
+def concurrency_keys(speed: dict[str, Any]) -> list[str]:
+    """A mode's speed keys in the order they are read: one request at a time (the headline), the waves
+    of ``--concurrency`` (``concurrency_C``, ascending), then every prompt at once (``concurrency_n``)."""
+    waves = sorted((k for k in speed if k.startswith("concurrency_") and k.removeprefix("concurrency_").isdigit()
+                    and k != "concurrency_1"), key=lambda k: int(k.removeprefix("concurrency_")))
+    return ["concurrency_1", *waves, "concurrency_n"]
+
+
 def speed_lines(speed: dict[str, Any]) -> list[str]:
-    """Tokens/s with and without the draft, one line per concurrency measured (1 first: the headline)."""
+    """Tokens/s with and without the draft, one line per concurrency measured (1 first: the headline),
+    with the draft tokens per draft where a batch-size schedule changed K."""
     lines = []
-    for key, what in (("concurrency_1", "one request at a time"), ("concurrency_n", "{n} requests at once")):
+    for key in concurrency_keys(speed):
         figures = speed.get(key)
         if not figures or figures.get("spec_tokens_per_second") is None:
             continue
-        lines.append(f"{what.format(n=figures.get('concurrency'))}: {_fmt(figures['spec_tokens_per_second'], 1)} "
+        n = figures.get("concurrency")
+        what = ("one request at a time" if key == "concurrency_1" else f"{n} requests at once" if key == "concurrency_n"
+                else f"waves of {n} at once")
+        per_draft = figures.get("draft_tokens_per_draft")
+        lines.append(f"{what}: {_fmt(figures['spec_tokens_per_second'], 1)} "
                      f"tokens/s with the draft, {_fmt(figures.get('plain_tokens_per_second'), 1)} without: "
-                     f"{_fmt(figures.get('speedup'), 2)}x")
+                     f"{_fmt(figures.get('speedup'), 2)}x"
+                     + (f" ({_fmt(per_draft, 2)} draft tokens per draft)" if per_draft is not None else ""))
     return lines
 
 
@@ -333,6 +347,11 @@ def summary_table(report: dict[str, Any]) -> str:
                      f"{recommended.get('acceptance_from')}'s per-depth acceptance and our loop's step costs; "
                      "break-even AL by K (a line through the timed steps): "
                      + " ".join(_fmt(r['break_even_acceptance_length'], 2) for r in recommended.get("by_k") or []))
+    schedule = recommended.get("schedule") or {}
+    if schedule.get("text"):
+        sizes = "/".join(str(e["batch_size"]) for e in schedule["by_batch_size"])
+        lines.append(f"K per batch size (predicted, {sizes} requests): peagle export --speculative-tokens "
+                     f"{schedule['speculative_tokens']} --speculative-schedule {schedule['text']} (0: no drafting)")
     live = report.get("server") or {}
     if live:
         lines.append(f"server: {_fmt(live.get('tokens_per_target_forward'), 2)} tokens/target forward, "

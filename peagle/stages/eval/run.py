@@ -22,7 +22,8 @@ from typing import Any, Callable
 import torch
 
 import peagle
-from peagle.model.checkpoint_export import export_checkpoint
+from peagle.model.checkpoint_export import check_served_k, export_checkpoint
+from peagle.model.speculators_config import recorded_schedule
 from peagle.model.export_provenance import recorded_path
 from peagle.model.speculators_format import (PROVENANCE_KEY, ExportedDraft, load_export, looks_like_export,
                                               read_export_config)
@@ -33,6 +34,7 @@ from peagle.pipeline.tracking.tracker import eval_plan, log_eval_report
 from peagle.schemas.checkpoint import CHECKPOINTS_DIR
 from peagle.schemas.errors import UserError
 from peagle.schemas.eval_config import EvalConfig
+from peagle.schemas.speculative_schedule import schedule_text
 from peagle.schemas.secrets import redact
 from peagle.schemas.train_config import parse_store_spec
 from peagle.stages.eval import offline, online, prompts as prompt_sources, report as reporting, server as serving, speed
@@ -69,7 +71,7 @@ def resolve_source(config: EvalConfig) -> EvalSource:
         run_dir = recorded_path(source, provenance, ckpt).parent.parent if isinstance(ckpt, str) and ckpt else None
         return EvalSource(source, run_dir if run_dir is not None and run_dir.is_dir() else None, out)
     export_dir = export_checkpoint(source, out / "export", verifier_name=config.target,
-                                   speculative_tokens=config.num_depths)
+                                   speculative_tokens=config.num_depths, k_flag="--num-depths")
     return EvalSource(export_dir, source if is_run else source.parent.parent, out)
 
 
@@ -138,6 +140,12 @@ def run_eval(config: EvalConfig, *, echo: Callable[[str], None] = print) -> dict
     exported = load_export(where.export_dir)
     draft = exported.draft
     K = config.num_depths or exported.speculative_tokens
+    check_served_k(K, exported.num_depths_trained, draft.config.method, flag="--num-depths")
+    schedule = recorded_schedule(exported.config_json)
+    if schedule is not None and K != exported.speculative_tokens:  # its Ks were chosen for the export's K
+        _warn(f"the export's speculative schedule ({schedule_text(schedule)}) is for K = "
+              f"{exported.speculative_tokens}: served at --num-depths {K} without it")
+        schedule = None
     target_dir = config.target or exported.verifier
     store, heldout = resolve_store(config, exported)
     modes = resolve_modes(config, store is not None)
@@ -190,7 +198,8 @@ def run_eval(config: EvalConfig, *, echo: Callable[[str], None] = print) -> dict
         if all(r.plain is not None for r in result.prompts):
             greedy_outputs["target"] = [r.plain.tokens for r in result.prompts]
         if prompt_ids:  # what each part of a step costs here: the K recommendation reads it
-            costs = speed.measure_step_costs(target, drafter, prompt_ids[0], max_depths=K)
+            costs = speed.measure_step_costs(target, drafter, prompt_ids[0], max_depths=K,
+                                             batch_sizes=speed.SCHEDULE_BATCH_SIZES)
         del target
 
     if "vllm" in modes:
@@ -199,7 +208,8 @@ def run_eval(config: EvalConfig, *, echo: Callable[[str], None] = print) -> dict
         result = run_vllm(exported.path, prompt_ids, num_speculative_tokens=K, max_new_tokens=config.max_new_tokens,
                           temperature=config.temperature, seed=config.seed, stop_ids=stops, dtype=vllm_dtype,
                           ignore_eos=config.ignore_eos, target_only=config.temperature <= 0,
-                          enforce_eager=not config.vllm_compile,
+                          enforce_eager=not config.vllm_compile, concurrency=config.concurrency or (),
+                          speculative_schedule=schedule,
                           target=None if _same_path(target_dir, exported.verifier) else target_dir)
         sections["vllm"] = {**result.to_dict(), "prompt_source": prompt_source}
         greedy_outputs["vllm_target_only"] = result.target_only_outputs
@@ -216,7 +226,8 @@ def run_eval(config: EvalConfig, *, echo: Callable[[str], None] = print) -> dict
     speed_report = None
     if costs is not None:
         speed_report = {"step_costs": costs.to_dict(),
-                        "k_recommendation": speed.k_recommendation(sections, costs, served_k=K)}
+                        "k_recommendation": speed.k_recommendation(sections, costs, served_k=K,
+                                                                   parallel=draft.config.method != "eagle3")}
 
     meta = {
         "peagle_version": peagle.__version__,

@@ -23,17 +23,29 @@ K from these costs, smoothed by a line over K (:meth:`StepCosts.fitted_step_s`).
 
 vLLM's costs per K are not timed here (one engine start per K); benchmarks/step_cost.py times both
 loops at every K and docs/performance.md compares the two.
+
+**A K per batch size.** With b requests in flight a step verifies b·(K + 1) tokens in one target
+forward and drafts for b requests, while a plain step is one forward over b tokens; on a few CPU
+cores a forward's cost grows with its tokens, so the K that pays at b = 1 may not pay at b = 8.
+:func:`measure_step_costs` also times the target forward over b·(k + 1) new tokens for each batch
+size of :data:`SCHEDULE_BATCH_SIZES` (one sequence at the same context: the same matrix products as b
+requests, one context's attention instead of b; on a small target the weights dominate) and
+:func:`speculation_schedule` predicts, per batch size, the K with the most tokens per second, or no
+drafting where none pays: the schedule vLLM takes as ``num_speculative_tokens_per_batch_size``
+(peagle/schemas/speculative_schedule.py). Drafting b requests is costed as b proposals of one (vLLM
+drafts the batch in one forward, so this is an upper bound).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import torch
 
+from peagle.schemas.speculative_schedule import schedule_text
 from peagle.stages.eval.acceptance import acceptance_lengths
 from peagle.stages.eval.online import (DecodeState, Drafter, Sampler, TargetLM, accept_greedy, commit, prefill,
                                        propose, verify)
@@ -51,6 +63,10 @@ def speed_figures(*, concurrency: int, spec_tokens: int, spec_seconds: float, pl
 
 DEFAULT_CONTEXT = 256
 """Tokens of context the costs are timed at: a chat prompt and a few hundred tokens of answer."""
+
+SCHEDULE_BATCH_SIZES = (1, 2, 4, 8)
+"""Batch sizes the K schedule is costed at (one request at a time, and 4 and 8 at once, what
+benchmarks/k_pairs.py serves); vLLM carries the last one's K on to larger batches."""
 
 
 def interleaved_medians(fns: list[Callable[[], Any]], *, repeats: int, warmup: int = 2,
@@ -87,6 +103,22 @@ class StepCosts:
     draft_s: list[float]
     bookkeeping_s: float
     pick_s: float
+    batch_verify_s: dict[int, list[float]] = field(default_factory=dict)
+    """Per batch size b > 1: ``[k]`` one target forward over b·(k + 1) new tokens, k = 0..max_depths
+    (k = 0: b plain steps' forward)."""
+
+    def batch_plain_s(self, b: int) -> float:
+        """One plain step of ``b`` requests: a forward over b tokens and b picks."""
+        return self.plain_s if b == 1 else self.batch_verify_s[b][0] + b * self.pick_s
+
+    def fitted_batch_step_s(self, b: int) -> list[float]:
+        """A step of ``b`` requests with K = k drafts, k = 1..max_depths, on its fitted line (as
+        :meth:`fitted_step_s`, which it is at b = 1): the forward over b·(k + 1) tokens and b proposals."""
+        if b == 1:
+            return self.fitted_step_s()
+        forward = self.batch_verify_s[b]
+        return fitted_line([forward[k] + b * (self.draft_s[k - 1] + self.bookkeeping_s)
+                            for k in range(1, self.max_depths + 1)])
 
     @property
     def max_depths(self) -> int:
@@ -118,7 +150,10 @@ class StepCosts:
         return [step / self.plain_s for step in self.fitted_step_s()]
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "plain_s": self.plain_s,
+        batches = {str(b): {"plain_s": self.batch_plain_s(b), "fitted_step_s": self.fitted_batch_step_s(b)}
+                   for b in sorted(self.batch_verify_s)}
+        return {**asdict(self), "batch_verify_s": {str(b): v for b, v in sorted(self.batch_verify_s.items())},
+                "batches": batches, "plain_s": self.plain_s,
                 "step_s": [self.step_s(k) for k in range(1, self.max_depths + 1)],
                 "break_even_acceptance_length": [self.break_even(k) for k in range(1, self.max_depths + 1)],
                 "fitted_step_s": self.fitted_step_s(), "fitted_break_even_acceptance_length": self.fitted_break_even()}
@@ -150,9 +185,11 @@ def _state_at(target: TargetLM, prompt_ids: list[int], context: int) -> DecodeSt
 
 @torch.no_grad()
 def measure_step_costs(target: TargetLM, drafter: Drafter, prompt_ids: list[int], *, max_depths: int,
-                       context: int = DEFAULT_CONTEXT, repeats: int = 5) -> StepCosts:
-    """Time each part of a step in our own loop (module docstring) at ``context`` tokens of context;
-    the cache is cropped back after every timed verification, so every repeat sees the same state."""
+                       context: int = DEFAULT_CONTEXT, repeats: int = 5,
+                       batch_sizes: tuple[int, ...] = ()) -> StepCosts:
+    """Time each part of a step in our own loop (module docstring) at ``context`` tokens of context,
+    and the forwards of a step of each of ``batch_sizes`` (> 1) requests; the cache is cropped back
+    after every timed verification, so every repeat sees the same state."""
     state = _state_at(target, prompt_ids, context)
     sampler = Sampler()
     kept = state.cache.get_seq_length()
@@ -169,6 +206,10 @@ def measure_step_costs(target: TargetLM, drafter: Drafter, prompt_ids: list[int]
     drafts = [lambda k=k: propose(drafter, state, k, sampler) for k in range(1, max_depths + 1)]
     medians = interleaved_medians([*verifies, *drafts, lambda: sampler.pick(logits_LV[0])], repeats=repeats)
     verify_s, draft_s, pick_s = medians[: len(verifies)], medians[len(verifies): -1], medians[-1]
+    wide = sorted({b for b in batch_sizes if b > 1})
+    counts = sorted({b * (k + 1) for b in wide for k in range(max_depths + 1)})
+    timed_by_count = dict(zip(counts, interleaved_medians([forward(n) for n in counts], repeats=repeats)))
+    batch_verify_s = {b: [timed_by_count[b * (k + 1)] for k in range(max_depths + 1)] for b in wide}
 
     def bookkeeping() -> None:
         trial = DecodeState(tokens=list(state.tokens), cache=state.cache, aux_PAH=state.aux_PAH)
@@ -183,7 +224,7 @@ def measure_step_costs(target: TargetLM, drafter: Drafter, prompt_ids: list[int]
     for _ in range(repeats + 1):
         bookkeeping()
     return StepCosts(context=context, verify_s=verify_s, draft_s=draft_s,
-                     bookkeeping_s=statistics.median(timed[1:]), pick_s=pick_s)
+                     bookkeeping_s=statistics.median(timed[1:]), pick_s=pick_s, batch_verify_s=batch_verify_s)
 
 
 def recommend_k(per_depth_acceptance: list[float], costs: StepCosts) -> dict[str, Any]:
@@ -207,9 +248,11 @@ RECOMMENDATION_SOURCES = ("vllm", "online", "offline")
 our loop's, else the teacher-forced chains'."""
 
 
-def k_recommendation(sections: dict[str, dict[str, Any]], costs: StepCosts, *, served_k: int) -> dict[str, Any]:
+def k_recommendation(sections: dict[str, dict[str, Any]], costs: StepCosts, *, served_k: int,
+                     parallel: bool = True) -> dict[str, Any]:
     """:func:`recommend_k` on the first mode of :data:`RECOMMENDATION_SOURCES` that measured a
-    per-depth acceptance, with the predicted gain of the best K over the K this evaluation served."""
+    per-depth acceptance, with the predicted gain of the best K over the K this evaluation served, and
+    the K per batch size (:func:`speculation_schedule`; ``parallel``: a P-EAGLE draft)."""
     for mode in RECOMMENDATION_SOURCES:
         per_depth = (sections.get(mode) or {}).get("per_depth_acceptance")
         if per_depth and all(p is not None and p == p for p in per_depth):
@@ -230,4 +273,67 @@ def k_recommendation(sections: dict[str, dict[str, Any]], costs: StepCosts, *, s
         out["calibrated_speedup"] = found["predicted_speedup"] * scale
         for row in out["by_k"]:
             row["calibrated_speedup"] = row["predicted_speedup"] * scale
+    if found.get("best_k"):
+        out["schedule"] = speculation_schedule(
+            per_depth, costs, parallel=parallel, served_k=served_k,
+            measured=measured_speedups((sections.get(mode) or {}).get("speed") or {}, served_k))
     return out
+
+
+def measured_speedups(speed: dict[str, Any], served_k: int) -> dict[int, float]:
+    """Concurrency -> the speedup a mode measured there while drafting K = ``served_k`` every step (a
+    concurrency whose vLLM drafts per step differ, under a schedule, measured another K: left out)."""
+    out = {}
+    for key, figures in speed.items():
+        figures = figures or {}
+        concurrency = figures.get("concurrency") or (1 if key == "concurrency_1" else None)
+        per_draft = figures.get("draft_tokens_per_draft")
+        if concurrency and figures.get("speedup") and (per_draft is None or abs(per_draft - served_k) < 1e-6):
+            out[int(concurrency)] = float(figures["speedup"])
+    return out
+
+
+def speculation_schedule(per_depth_acceptance: list[float], costs: StepCosts, *, parallel: bool, served_k: int,
+                         measured: dict[int, float] | None = None) -> dict[str, Any]:
+    """Per batch size timed (1 and :attr:`StepCosts.batch_verify_s`'s), the predicted speedup of every
+    K the acceptance covers and the K with the most tokens per second, or 0 (no drafting) where none
+    beats plain decoding: vLLM's ``num_speculative_tokens_per_batch_size`` and the K to export with it.
+
+    A batch size where ``measured`` holds the speedup of ``served_k`` (vLLM at that concurrency) is
+    read at that level (``calibrated_speedup``), as :func:`k_recommendation` reads concurrency 1. A
+    P-EAGLE draft (``parallel``) is scheduled between the best K one request at a time and 0 only
+    (peagle/schemas/speculative_schedule.py: what vLLM 0.32 serves right with parallel drafting).
+    """
+    usable = [p for p in per_depth_acceptance[: costs.max_depths] if p is not None]
+    lengths = acceptance_lengths(usable, 1.0)
+    measured = measured or {}
+    by_batch = []
+    for b in [1, *sorted(costs.batch_verify_s)]:
+        steps, plain = costs.fitted_batch_step_s(b), costs.batch_plain_s(b)
+        rows = [{"k": k, "predicted_speedup": al * plain / steps[k - 1]} for k, al in enumerate(lengths, start=1)]
+        served = next((r for r in rows if r["k"] == served_k), None)
+        if served and b in measured:
+            for row in rows:
+                row["calibrated_speedup"] = row["predicted_speedup"] * measured[b] / served["predicted_speedup"]
+        by_batch.append({"batch_size": b, "measured_speedup_at_served_k": measured.get(b), "by_k": rows})
+
+    def score(row: dict[str, Any]) -> float:
+        return row.get("calibrated_speedup", row["predicted_speedup"])
+
+    alone = max(by_batch[0]["by_k"], key=score)["k"]
+    for entry in by_batch:
+        candidates = [r for r in entry["by_k"] if r["k"] == alone] if parallel else entry["by_k"]
+        best = max(candidates, key=score)
+        entry["k"], entry["expected_speedup"] = (best["k"], score(best)) if score(best) > 1.0 else (0, 1.0)
+    engine_k = max([alone, *(e["k"] for e in by_batch)])
+    schedule: list[list[int]] = []
+    for entry, following in zip(by_batch, [*by_batch[1:], None]):
+        start, end = entry["batch_size"], following["batch_size"] - 1 if following else entry["batch_size"]
+        if schedule and schedule[-1][2] == entry["k"]:
+            schedule[-1][1] = end
+        else:
+            schedule.append([start, end, entry["k"]])
+    return {"speculative_tokens": engine_k, "schedule": schedule, "text": schedule_text(schedule),
+            "parallel_drafting": parallel, "by_batch_size": by_batch,
+            "note": "the last range's K holds for every larger batch (vLLM's rule); own-loop step costs, "
+                    "drafting costed as one proposal per request"}

@@ -17,7 +17,11 @@ Speed is measured twice per engine, after an untimed warm-up: **one request at a
 1, the headline: speculative decoding is a latency tool, and a batch of N sequences on a few CPU
 cores is compute-bound, where verifying K + 1 tokens costs about K + 1 plain steps), whose run also
 gives the acceptance counters and the outputs; then **every prompt at once** (concurrency N = the
-number of prompts), what a shared server sees. The target alone is timed the same two ways.
+number of prompts), what a shared server sees; and, for each ``concurrency`` asked (`peagle eval
+--concurrency 4,8`), the prompts in waves of that many at once. The target alone is timed the same
+ways. Each concurrency records vLLM's drafts and draft tokens too: what a batch-size schedule of K
+(``num_speculative_tokens_per_batch_size``, an export's ``peagle.speculative_schedule``, passed on
+here) made of it.
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set), eager unless asked
 to compile (vLLM's default and its fastest setting, after a compile per engine), with a small CPU KV
@@ -36,6 +40,7 @@ from typing import Any
 
 from peagle.pipeline.progress import library_bars_enabled
 from peagle.schemas.errors import UserError
+from peagle.schemas.speculative_schedule import VLLM_KEY
 from peagle.stages.eval.acceptance import acceptance_lengths
 from peagle.stages.eval.speed import speed_figures
 
@@ -74,19 +79,36 @@ class VllmResult:
     target_only_seconds: float | None = None
     target_only_batch_tokens: int | None = None
     target_only_batch_seconds: float | None = None
+    waves: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """Per concurrency C asked (1 < C < the number of prompts): the prompts in waves of C at once,
+    ``tokens``/``seconds`` with the draft, ``plain_tokens``/``plain_seconds`` without, ``num_drafts``
+    and ``num_draft_tokens`` (vLLM's counters over the waves)."""
+    drafting: dict[str, dict[str, int]] = field(default_factory=dict)
+    """vLLM's drafts and draft tokens per concurrency key (``concurrency_1``, ``concurrency_n``, ...)."""
     settings: dict[str, Any] = field(default_factory=dict)
 
     def speed(self) -> dict[str, Any]:
-        """Tokens/s with and without the draft at concurrency 1 and at N = every prompt at once."""
+        """Tokens/s with and without the draft at concurrency 1, at each concurrency of :attr:`waves`
+        (``concurrency_C``) and at N = every prompt at once; with the draft tokens per draft vLLM made
+        at each (a batch-size schedule shows there)."""
         plain_tokens = sum(len(o) for o in self.target_only_outputs) if self.target_only_outputs is not None else None
-        return {"concurrency_1": speed_figures(concurrency=1, spec_tokens=sum(len(o) for o in self.outputs),
-                                               spec_seconds=self.seconds, plain_tokens=plain_tokens,
-                                               plain_seconds=self.target_only_seconds),
-                "concurrency_n": speed_figures(concurrency=len(self.outputs), spec_tokens=self.batch_tokens or 0,
-                                               spec_seconds=self.batch_seconds or 0.0,
-                                               plain_tokens=self.target_only_batch_tokens,
-                                               plain_seconds=self.target_only_batch_seconds)
-                if self.batch_seconds else None}
+        out = {"concurrency_1": speed_figures(concurrency=1, spec_tokens=sum(len(o) for o in self.outputs),
+                                              spec_seconds=self.seconds, plain_tokens=plain_tokens,
+                                              plain_seconds=self.target_only_seconds)}
+        for c, wave in sorted(self.waves.items()):
+            out[f"concurrency_{c}"] = speed_figures(concurrency=c, spec_tokens=wave["tokens"],
+                                                    spec_seconds=wave["seconds"], plain_tokens=wave.get("plain_tokens"),
+                                                    plain_seconds=wave.get("plain_seconds"))
+        out["concurrency_n"] = speed_figures(concurrency=len(self.outputs), spec_tokens=self.batch_tokens or 0,
+                                             spec_seconds=self.batch_seconds or 0.0,
+                                             plain_tokens=self.target_only_batch_tokens,
+                                             plain_seconds=self.target_only_batch_seconds
+                                             ) if self.batch_seconds else None
+        for key, counted in self.drafting.items():
+            if out.get(key):
+                out[key].update(counted, draft_tokens_per_draft=counted["num_draft_tokens"] / counted["num_drafts"]
+                                if counted["num_drafts"] else 0.0)
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         speed = self.speed()
@@ -209,11 +231,29 @@ def _one_at_a_time(llm, TokensPrompt, prompts: list[list[int]], params: list, *,
     return outputs, seconds, before, spec_decode_counters(llm) if counted else None
 
 
+def _drafted(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
+    return {name: after[name] - before[name] for name in ("num_drafts", "num_draft_tokens")}
+
+
+def _in_waves(llm, TokensPrompt, prompts: list[list[int]], params: list, concurrency: int) -> tuple[int, float]:
+    """The prompts ``concurrency`` at a time (each wave generated at once, the next after it): tokens
+    and the sum of the waves' wall seconds. A wave's shorter answers finish first, so late in a wave
+    fewer requests are in flight: an upper bound on what ``concurrency`` requests cost each other."""
+    tokens, seconds = 0, 0.0
+    for start in range(0, len(prompts), concurrency):
+        wave = slice(start, start + concurrency)
+        outputs, took = _generate(llm, TokensPrompt, prompts[wave], params[wave])
+        tokens += sum(len(o) for o in outputs)
+        seconds += took
+    return tokens, seconds
+
+
 def _run_vllm(export_dir: str | os.PathLike, prompts: list[list[int]], *, num_speculative_tokens: int | None = None,
              max_new_tokens: int = 64, temperature: float = 0.0, seed: int = 0, stop_ids: list[int] = (),
              ignore_eos: bool = False, dtype: str = "float32", max_model_len: int | None = None,
              target_only: bool = True, enforce_eager: bool = True,
-             target: str | os.PathLike | None = None) -> VllmResult:
+             target: str | os.PathLike | None = None, concurrency: tuple[int, ...] = (),
+             speculative_schedule: list[list[int]] | None = None) -> VllmResult:
     """Serve ``export_dir`` with vLLM (parallel drafting asserted for a P-EAGLE export, sequential
     drafting for an EAGLE-3 one), generate, read acceptance.
 
@@ -223,7 +263,9 @@ def _run_vllm(export_dir: str | os.PathLike, prompts: list[list[int]], *, num_sp
     P true for a P-EAGLE export.
     With ``target_only`` the verifier alone is then served on the same prompts, for the
     greedy-output check and the plain-decoding baseline, with the same engine settings (eager or
-    compiled: ``enforce_eager``), so the speedup compares like with like.
+    compiled: ``enforce_eager``), so the speedup compares like with like. ``concurrency``: the
+    concurrencies besides 1 and every prompt at once to time both engines at (:func:`_in_waves`);
+    ``speculative_schedule``: vLLM's ``num_speculative_tokens_per_batch_size`` for the draft's engine.
 
     Raises:
         UserError: when vLLM cannot be imported, or the engine did not turn parallel drafting on.
@@ -243,6 +285,8 @@ def _run_vllm(export_dir: str | os.PathLike, prompts: list[list[int]], *, num_sp
         # vLLM's default treats the draft as one-hot (argmax drafts); our loop samples drafts from the
         # draft distribution and tests q/p with it, which is vLLM's "probabilistic" method.
         spec_override["draft_sample_method"] = "probabilistic"
+    if speculative_schedule is not None:
+        spec_override[VLLM_KEY] = [list(entry) for entry in speculative_schedule]
     if target is None:
         route, model, spec_config = "LLM(model=EXPORT_DIR)", str(export_dir), spec_override or None
     else:
@@ -266,7 +310,16 @@ def _run_vllm(export_dir: str | os.PathLike, prompts: list[list[int]], *, num_sp
         params = _sampling_params(vllm, len(prompts), temperature=temperature, max_new_tokens=max_new_tokens,
                                   seed=seed, stop_ids=list(stop_ids), ignore_eos=ignore_eos)
         outputs, seconds, before, after = _one_at_a_time(llm, TokensPrompt, prompts, params)
+        drafting = {"concurrency_1": _drafted(before, after)}
+        waves: dict[int, dict[str, Any]] = {}
+        for c in sorted({c for c in concurrency if 1 < c < len(prompts)}):
+            start = spec_decode_counters(llm)
+            tokens, took = _in_waves(llm, TokensPrompt, prompts, params, c)
+            waves[c] = {"tokens": tokens, "seconds": took}
+            drafting[f"concurrency_{c}"] = _drafted(start, spec_decode_counters(llm))
+        start = spec_decode_counters(llm)
         batch_outputs, batch_seconds = _generate(llm, TokensPrompt, prompts, params)
+        drafting["concurrency_n"] = _drafted(start, spec_decode_counters(llm))
         result = VllmResult(
             parallel_drafting=bool(spec.parallel_drafting), method=str(spec.method),
             num_speculative_tokens=int(spec.num_speculative_tokens),
@@ -276,8 +329,9 @@ def _run_vllm(export_dir: str | os.PathLike, prompts: list[list[int]], *, num_sp
             accepted_per_pos=[a - b for a, b in zip(after["accepted_per_pos"],
                                                     before["accepted_per_pos"] or [0] * len(after["accepted_per_pos"]))],
             outputs=outputs, seconds=seconds, batch_tokens=sum(len(o) for o in batch_outputs),
-            batch_seconds=batch_seconds,
+            batch_seconds=batch_seconds, waves=waves, drafting=drafting,
             settings={"vllm_version": vllm.__version__, "route": route, "verifier": verifier, **engine_args,
+                      VLLM_KEY: [list(e) for e in getattr(spec, VLLM_KEY, None) or []] or None,
                       "temperature": temperature, "max_new_tokens": max_new_tokens, "ignore_eos": ignore_eos,
                       "draft_sample_method": str(getattr(spec, "draft_sample_method", "greedy"))},
         )
@@ -289,6 +343,8 @@ def _run_vllm(export_dir: str | os.PathLike, prompts: list[list[int]], *, num_sp
         try:
             result.target_only_outputs, result.target_only_seconds, _, _ = _one_at_a_time(
                 llm, TokensPrompt, prompts, params, counted=False)
+            for c, wave in result.waves.items():
+                wave["plain_tokens"], wave["plain_seconds"] = _in_waves(llm, TokensPrompt, prompts, params, c)
             plain_batch, result.target_only_batch_seconds = _generate(llm, TokensPrompt, prompts, params)
             result.target_only_batch_tokens = sum(len(o) for o in plain_batch)
         finally:

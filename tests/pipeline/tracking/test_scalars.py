@@ -49,3 +49,12 @@ def test_a_config_flattens_into_values_every_backend_takes():
     assert flat_params({"lr": 0.1, "store": ["a", "b:0.5"], "max_steps": None, "fsdp": False,
                         "nested": {"k": 3, "deeper": {"x": "y"}}}) == {
         "lr": 0.1, "store": "a,b:0.5", "max_steps": "none", "fsdp": False, "nested.k": 3, "nested.deeper.x": "y"}
+
+
+def test_every_concurrency_eval_timed_is_sent():
+    """`peagle eval --concurrency 4` adds vLLM's figures in waves of 4 beside one request and every prompt at once."""
+    figures = {"spec_tokens_per_second": 90.0, "plain_tokens_per_second": 100.0, "speedup": 0.9}
+    report = {"vllm": {"speed": {"concurrency_1": None, "concurrency_4": figures, "concurrency_n": None}}}
+    assert report_scalars(report) == {"measured/vllm/tokens_per_s_with_draft_concurrency_4": 90.0,
+                                      "measured/vllm/tokens_per_s_without_draft_concurrency_4": 100.0,
+                                      "measured/vllm/speedup_concurrency_4": 0.9}

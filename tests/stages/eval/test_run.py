@@ -41,6 +41,13 @@ def test_cli_eval_on_a_run_directory(run_dir, tiny_llama, run_peagle):
     assert len(costs["verify_s"]) == 4 and len(costs["draft_s"]) == 3 and all(s > 0 for s in costs["step_s"])
     assert recommended["acceptance_from"] == "online" and recommended["served_k"] == 3
     assert recommended["best_k"] in (1, 2, 3) and [r["k"] for r in recommended["by_k"]] == [1, 2, 3]
+    # the forwards of 2, 4 and 8 requests' steps, and from them a K per batch size (0: no drafting)
+    wide = costs["batch_verify_s"]
+    assert sorted(wide) == ["2", "4", "8"] and all(len(v) == 4 for v in wide.values())
+    schedule = recommended["schedule"]
+    assert [e["batch_size"] for e in schedule["by_batch_size"]] == [1, 2, 4, 8] and schedule["schedule"][0][0] == 1
+    assert {e["k"] for e in schedule["by_batch_size"]} <= {recommended["best_k"], 0}  # P-EAGLE: its K or none
+    assert f"--speculative-schedule {schedule['text']}" in done.stdout
     assert "offline" in done.stdout and "report:" in done.stdout and "one request at a time" in done.stdout
 
 
@@ -75,3 +82,23 @@ def test_a_draft_whose_store_is_not_here_is_still_measured(tiny_llama, run_peagl
     named = run_peagle("eval", export, *common, "--store", tmp_path / "store", "--out", tmp_path / "d")
     assert named.returncode == 2 and "does not exist" in named.stderr
     assert "Traceback" not in offline.stderr + named.stderr
+
+
+def test_a_k_above_a_p_eagle_draft_s_trained_depths_is_one_line(run_dir, tiny_llama, tmp_path):
+    """The run's draft was trained at 3 depths: K = 4 is refused before anything is measured, whether
+    eval exports the run or is given an export."""
+    from peagle.schemas.errors import UserError
+    from peagle.schemas.eval_config import EvalConfig
+    from peagle.schemas.export_config import ExportConfig
+    from peagle.stages.eval.run import run_eval
+    from peagle.stages.export.run import run_export
+
+    refused = r"--num-depths 4: this P-EAGLE draft was trained at 3 depths, so it serves K = 1 to 3"
+    with pytest.raises(UserError, match=refused):
+        run_eval(EvalConfig(source=str(run_dir), target=str(tiny_llama), num_depths=4, mode=("online",),
+                            out=str(tmp_path / "from-run")))
+    export = run_export(ExportConfig(source=str(run_dir), out=str(tmp_path / "export")), echo=lambda _: None)
+    with pytest.raises(UserError, match=refused):
+        run_eval(EvalConfig(source=str(export), target=str(tiny_llama), num_depths=4, mode=("online",),
+                            out=str(tmp_path / "from-export")))
+    assert not (tmp_path / "from-export" / "report.json").exists()

@@ -135,3 +135,79 @@ def test_a_slow_start_does_not_land_on_whichever_part_is_timed_first(costs_ms, s
     machine = DriftingMachine(slow_calls=min(slow_calls, 4 * len(costs_ms)), extra=500.0)  # warm-up + 2 rounds
     medians = interleaved_medians([machine.part(c) for c in costs_ms], repeats=5, warmup=2, clock=machine.clock)
     assert medians == pytest.approx(costs_ms)
+
+
+def batch_costs(max_depths: int, *, fixed_ms: float, per_token_ms: float, draft_ms: float,
+                batch_sizes=(2, 4, 8)) -> StepCosts:
+    """A target forward of ``fixed + per_token · n`` ms over n new tokens, a flat draft (P-EAGLE's one forward)."""
+    def forward(n: int) -> float:
+        return (fixed_ms + per_token_ms * n) / 1e3
+
+    return StepCosts(context=256, verify_s=[forward(n) for n in range(1, max_depths + 2)],
+                     draft_s=[draft_ms / 1e3] * max_depths, bookkeeping_s=0.0, pick_s=0.0,
+                     batch_verify_s={b: [forward(b * (k + 1)) for k in range(max_depths + 1)] for b in batch_sizes})
+
+
+ACCEPTANCE_8 = [0.8, 0.65, 0.5, 0.4, 0.3, 0.2, 0.15, 0.1]
+
+
+def test_the_k_per_batch_size_drafts_less_where_a_forward_costs_its_tokens():
+    """One request at a time a forward is its fixed part and K = 8 pays; at 8 requests it is 8·(K + 1)
+    tokens of work, where drafting costs more than it gains: no drafting there (K = 0)."""
+    from peagle.stages.eval.speed import speculation_schedule
+
+    c = batch_costs(8, fixed_ms=20, per_token_ms=4, draft_ms=2)
+    assert c.batch_plain_s(8) == pytest.approx(0.052) and c.fitted_batch_step_s(1) == pytest.approx(c.fitted_step_s())
+    assert c.fitted_batch_step_s(4)[1] == pytest.approx((20 + 4 * 4 * 3 + 4 * 2) / 1e3)  # 12 tokens, 4 proposals
+    found = speculation_schedule(ACCEPTANCE_8, c, parallel=False, served_k=8)
+    by_batch = {e["batch_size"]: e for e in found["by_batch_size"]}
+    assert [r["k"] for r in by_batch[1]["by_k"]] == list(range(1, 9))  # every K up to the draft's 8
+    assert by_batch[1]["k"] == max(by_batch[1]["by_k"], key=lambda r: r["predicted_speedup"])["k"] == 4
+    assert 0 < by_batch[2]["k"] < by_batch[1]["k"] and by_batch[8]["k"] == 0
+    assert found["schedule"][0][:2] == [1, 1] and found["schedule"][-1] == [8, 8, 0]
+    assert found["speculative_tokens"] == by_batch[1]["k"] and found["text"].endswith("8:0")
+    # P-EAGLE: the best K alone, or none, at every batch size (what vLLM 0.32 serves right)
+    parallel = speculation_schedule(ACCEPTANCE_8, c, parallel=True, served_k=8)
+    assert {e["k"] for e in parallel["by_batch_size"]} <= {by_batch[1]["k"], 0}
+    assert parallel["by_batch_size"][-1]["k"] == 0
+
+
+def test_what_vllm_measured_at_a_concurrency_sets_that_batch_size_s_level():
+    """Our loop predicts drafting pays a little at 4 requests; vLLM measured K = 8 there at 0.8x the
+    target alone: read at that level, no K pays at 4."""
+    from peagle.stages.eval.speed import speculation_schedule
+
+    c = batch_costs(8, fixed_ms=40, per_token_ms=1, draft_ms=2)
+    alone = speculation_schedule(ACCEPTANCE_8, c, parallel=True, served_k=8)
+    assert next(e for e in alone["by_batch_size"] if e["batch_size"] == 4)["k"] == 8
+    sections = {"vllm": {"per_depth_acceptance": ACCEPTANCE_8, "speed": {
+        "concurrency_1": {"concurrency": 1, "speedup": 1.6, "draft_tokens_per_draft": 8.0},
+        "concurrency_4": {"concurrency": 4, "speedup": 0.8, "draft_tokens_per_draft": 8.0},
+        "concurrency_8": {"concurrency": 8, "speedup": 1.9, "draft_tokens_per_draft": 0.0}}}}  # another K: not read
+    found = k_recommendation(sections, c, served_k=8, parallel=True)["schedule"]
+    four, eight = (next(e for e in found["by_batch_size"] if e["batch_size"] == b) for b in (4, 8))
+    assert four["measured_speedup_at_served_k"] == 0.8 and four["k"] == 0
+    assert next(r for r in four["by_k"] if r["k"] == 8)["calibrated_speedup"] == pytest.approx(0.8)
+    assert eight["measured_speedup_at_served_k"] is None
+
+
+def test_step_costs_are_timed_for_every_k_up_to_8_and_every_batch_size(tiny_llama):
+    """The real parts (the HF target, a P-EAGLE draft of 8 depths): K = 1..8 one request at a time, and a
+    forward over b·(k + 1) tokens for k = 0..8 at each batch size asked."""
+    import sys
+    from pathlib import Path
+
+    from peagle.stages.eval.online import HFTarget, proposer_drafter
+    from peagle.stages.eval.speed import measure_step_costs
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "model"))
+    from test_speculators_format import tiny_draft
+
+    draft = tiny_draft(tiny_llama)
+    target = HFTarget.load(str(tiny_llama), draft.config.aux_layer_ids)
+    c = measure_step_costs(target, proposer_drafter(draft, target.vocab_size), list(range(10, 40)), max_depths=8,
+                           context=64, repeats=1, batch_sizes=(1, 2, 4))
+    assert c.max_depths == 8 and len(c.verify_s) == 9 and sorted(c.batch_verify_s) == [2, 4]
+    assert all(len(v) == 9 and all(s > 0 for s in v) for v in c.batch_verify_s.values())
+    report = c.to_dict()
+    assert len(report["fitted_step_s"]) == 8 and len(report["batches"]["4"]["fitted_step_s"]) == 8

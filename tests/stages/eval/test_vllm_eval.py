@@ -132,3 +132,27 @@ def test_random_draft_own_loop_and_vllm_agree(setup, tmp_path):
     assert vllm["settings"]["route"] == "speculative_config parallel_drafting"
     assert vllm["acceptance_length"] == pytest.approx(ours["acceptance_length"], rel=0.05)
     assert ours["acceptance_length"] < 1.3
+
+
+def test_an_exported_k_per_batch_size_is_served(setup, tmp_path):
+    """The export carries a schedule (K at one request, no drafting from 2 on: what a P-EAGLE draft may
+    be given, peagle/schemas/speculative_schedule.py); vLLM serves it: K drafts per step one request at
+    a time, none with all three at once, and in waves of 2 only the last wave's lone request drafts."""
+    from peagle.model.speculators_config import recorded_schedule
+    from peagle.model.speculators_format import load_export, write_export
+    from peagle.schemas.speculative_schedule import SCHEDULE_KEY, VLLM_KEY
+
+    draft = setup["fitted"]
+    out = write_export(draft.state_dict(), draft.config, tmp_path / "scheduled", verifier_name=str(setup["target_dir"]),
+                       verifier_architectures=["LlamaForCausalLM"], speculative_tokens=K,
+                       provenance={SCHEDULE_KEY: [[1, 1, K], [2, 8, 0]]})
+    schedule = recorded_schedule(load_export(out).config_json)  # what `peagle eval` passes on
+    served = run_vllm(out, setup["prompts"], max_new_tokens=MAX_NEW, ignore_eos=True, target_only=False,
+                      concurrency=(2,), speculative_schedule=schedule)
+    speed = served.to_dict()["speed"]
+    assert served.settings[VLLM_KEY] == [[1, 1, K], [2, 8, 0]]
+    one, waves, every = speed["concurrency_1"], speed["concurrency_2"], speed["concurrency_n"]
+    assert one["num_drafts"] > 0 and one["draft_tokens_per_draft"] == K
+    assert served.to_dict()["acceptance_length"] > 2.5  # one request at a time it drafts as before
+    assert every["concurrency"] == 3 and every["num_drafts"] == 0
+    assert 0 < waves["num_drafts"] < one["num_drafts"] and waves["draft_tokens_per_draft"] == K

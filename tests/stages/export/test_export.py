@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from peagle.model.draft import PEagleDraft
@@ -155,3 +156,55 @@ def test_an_export_travels_without_the_target_embedding_and_comes_back_whole(tmp
     refused = run_peagle("export", tmp_path / "trained", "--out", tmp_path / "refused", "--without-target-embedding")
     assert refused.returncode == 2 and "trained its embedding" in refused.stderr, refused.stderr
     assert not (tmp_path / "refused").exists()
+
+
+def test_a_p_eagle_draft_serves_k_up_to_its_trained_depths_and_carries_a_k_per_batch_size(tmp_path, tiny_llama):
+    """K = 8 for a draft trained at 8 depths, K = 9 refused in one line; the batch-size schedule of K is
+    written into the export's peagle section, read back, and checked by every reader of the export."""
+    from peagle.model.speculators_config import recorded_schedule
+    from peagle.model.speculators_format import load_export, read_export_config
+    from peagle.schemas.errors import UserError
+
+    write_checkpoint(tmp_path / "run", tiny_draft(tiny_llama), tiny_llama, 5, num_depths=8)
+    said: list[str] = []
+    out = run_export(ExportConfig(source=str(tmp_path / "run"), out=str(tmp_path / "export"), speculative_tokens=8,
+                                  speculative_schedule="1:8,2-8:0"), echo=said.append)
+    exported = load_export(out)
+    assert exported.speculative_tokens == 8 and recorded_schedule(exported.config_json) == [[1, 1, 8], [2, 8, 0]]
+    assert """--speculative-config '{"num_speculative_tokens_per_batch_size":[[1,1,8],[2,8,0]]}'""" in said[0]
+
+    with pytest.raises(UserError, match=r"--speculative-tokens 9: this P-EAGLE draft was trained at 8 depths, "
+                                         r"so it serves K = 1 to 8"):
+        run_export(ExportConfig(source=str(tmp_path / "run"), out=str(tmp_path / "k9"), speculative_tokens=9))
+    with pytest.raises(UserError, match=r"takes K = 8 \(the served K\) or 0, not K = 4"):
+        run_export(ExportConfig(source=str(tmp_path / "run"), out=str(tmp_path / "k4"),
+                                speculative_schedule="1:8,2-8:4"))
+    with pytest.raises(UserError, match="is an export: --speculative-schedule is written when a checkpoint"):
+        run_export(ExportConfig(source=str(out), out=str(tmp_path / "again"), speculative_schedule="1:8"))
+    assert not (tmp_path / "k9").exists() and not (tmp_path / "k4").exists()
+
+    config = json.loads((out / "config.json").read_text())
+    config["peagle"]["speculative_schedule"] = [[1, 1, 8], [1, 8, 0]]  # a hand edit that overlaps
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=r"config.json \(peagle.speculative_schedule\): the speculative schedule's "
+                                         r"batch sizes must run in ascending ranges from 1"):
+        read_export_config(out)
+
+
+def test_an_eagle3_draft_is_served_past_the_steps_it_unrolled_with_a_warning(tmp_path, tiny_llama, capsys):
+    """EAGLE-3 drafts depth d + 1 with the same forward it trained for depth d (peagle/model/sequential.py),
+    so a K above its training-time-test steps is legitimate; any K of it may be scheduled per batch size."""
+    import dataclasses
+
+    from peagle.model.draft import build_draft_from_target
+
+    config = dataclasses.replace(tiny_draft(tiny_llama).config, method="eagle3", mask_token_id=None)
+    draft = build_draft_from_target(tiny_llama, config, torch.arange(0, 1024, 2))
+    write_checkpoint(tmp_path / "run", draft, tiny_llama, 5, num_depths=3)
+    out = run_export(ExportConfig(source=str(tmp_path / "run"), out=str(tmp_path / "export"), speculative_tokens=8,
+                                  speculative_schedule="1:8,2-3:4,4:0"), echo=lambda _: None)
+    config_json = json.loads((out / "config.json").read_text())
+    assert config_json["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 8
+    assert config_json["peagle"]["speculative_schedule"] == [[1, 1, 8], [2, 3, 4], [4, 4, 0]]
+    warned = capsys.readouterr().err
+    assert "--speculative-tokens 8 exceeds the 3 steps this EAGLE-3 draft was trained to unroll" in warned
