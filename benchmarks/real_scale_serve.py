@@ -1,6 +1,6 @@
 """Serve the real-scale run's drafts here (issue 36): each export that came back from the GPU, made
 whole again with the local target's embedding, measured by vLLM and by our own loop on the held-out
-prompts at K = 5; then vLLM with the best draft at K = 2..8 against vLLM without a draft.
+prompts at K = 5; then vLLM with the best draft at K = 2..8 (a P-EAGLE draft up to its trained depths) against vLLM without a draft.
 
     python benchmarks/real_scale_serve.py --results benchmarks/results/gpu/DATE-DEVICE-real \\
         --target "$(peagle target fetch smollm2 | tail -1)" [--work /tmp/real-serve] [--ks 2,3,4,5,6,7,8]
@@ -72,6 +72,12 @@ def serve(results: Path, target: Path, work: Path, *, ks: list[int], max_prompts
         print(f"{transport.name}: AL {vllm_al} in vLLM, {own_al} in our loop", flush=True)
     best = max(served["exports"], key=lambda n: served["exports"][n]["vllm"]["acceptance_length"])
     sweep = {}
+    config = json.loads((work / "exports" / best / "config.json").read_text())
+    trained = (config.get("peagle") or {}).get("num_depths_trained")
+    if config.get("speculators_model_type") == "peagle" and trained:  # `peagle eval` refuses a deeper K for P-EAGLE
+        skipped, ks = [k for k in ks if k > trained], [k for k in ks if k <= trained]
+        if skipped:
+            print(f"{best}: trained at {trained} depths, so K = {', '.join(map(str, skipped))} not served", flush=True)
     for k in ks:
         if k == 5:  # measured already, in the same vLLM settings: one engine pair less
             sweep[str(k)] = served["exports"][best]["vllm"]
