@@ -64,7 +64,16 @@ from peagle.pipeline.atomic import atomic_write_json
 from peagle.testing.quality_target import QualityTargetSpec, build_quality_target, cached_text_variety, quality_chats
 
 EVAL_K = 5
-"""Acceptance is always measured at K = 5 draft tokens, whatever K a variant trains."""
+"""Acceptance is measured at K = 5 draft tokens, whatever K a variant trains, but a P-EAGLE variant
+trained at fewer depths (``k3``, ``defaults-k3``) at its own depths (:func:`served_k`)."""
+
+
+def served_k(variant: str, flags: list[str]) -> int:
+    """K = 5, or a P-EAGLE draft's trained depths where fewer: vLLM would serve its untrained mask slots
+    (the K = 5 records read 0.00 acceptance at depths 4 and 5, docs/quality.md), and `peagle eval`
+    refuses a K above them since issue 57. An EAGLE-3 draft drafts deeper with the same forward."""
+    depths = int(flags[flags.index("--num-depths") + 1])
+    return EVAL_K if method_of(variant) == "eagle3" else min(EVAL_K, depths)
 
 @dataclass(frozen=True)
 class Budget:
@@ -250,11 +259,12 @@ def run_one(stages: Stages, work: Path, target: Path, paths: dict[str, Path], bu
     seconds = {"train": stages.run(f"train-{tag}", ["train", "--store", str(work / "store"), "--target", str(target),
                                                    "--out", str(run), "--eval-store", str(work / "heldout-store"),
                                                    *flags])}
+    k = served_k(variant, flags)
     seconds["export"] = stages.run(f"export-{tag}", ["export", str(run), "--out", str(run / "export"),
-                                                     "--speculative-tokens", str(EVAL_K)])
+                                                     "--speculative-tokens", str(k)])
     seconds["eval"] = stages.run(f"eval-{tag}", [
         "eval", str(run / "export"), "--target", str(target), "--store", str(work / "heldout-store"),
-        "--prompts", str(paths["prompts"]), "--out", str(run / "report"), "--num-depths", str(EVAL_K),
+        "--prompts", str(paths["prompts"]), "--out", str(run / "report"), "--num-depths", str(k),
         "--mode", ",".join(budget.eval_modes), "--max-prompts", str(budget.num_prompts),
         "--max-new-tokens", str(budget.max_new_tokens), "--max-samples", str(budget.num_heldout_chats), "--quiet"])
     report = json.loads((run / "report" / "report.json").read_text())
@@ -266,7 +276,7 @@ def run_one(stages: Stages, work: Path, target: Path, paths: dict[str, Path], bu
         raise SystemExit(f"{tag}: vLLM ran a {method} draft with parallel drafting {vllm.get('parallel_drafting')}; "
                          "its acceptance would mean nothing")
     record = {
-        "variant": variant, "method": method, "seed": seed, "train_flags": flags,
+        "variant": variant, "method": method, "seed": seed, "train_flags": flags, "served_k": k,
         "al_vllm": vllm["acceptance_length"], "al_own": own.get("acceptance_length"),
         "al_offline": offline["acceptance_length"], "per_depth": vllm["per_depth_acceptance"],
         "per_depth_own": own.get("per_depth_acceptance"), "per_depth_offline": offline["per_depth_acceptance"],

@@ -134,3 +134,11 @@ def test_smoke_run_writes_a_record_and_resumes(tmp_path) -> None:
     assert report.returncode == 0 and "$ peagle" not in report.stdout, report.stdout[-2000:] + report.stderr[-2000:]
     reported = json.loads((tmp_path / "report.json").read_text())
     assert reported["records"] == result["records"] and "skipped" in reported["extract"]
+
+
+def test_a_p_eagle_variant_trained_at_fewer_depths_is_served_at_them(bench) -> None:
+    """`peagle eval` refuses a P-EAGLE K above its trained depths: k3 is served at K = 3, EAGLE-3's at 5."""
+    budget = bench.Budget()
+    assert bench.served_k("k3", bench.train_flags("k3", budget, seed=0)) == 3
+    assert bench.served_k("k8", bench.train_flags("k8", budget, seed=0)) == 5
+    assert bench.served_k("eagle3-k3", bench.train_flags("eagle3-k3", budget, seed=0)) == 5
