@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from peagle.pipeline.contained import inside
 from peagle.pipeline.store import sha256_file
 from peagle.schemas.checkpoint import (ALL_PARTS, CHECKPOINTS_DIR, CONFIG, DRAFT_CONFIG_KEY, FORMAT_VERSION,
                                        METADATA_FILE, MODEL, PROVENANCE_KEY, STEP_DIR, TRAIN_CONFIG_KEY, part_file)
@@ -32,12 +33,21 @@ third of the bytes)."""
 
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
-    """Committed checkpoint directories, oldest first (validity is not checked here)."""
+    """Committed checkpoint directories, oldest first (validity is not checked here).
+
+    Every reader of a run's checkpoints, and the pruning that deletes old ones, lists them here, so a
+    run from elsewhere whose ``checkpoints/`` or ``step-N`` is a link out of it is refused here, before
+    anything there is read or deleted (:mod:`peagle.pipeline.contained`).
+
+    Raises:
+        UserError: one line naming the run and the directory that leads outside it.
+    """
     root = Path(run_dir) / CHECKPOINTS_DIR
     if not root.is_dir():
         return []
+    inside(run_dir, CHECKPOINTS_DIR, tree="run")
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found)]
+    return [inside(run_dir, f"{CHECKPOINTS_DIR}/{p.name}", tree="run") for _, p in sorted(found)]
 
 
 def checkpoint_problem(path: Path, parts: tuple[str, ...] = ALL_PARTS) -> str | None:

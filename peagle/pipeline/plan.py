@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from peagle.pipeline.atomic import atomic_write_json, file_lock
+from peagle.pipeline.contained import checked_index, checked_sha256, inside
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 
@@ -181,17 +182,30 @@ def shards_of_worker(shards: list[PlannedShard], shard_index: int, num_shards: i
 
 
 def registration_path(root: str | os.PathLike, sha256: str) -> Path:
-    return Path(root) / S.INPUTS_DIR / f"{sha256}.json"
+    """``STORE/inputs/<sha256>.json``: a registration's file is named by its sha256, so only a sha256
+    may name one, inside the store (:mod:`peagle.pipeline.contained`)."""
+    return inside(root, f"{S.INPUTS_DIR}/{checked_sha256(sha256, named_by=f'store {root}')}.json")
 
 
 def read_registrations(root: str | os.PathLike) -> list[InputRegistration]:
-    """The store's registered input files (none when the store does not exist yet)."""
+    """The store's registered input files (none when the store does not exist yet).
+
+    Raises:
+        UserError: a registration is unreadable, or a name it gives is no sha256 or shard index (its
+            ``sha256`` names its file, which ``--replace-changed-inputs`` deletes; its shard range names
+            commit records and shard files).
+    """
     regs = []
     for p in sorted((Path(root) / S.INPUTS_DIR).glob("[0-9a-f]*.json")):
+        inside(root, f"{S.INPUTS_DIR}/{p.name}")  # a registration that is a link to elsewhere is not read
         try:
-            regs.append(InputRegistration(**json.loads(p.read_text())))
+            reg = InputRegistration(**json.loads(p.read_text()))
         except (OSError, json.JSONDecodeError, TypeError) as err:
             raise UserError(f"input registration {p} is unreadable ({err})") from err
+        checked_sha256(reg.sha256, named_by=f"input registration {p}")
+        for field in ("first_shard", "end_shard"):
+            checked_index(getattr(reg, field), named_by=f"input registration {p}", field=field)
+        regs.append(reg)
     return sorted(regs, key=lambda r: r.first_shard)
 
 
@@ -208,7 +222,7 @@ def register_inputs(root: str | os.PathLike, files: list[InputFile],
     """
     root = Path(root)
     (root / S.INPUTS_DIR).mkdir(parents=True, exist_ok=True)
-    with file_lock(root / S.STORE_LOCK_FILE):
+    with file_lock(inside(root, S.STORE_LOCK_FILE)):
         existing = read_registrations(root)
         changed = changed_inputs(existing, files)
         if changed:
@@ -228,7 +242,7 @@ def replace_registrations(root: str | os.PathLike, registrations: Iterable[Input
     (root / S.INPUTS_DIR).mkdir(parents=True, exist_ok=True)
     for p in (root / S.INPUTS_DIR).glob("[0-9a-f]*.json"):
         if p.stem not in keep:
-            p.unlink()
+            inside(root, f"{S.INPUTS_DIR}/{p.name}").unlink()
     for reg in keep.values():
         atomic_write_json(registration_path(root, reg.sha256), asdict(reg))
 
@@ -245,13 +259,13 @@ def drop_registrations(root: str | os.PathLike, registrations: list[InputRegistr
     new one is renamed over it.
     """
     root = Path(root)
-    with file_lock(root / S.STORE_LOCK_FILE):
+    with file_lock(inside(root, S.STORE_LOCK_FILE)):
         for reg in registrations:
             for shard in range(reg.first_shard, reg.end_shard):
-                (root / S.commit_name(shard)).unlink(missing_ok=True)
+                inside(root, S.commit_name(shard)).unlink(missing_ok=True)
             for shard in range(reg.first_shard, reg.end_shard):
-                (root / S.parquet_name(shard)).unlink(missing_ok=True)
-                (root / S.tensors_name(shard)).unlink(missing_ok=True)
+                inside(root, S.parquet_name(shard)).unlink(missing_ok=True)
+                inside(root, S.tensors_name(shard)).unlink(missing_ok=True)
             registration_path(root, reg.sha256).unlink(missing_ok=True)
 
 

@@ -31,7 +31,7 @@ from torch import Tensor
 from peagle.pipeline import fp8
 from peagle.pipeline.aux_rows import StoredAux
 from peagle.pipeline.safetensors_file import MappedFile, encode_header, map_file, map_tensors
-from peagle.pipeline.store import Store, damaged
+from peagle.pipeline.store import Store, damaged, shard_file
 from peagle.schemas import store as S
 
 AUX_DTYPES = {S.HIDDEN_BF16: torch.bfloat16, S.HIDDEN_FP8: fp8.FP8_DTYPE}
@@ -98,7 +98,7 @@ def open_shard_tensors(store: Store, index: int) -> dict[str, Tensor]:
     checked against its commit record (``Store.check_content``, on this mapping: the pass pages the
     file in for the reads that follow); one line naming the file if it does not parse."""
     rel = store.shard(index).safetensors
-    path = store.root / rel
+    path = shard_file(store.root, store.shard(index), "safetensors")
     try:
         return map_tensors(path, check=lambda data: store.check_content(index, rel, data))
     except (OSError, ValueError, KeyError, RuntimeError, struct.error) as err:
@@ -108,7 +108,7 @@ def open_shard_tensors(store: Store, index: int) -> dict[str, Tensor]:
 def map_shard_tensors(store: Store, index: int) -> MappedFile:
     """Shard ``index``'s tensor file, memory-mapped, nothing read or checked: for a reader that checks
     the rows it reads, as it reads them (:func:`check_rows`); one line naming the file if it does not parse."""
-    path = store.root / store.shard(index).safetensors
+    path = shard_file(store.root, store.shard(index), "safetensors")
     try:
         return map_file(path)
     except (OSError, ValueError, KeyError, RuntimeError, struct.error) as err:

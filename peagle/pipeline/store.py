@@ -14,6 +14,12 @@ tensor file, the training reader (``store_reader.ShardReader``) the blocks of ea
 it hands the sample out. A byte changed after the commit stops the reader in one line before
 anything uses it. Records from before the checksums hold none: those shards are checked by size
 only, and ``open_store`` says so once.
+
+**Names stay inside the store** (:mod:`peagle.pipeline.contained`). A store may come from elsewhere, so
+the names its commit records give (``parquet``, ``safetensors``, ``index``) are checked as each record
+is read (``list_commits``), and every shard file, record, registration and lock file is read,
+written or deleted only through ``shard_file`` and ``contained.inside``: a name that is absolute, has a
+``..`` or leads out through a symbolic link is refused in one line before anything is touched.
 """
 
 from __future__ import annotations
@@ -36,8 +42,10 @@ from peagle.pipeline.atomic import (
     file_lock,
     publish,
     raise_if_disk_full,
+    remove_stale_temps,
     temp_path_for,
 )
+from peagle.pipeline.contained import checked_index, contained, inside
 from peagle.pipeline.content_check import ContentChecks, blocks_touched, check_blocks, file_digests
 from peagle.pipeline.failpoints import failpoint
 from peagle.pipeline.plan import InputRegistration, replace_registrations, usability_problem
@@ -67,7 +75,7 @@ class WriterLock:
 
     def __enter__(self) -> "WriterLock":
         _make_dirs(self.root)
-        self._fd = os.open(self.root / WRITERS_LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        self._fd = os.open(inside(self.root, WRITERS_LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
         fcntl.flock(self._fd, fcntl.LOCK_SH)
         return self
 
@@ -123,7 +131,7 @@ def init_store(root: str | os.PathLike, settings: S.StoreSettings, *, writers: W
     _make_dirs(root)
     created = False
     if not (root / S.STORE_SETTINGS_FILE).exists():
-        with file_lock(root / LOCK_FILE):
+        with file_lock(inside(root, LOCK_FILE)):
             if not (root / S.STORE_SETTINGS_FILE).exists():
                 if list_commits(root):
                     raise UserError(f"{root} holds commit records but no {S.STORE_SETTINGS_FILE} (removed by hand?): "
@@ -151,15 +159,15 @@ def restart_unused(root: Path, settings: S.StoreSettings, writers: WriterLock,
     if any(r.usable for r in list_commits(root)) or not writers.alone():
         return False
     try:
-        with file_lock(root / LOCK_FILE):
+        with file_lock(inside(root, LOCK_FILE)):
             records = list_commits(root)
             if any(r.usable for r in records):
                 return False
             for r in records:
-                (root / S.commit_name(r.index)).unlink(missing_ok=True)
+                inside(root, S.commit_name(r.index)).unlink(missing_ok=True)
             for r in records:
-                (root / r.parquet).unlink(missing_ok=True)
-                (root / r.safetensors).unlink(missing_ok=True)
+                shard_file(root, r, "parquet").unlink(missing_ok=True)
+                shard_file(root, r, "safetensors").unlink(missing_ok=True)
             replace_registrations(root, plan)
             (root / S.MANIFEST_FILE).unlink(missing_ok=True)
             atomic_write_json(root / S.STORE_SETTINGS_FILE, settings.to_dict())
@@ -249,10 +257,20 @@ class ShardFile(NamedTuple):
     crc32: tuple[str, ...]  # per CRC32_BLOCK_BYTES block
 
 
+def shard_file(root: str | os.PathLike, record: S.ShardRecord, field: str) -> Path:
+    """The path of ``record``'s shard file ``field`` (``"parquet"`` or ``"safetensors"``) in the store at
+    ``root``: the only way a name from a commit record becomes a path.
+
+    Raises:
+        UserError: the name leads outside the store (one line naming the record and the field).
+    """
+    return contained(root, getattr(record, field), named_by=Path(root) / S.commit_name(record.index), field=field)
+
+
 def write_shard_file(root: Path, rel: str, write) -> ShardFile:
     """Write one shard file via ``write(tmp_path)``, publish it atomically; returns its size and digests
     (measured on the temp file, before the rename)."""
-    final = root / rel
+    final = inside(root, rel)
     tmp = temp_path_for(final)
     try:
         write(tmp)
@@ -283,14 +301,33 @@ def commit_shard(root: str | os.PathLike, record: S.ShardRecord) -> None:
 
 
 def list_commits(root: str | os.PathLike) -> list[S.ShardRecord]:
-    """Every committed shard, sorted by index. Temp files and stray shards are ignored."""
+    """Every committed shard, sorted by index. Temp files and stray shards are ignored.
+
+    Raises:
+        UserError: a record is unreadable, or names a file outside the store (``checked_record``).
+    """
     records = []
     for p in sorted((Path(root) / S.COMMITS_DIR).glob("[0-9]*.json")):
+        inside(root, f"{S.COMMITS_DIR}/{p.name}")  # a record that is a link to elsewhere is not read
         try:
-            records.append(S.ShardRecord.from_dict(json.loads(p.read_text())))
+            record = S.ShardRecord.from_dict(json.loads(p.read_text()))
         except (OSError, json.JSONDecodeError, TypeError) as err:
             raise UserError(f"commit record {p} is unreadable ({err}); delete it to redo that shard") from err
+        records.append(checked_record(root, p, record))
     return records
+
+
+def checked_record(root: str | os.PathLike, path: Path, record: S.ShardRecord) -> S.ShardRecord:
+    """``record`` (read from ``path``), once the names it gives stay inside the store: its ``index``
+    (which names its commit record and, in a plan, its files) and its two shard files.
+
+    Raises:
+        UserError: one line naming ``path`` and the field.
+    """
+    checked_index(record.index, named_by=f"commit record {path}", field="index")
+    for field in ("parquet", "safetensors"):
+        contained(root, getattr(record, field), named_by=f"commit record {path}", field=field)
+    return record
 
 
 def manifest_dict(settings: S.StoreSettings, records: list[S.ShardRecord]) -> dict[str, Any]:
@@ -313,7 +350,7 @@ def manifest_dict(settings: S.StoreSettings, records: list[S.ShardRecord]) -> di
 def rebuild_manifest(root: str | os.PathLike) -> dict[str, Any]:
     """Derive manifest.json from the commit records, under the store lock (so no update is lost)."""
     root = Path(root)
-    with file_lock(root / LOCK_FILE):
+    with file_lock(inside(root, LOCK_FILE)):
         manifest = manifest_dict(read_settings(root), list_commits(root))
         atomic_write_json(root / S.MANIFEST_FILE, manifest)
     return manifest
@@ -393,7 +430,7 @@ class Store:
         import pyarrow.parquet as pq
 
         rel = self.shard(index).parquet
-        path = self.root / rel
+        path = shard_file(self.root, self.shard(index), "parquet")
         try:
             with open(path, "rb") as f:
                 data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -453,9 +490,9 @@ def check_shards(root: Path, records: list[S.ShardRecord], *, verify: bool) -> l
     crc32 (both from one read)."""
     problems = []
     for r in records:
-        for rel, size, digest in ((r.parquet, r.parquet_bytes, r.parquet_sha256),
-                                  (r.safetensors, r.safetensors_bytes, r.safetensors_sha256)):
-            path = root / rel
+        for field, size, digest in (("parquet", r.parquet_bytes, r.parquet_sha256),
+                                    ("safetensors", r.safetensors_bytes, r.safetensors_sha256)):
+            rel, path = getattr(r, field), shard_file(root, r, field)
             if not path.exists():
                 problems.append(f"{rel} is missing")
             elif path.stat().st_size != size:
@@ -470,6 +507,17 @@ def check_shards(root: Path, records: list[S.ShardRecord], *, verify: bool) -> l
 
 
 def write_bytes_atomic(root: Path, rel: str, data: bytes) -> None:
-    """Small store files (vocab, inputs registry) go through the same atomic path."""
-    (root / rel).parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(root / rel, data)
+    """Small store files (vocab, inputs registry) go through the same atomic path (and the same rule:
+    ``contained.inside``)."""
+    path = inside(root, rel)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, data)
+
+
+def remove_stale_store_temps(root: str | os.PathLike) -> None:
+    """Delete the temp files killed writers left in the store's directories (``atomic.remove_stale_temps``),
+    each directory inside the store (``contained.inside``)."""
+    root = Path(root)
+    for sub in (S.SHARDS_DIR, S.COMMITS_DIR, S.INPUTS_DIR):
+        remove_stale_temps(inside(root, sub))
+    remove_stale_temps(root)

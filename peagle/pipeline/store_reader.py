@@ -43,7 +43,7 @@ from peagle.pipeline.raw_reader import RawColumns, RawSample, raw_sample, read_r
 from peagle.pipeline.safetensors_file import MappedFile, TensorEntry
 from peagle.pipeline.shard_tensors import check_rows, map_shard_tensors, stored_aux
 from peagle.pipeline.split import is_heldout
-from peagle.pipeline.store import Store
+from peagle.pipeline.store import Store, shard_file
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 
@@ -253,8 +253,8 @@ class ShardReader:
                                       self.columns(store, shard), row, mapped, topk=False)
         entries = mapped.entries
         if (store, shard) not in self._paths:
-            self._paths[(store, shard)] = str((self.stores[store].root / self.stores[store].shards[shard].safetensors)
-                                              .resolve())
+            self._paths[(store, shard)] = str(shard_file(self.stores[store].root, self.stores[store].shards[shard],
+                                                         "safetensors").resolve())
         path = self._paths[(store, shard)]
 
         def rows(entry: TensorEntry) -> ByteRange:

@@ -16,7 +16,7 @@ from peagle.schemas.errors import UserError
 
 
 def _file(name: str, n: int) -> P.InputFile:
-    return P.InputFile(path=f"/data/{name}", sha256=name * 8, num_records=n)
+    return P.InputFile(path=f"/data/{name}", sha256=name * 64, num_records=n)  # a sha256 has 64 hex digits
 
 
 def test_record_ranges_cover_the_file_in_order():
@@ -75,8 +75,8 @@ def test_register_inputs_writes_the_registry_and_reuses_it(tmp_path):
     files = [_file("a", 10), _file("b", 3)]
     regs = P.register_inputs(tmp_path, files, 4)
     assert P.read_registrations(tmp_path) == regs
-    stored = json.loads(P.registration_path(tmp_path, "a" * 8).read_text())
-    assert stored == {"sha256": "a" * 8, "name": "a", "num_records": 10, "records_per_shard": 4,
+    stored = json.loads(P.registration_path(tmp_path, "a" * 64).read_text())
+    assert stored == {"sha256": "a" * 64, "name": "a", "num_records": 10, "records_per_shard": 4,
                       "first_shard": 0, "end_shard": 3, "path": "/data/a"}
     assert P.register_inputs(tmp_path, files, 4) == regs  # idempotent
     more = P.register_inputs(tmp_path, [_file("c", 1)], 4)
@@ -105,8 +105,8 @@ def test_concurrent_registration_never_hands_out_overlapping_ranges(tmp_path):
 
 def test_a_registration_written_before_paths_were_kept_still_reads(tmp_path):
     (tmp_path / "inputs").mkdir()
-    P.registration_path(tmp_path, "a" * 8).write_text(json.dumps(
-        {"sha256": "a" * 8, "name": "a", "num_records": 10, "records_per_shard": 4, "first_shard": 0, "end_shard": 3}))
+    P.registration_path(tmp_path, "a" * 64).write_text(json.dumps(
+        {"sha256": "a" * 64, "name": "a", "num_records": 10, "records_per_shard": 4, "first_shard": 0, "end_shard": 3}))
     assert P.read_registrations(tmp_path)[0].path == ""
 
 
@@ -144,7 +144,7 @@ def test_a_file_changed_since_its_registration_is_refused_and_can_be_dropped(tmp
 
     a, b = _file("a", 10), _file("b", 3)
     P.register_inputs(tmp_path, [a, b], 4)  # a: 0-2, b: 3
-    edited = P.InputFile(path=a.path, sha256="e" * 8, num_records=9)
+    edited = P.InputFile(path=a.path, sha256="e" * 64, num_records=9)
     copy = P.InputFile(path="/elsewhere/a", sha256=a.sha256, num_records=10)  # the same content elsewhere
     assert P.changed_inputs(P.read_registrations(tmp_path), [copy, b]) == []
     [(changed, old)] = P.changed_inputs(P.read_registrations(tmp_path), [edited, b])
@@ -164,6 +164,6 @@ def test_a_file_changed_since_its_registration_is_refused_and_can_be_dropped(tmp
     assert sorted((r.sha256, r.first_shard, r.end_shard) for r in regs) == [(b.sha256, 3, 4), (edited.sha256, 4, 7)]
     # a registration from before paths were kept is matched by name
     (tmp_path / "old" / "inputs").mkdir(parents=True)
-    P.registration_path(tmp_path / "old", "f" * 8).write_text(json.dumps(
-        {"sha256": "f" * 8, "name": "c", "num_records": 1, "records_per_shard": 4, "first_shard": 0, "end_shard": 1}))
+    P.registration_path(tmp_path / "old", "f" * 64).write_text(json.dumps(
+        {"sha256": "f" * 64, "name": "c", "num_records": 1, "records_per_shard": 4, "first_shard": 0, "end_shard": 1}))
     assert len(P.changed_inputs(P.read_registrations(tmp_path / "old"), [_file("c", 2)])) == 1

@@ -18,11 +18,10 @@ from typing import Callable
 from peagle.model.target import TargetDirectory, open_target
 from peagle.model.target_backend import TargetBackend, TargetOutput
 from peagle.pipeline import plan as P
-from peagle.pipeline.atomic import remove_stale_temps
 from peagle.pipeline.failpoints import failpoint
 from peagle.pipeline.prefetch import prefetch
 from peagle.pipeline.progress import Progress
-from peagle.pipeline.store import WriterLock, init_store, list_commits, rebuild_manifest
+from peagle.pipeline.store import WriterLock, init_store, list_commits, rebuild_manifest, remove_stale_store_temps
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 from peagle.schemas.extract_config import ExtractConfig
@@ -243,8 +242,7 @@ def extract_pending(config: ExtractConfig, plan: ExtractPlan, target: TargetDire
     shards; ``writers`` held shared by the caller."""
     root, settings = Path(config.out), plan.settings
     init_store(root, settings, writers=writers, restart=plan.restart, plan=plan.registrations)
-    for sub in (S.SHARDS_DIR, S.COMMITS_DIR, S.INPUTS_DIR, ""):
-        remove_stale_temps(root / sub)
+    remove_stale_store_temps(root)
     if plan.dropped:  # --replace-changed-inputs
         if not writers.alone():
             raise UserError(f"another extract is writing to store {root}; --replace-changed-inputs needs the "

@@ -30,6 +30,7 @@ import pyarrow.parquet as pq
 import torch
 
 from peagle.model.target_backend import TargetOutput
+from peagle.pipeline.contained import inside
 from peagle.pipeline.raw_reader import raw_sample
 from peagle.pipeline.shard_stats import sample_rows, shard_stats
 from peagle.pipeline.shard_tensors import encode_sample, write_tensors
@@ -130,7 +131,7 @@ def write_and_commit(root: Path, content: ShardContent, settings: S.StoreSetting
                                    lambda tmp: write_tensors(tmp, encoded, settings))
     except BaseException:  # also an interrupt: readers would ignore the file (no commit record), but a
         # half shard should not even be on disk.
-        (root / S.parquet_name(content.index)).unlink(missing_ok=True)
+        inside(root, S.parquet_name(content.index)).unlink(missing_ok=True)
         raise
     record = S.ShardRecord(
         index=content.index, parquet=S.parquet_name(content.index), safetensors=S.tensors_name(content.index),

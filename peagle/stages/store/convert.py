@@ -24,13 +24,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from peagle.pipeline.atomic import remove_stale_temps
+from peagle.pipeline.contained import inside
 from peagle.pipeline.plan import read_registrations
 from peagle.pipeline.raw_reader import open_raw_shard, raw_sample
 from peagle.pipeline.shard_stats import sample_rows, shard_stats
 from peagle.pipeline.shard_tensors import encode_sample, write_tensors
 from peagle.pipeline.store import (Store, check_shards, commit_shard, init_store, list_commits, open_store,
-                                   rebuild_manifest, write_bytes_atomic, write_shard_file)
+                                   rebuild_manifest, remove_stale_store_temps, shard_file, write_bytes_atomic,
+                                   write_shard_file)
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 
@@ -55,11 +56,12 @@ def convert_shard(source: Store, record: S.ShardRecord, out: Path, settings: S.S
         parts = encode_sample(sample.aux_nAH, sample.topk_ids_nk, sample.topk_logprobs_nk, settings)
         encoded.append(parts)
         rows.append(sample_rows(raw_sample(sample.sample_id, sample.input_ids_n, sample.loss_mask_n, parts)))
-    rows_file = write_shard_file(out, record.parquet, lambda tmp: shutil.copyfile(source.root / record.parquet, tmp))
+    source_rows = shard_file(source.root, record, "parquet")
+    rows_file = write_shard_file(out, record.parquet, lambda tmp: shutil.copyfile(source_rows, tmp))
     try:
         tensors_file = write_shard_file(out, record.safetensors, lambda tmp: write_tensors(tmp, encoded, settings))
     except Exception:
-        (out / record.parquet).unlink(missing_ok=True)
+        inside(out, record.parquet).unlink(missing_ok=True)
         raise
     # The checksums are the new files' (also for a source committed before checksums existed).
     new = replace(record, parquet_bytes=rows_file.size, parquet_sha256=rows_file.sha256,
@@ -92,12 +94,11 @@ def convert_store(source_root: str | Path, out_root: str | Path, hidden_dtype: s
     # A new NEW gets STORE's plan before its store.json (a kill between leaves no store, and this
     # command makes it whole); an existing one with other settings is refused.
     init_store(out, settings, plan=read_registrations(source.root))
-    for sub in (S.SHARDS_DIR, S.COMMITS_DIR, S.INPUTS_DIR, ""):
-        remove_stale_temps(out / sub)
+    remove_stale_store_temps(out)
     for registration in sorted((source.root / S.INPUTS_DIR).glob("*.json")):
-        target = out / S.INPUTS_DIR / registration.name
-        if not target.exists():
-            write_bytes_atomic(out, f"{S.INPUTS_DIR}/{registration.name}", registration.read_bytes())
+        rel = f"{S.INPUTS_DIR}/{registration.name}"
+        if not inside(out, rel).exists():
+            write_bytes_atomic(out, rel, inside(source.root, rel).read_bytes())
     sources = {r.index: r for r in source.shards}
     for record in list_commits(out):
         if record.index not in sources or record.parquet_sha256 != sources[record.index].parquet_sha256:

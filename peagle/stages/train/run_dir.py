@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from peagle.pipeline.checkpoint_files import latest_valid_checkpoint, read_checkpoint_part
+from peagle.pipeline.contained import inside
 from peagle.schemas.checkpoint import CONFIG, TRAIN_CONFIG_KEY
 from peagle.schemas.errors import UserError
 from peagle.schemas.train_config import TrainConfig
@@ -75,7 +76,7 @@ def lock_run_dir(run_dir: Path, *, rank: int = 0, agree: Callable[[Any], Any] = 
 
 def _take(run_dir: Path) -> RunLock:
     run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / LOCK_FILE
+    path = inside(run_dir, LOCK_FILE, tree="run")  # written to below: a link out of the run is refused
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
