@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -319,18 +320,35 @@ def file_lock(path: str | os.PathLike, *, say: Callable[[str], None] = _say_wait
 
     The holder writes its pid, host and start time into the file (emptied when it lets go), so a
     process that waits longer than :data:`LOCK_NOTE_S` says who it waits for (:func:`_take_lock`).
+    Since the file is written, it must be the lock file itself: a symbolic link there is refused, and
+    a file with other hard links (a store from elsewhere could link its lock to a record) is locked
+    but never written.
+
+    Raises:
+        UserError: ``path`` is a symbolic link.
     """
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise UserError(f"{shown_path(path)} is a symbolic link; a lock file is a plain file: remove the "
+                            "link and re-run") from None
+        raise
+    recorded = False
     try:
         _take_lock(fd, path, say)
         with contextlib.suppress(OSError):  # the record is for people; a lock without it still locks
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                                      "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode() + b"\n", 0)
+            info = os.fstat(fd)
+            if stat.S_ISREG(info.st_mode) and info.st_nlink == 1:
+                os.ftruncate(fd, 0)
+                recorded = True
+                os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                          "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}).encode() + b"\n", 0)
         yield
     finally:
-        with contextlib.suppress(OSError):
-            os.ftruncate(fd, 0)
+        if recorded:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
 

@@ -114,6 +114,56 @@ def test_file_lock_serialises_read_modify_write_across_processes(tmp_path):
     assert counter.read_text() == "200"
 
 
+HOLD = """
+import sys, time
+from peagle.pipeline.atomic import file_lock
+with file_lock(sys.argv[1]):
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_waiter_names_the_holder_of_a_lock_and_goes_on_waiting(tmp_path, monkeypatch):
+    """The holder records pid, host and start in the lock file (emptied when it lets go); a waiter says
+    who holds it once LOCK_NOTE_S has passed, again every LOCK_NOTE_EVERY_S, and takes the lock once free."""
+    import socket
+    import threading
+    import time
+
+    monkeypatch.setattr(A, "LOCK_NOTE_S", 0.3)
+    monkeypatch.setattr(A, "LOCK_NOTE_EVERY_S", 0.3)
+    lock = tmp_path / ".lock"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(lock)], stdout=subprocess.PIPE, text=True)
+    said: list[str] = []
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert json.loads(lock.read_text())["pid"] == holder.pid
+        threading.Timer(1.5, holder.kill).start()
+        started = time.monotonic()
+        with A.file_lock(lock, say=said.append):
+            waited = time.monotonic() - started
+            assert json.loads(lock.read_text())["pid"] == os.getpid()
+    finally:
+        holder.kill()
+        holder.wait(30)
+    assert waited >= 1.0 and len(said) >= 2 and lock.read_text() == ""
+    assert said[0].startswith(f"waiting 0 s for the lock {lock}, held by pid {holder.pid} on {socket.gethostname()} "
+                              "since ") and "still waiting" in said[0]
+
+
+def test_a_lock_file_that_is_a_link_is_refused_and_a_hard_linked_one_never_written(tmp_path):
+    victim = tmp_path / "record.json"
+    victim.write_text('{"kept": true}')
+    (tmp_path / "link.lock").symlink_to(victim)
+    with pytest.raises(UserError, match="link.lock is a symbolic link; a lock file is a plain file"):
+        with A.file_lock(tmp_path / "link.lock"):
+            pass
+    os.link(victim, tmp_path / "hard.lock")
+    with A.file_lock(tmp_path / "hard.lock"):
+        assert victim.read_text() == '{"kept": true}'
+    assert victim.read_text() == '{"kept": true}'
+
+
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EFBIG])
 def test_disk_full_errors_become_one_line_user_errors(code):
     with pytest.raises(UserError, match="no space left writing /s/x") as info:
