@@ -40,11 +40,27 @@ def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return proc
 
 
-def _wait(what: str, done, timeout: float = 300) -> None:
+def _wait(what: str, done, timeout: float = 300, explain=lambda: "") -> None:
     end = time.monotonic() + timeout
     while not done():
-        assert time.monotonic() < end, f"timed out waiting for {what}"
+        if time.monotonic() > end:
+            pytest.fail(f"timed out waiting for {what}\n{explain()}")
         time.sleep(0.2)
+
+
+def _tail(path: Path, num_lines: int = 30) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-num_lines:]) if path.exists() else f"({path}: none)"
+
+
+def _start_now(env: dict[str, str], task: str) -> bool:
+    """Whether ``task`` has left the queue's pending state; while it waits for Slurm's requeue delay (~2
+    minutes, set when the killed attempt is cleaned up, maybe after an earlier update), lift it again."""
+    line = subprocess.run(["squeue", "-h", "-j", task, "-o", "%t %r"], capture_output=True, text=True, env=env).stdout
+    if not line.startswith("PD"):
+        return True
+    if "BeginTime" in line:
+        _scontrol(env, "update", f"jobid={task}", "StartTime=now")
+    return False
 
 
 @pytest.fixture(scope="module")
@@ -120,14 +136,17 @@ def runs(slurm, tiny_llama, tmp_path_factory):
     _scontrol(slurm, "requeue", f"{extract_job}_1")
     _wait("task 1 back in the queue", lambda: _queued(slurm, f"{extract_job}_1") == ["PD"])
     hold.unlink()
-    _scontrol(slurm, "update", f"jobid={extract_job}_1", "StartTime=now")  # not Slurm's ~2-minute requeue delay
+    _wait("task 1's second attempt", lambda: _start_now(slurm, f"{extract_job}_1"), explain=lambda: _scontrol(
+        slurm, "show", "job", f"{extract_job}_1") + "\n" + _tail(Path(slurm["SLURM_CONF"]).parent / "log" / "slurmctld.log"))
 
     build_draft_vocab(one, int(VOCAB_SIZE))
     alone = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
                               "-m", "peagle", "train", "--store", str(one), "--target", str(tiny_llama),
                               "--out", str(work / "run-alone"), "--draft-vocab-size", VOCAB_SIZE, *TRAIN],
                              env=slurm, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    _wait("the Slurm jobs", lambda: not _queued(slurm, extract_job) and not _queued(slurm, train_job))
+    _wait("the Slurm jobs", lambda: not _queued(slurm, extract_job) and not _queued(slurm, train_job),
+          explain=lambda: _scontrol(slurm, "show", "job") + "\n" + "\n".join(
+              f"== {log.name}\n{_tail(log)}" for log in sorted((work / "logs").glob("*.out"))))
     out, _ = alone.communicate(timeout=300)
     assert alone.returncode == 0, out
     return {"work": work, "store": store, "one": one, "extract_job": extract_job, "train_job": train_job,
