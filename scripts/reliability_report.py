@@ -31,6 +31,7 @@ AREAS = {  # summary area -> table row label, in table order
     "damaged exports": "damaged exports (config.json fields, cut short, sizes)",
     "secrets": "secrets in a `--config` file and the environment (every file and line of train, export, eval)",
     "hostile input": "a received run, planted pickles, hostile servers and config files; a held lock",
+    "files from elsewhere": "a store or run from elsewhere naming files outside it (`../`, absolute paths, links)",
 }
 COLUMNS = ("trials", "faults_injected", "faults_survived", "bad_inputs_tried", "bad_inputs_handled", "data_lost")
 HEADER = ("| What | Tests passed | Trials | Faults injected | Faults survived | Bad inputs tried | "
