@@ -189,11 +189,12 @@ def run_cpu_demo(work: Path, docker: list[str], log: Path, entry: dict) -> None:
     # OMP_WAIT_POLICY=PASSIVE: as scripts/test.sh, for cores shared with other work (spinning threads starve)
     seconds = sh(*docker, "run", "--rm", "--network", "none", "-e", "OMP_WAIT_POLICY=PASSIVE", "-v", f"{volume}:/out",
                  tag, *DEMO, log=log, timeout=4 * 3600)
-    last = [line for line in log.read_text().splitlines() if line.strip()][-1]
+    said = log.read_text().split(f"$ {' '.join(docker)} run")[-1].splitlines()  # this run's output
+    summary = [line.strip() for line in said if re.match(r"(offline|online|time) {3,}", line)]
     rc, verify = output(docker, "run", "--rm", "--network", "none", "-v", f"{volume}:/out", tag, "store", "verify",
                         "--store", "/out/demo/store")
     entry.update(ran=f"docker run --rm --network none -e OMP_WAIT_POLICY=PASSIVE -v VOLUME:/out peagle-cpu:0.1.0 {' '.join(DEMO)}",
-                 demo_rc=0, demo_s=seconds, demo_last_line=last,
+                 demo_rc=0, demo_s=seconds, demo_summary=summary,
                  left_on_volume=sorted(p.name for p in (volume / "demo").iterdir()),
                  store_verify_rc=rc, store_verify=verify.splitlines()[-1] if verify else "")
 

@@ -130,3 +130,19 @@ def test_constraints_keep_the_images_versions_and_pin_the_rest_to_the_lock():
     assert constraints(lock, {"torch": "2.9.1+cu128", "vllm": "0.32.0"}) == \
         ["pyarrow==26.0.1", "torch==2.9.1+cu128", "typing-extensions==4.15.0", "vllm==0.32.0"]
 
+
+
+def test_the_images_record_is_current_and_passed():
+    """docker/images-checked.json was written by scripts/check_images.py for today's inputs."""
+    record = json.loads((ROOT / "docker" / "images-checked.json").read_text())
+    digest = json.loads(subprocess.run([sys.executable, str(ROOT / "scripts" / "check_images.py"), "digest"],
+                                       capture_output=True, text=True, check=True).stdout)
+    changed = sorted(k for k in digest if k != "all" and record["inputs"].get(k) != digest[k])
+    assert not changed, (f"docker/images-checked.json ({record['date']}) was made before {', '.join(changed)} "
+                         "changed: run `python3 scripts/check_images.py` (root, Docker) and commit its record")
+    assert record["result"] == "passed", record.get("error")
+    cpu = record["images"]["cpu"]
+    assert cpu["demo_rc"] == 0 and cpu["user"] == "10001" and cpu["store_verify_rc"] == 0
+    assert {"store", "run", "export"} <= set(cpu["left_on_volume"])
+    for image in ("extract", "train"):
+        assert record["images"][image]["built"] and record["images"][image]["help_rc"] == 0
