@@ -440,7 +440,9 @@ def with_target_embedding(stripped_dir: str | os.PathLike, target_dir: str | os.
                           out: str | os.PathLike) -> Path:
     """The whole export again: ``stripped_dir``'s tensors plus the target's embedding, cast to the
     recorded dtype and checked against the recorded sha256 (another target, or the same weights
-    dequantized differently, is refused rather than served with rows the draft never saw).
+    dequantized differently, is refused rather than served with rows the draft never saw). Its
+    verifier becomes ``target_dir``: the target it was made whole with is the one to serve it with,
+    so a travelling export may name its target by any name (the committed drafts name the hub's).
 
     Raises:
         UserError: no record, the target has no unique embedding, or its bytes differ.
@@ -465,6 +467,10 @@ def with_target_embedding(stripped_dir: str | os.PathLike, target_dir: str | os.
         raise UserError(f"target {target_dir}'s {TARGET_EMBEDDING_KEY} ({list(embedding.shape)}, {record['dtype']}) is "
                         f"not the one {stripped} was trained with (sha256 differs): restore it from the same target")
     tensors[record["key"]] = embedding
+    spec = config_json.get("speculators_config")
+    if isinstance(spec, dict) and isinstance(spec.get("verifier"), dict):
+        config_json = {**config_json, "speculators_config": {
+            **spec, "verifier": {**spec["verifier"], "name_or_path": os.path.abspath(target_dir)}}}
     check_tensors(tensors, draft_config_from_speculators(config_json, str(stripped / CONFIG_FILE)),
                   str(stripped / WEIGHTS_FILE))
     with atomic_dir(Path(out)) as tmp:

@@ -50,10 +50,13 @@ def test_the_committed_drafts_in_this_checkout_read():
 
 
 def test_the_committed_drafts_name_no_machine_paths():
-    """A committed draft travels: its files name WORK and TARGET, never the trainer's machine."""
+    """A committed draft travels: its files name WORK and TARGET, never the trainer's machine (no absolute
+    path, host name or platform string in draft.json or the export's config.json)."""
     from peagle.cli.committed_drafts import committed_drafts_dir
 
-    for file in sorted(committed_drafts_dir().glob("*/draft.json")):
+    files = sorted(committed_drafts_dir().glob("*/*.json"))
+    assert {f.name for f in files} >= {"draft.json", "config.json"}
+    for file in files:
         text = file.read_text()
-        for machine_path in ("/work/", "/root/", "/home/", "/tmp/"):
-            assert machine_path not in text, f"{file} names {machine_path}"
+        for machine_fact in ("/work/", "/root/", "/home/", "/tmp/", '"hostname"', '"platform"'):
+            assert machine_fact not in text, f"{file} names {machine_fact}"

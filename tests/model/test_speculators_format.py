@@ -14,6 +14,7 @@ on CPU), then reading ``model.safetensors`` and ``config.json`` back.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -311,7 +312,11 @@ def test_an_export_travels_without_the_target_embedding_and_comes_back_whole(tmp
     assert (stripped / fmt.WEIGHTS_FILE).stat().st_size < (out / fmt.WEIGHTS_FILE).stat().st_size
     whole = fmt.with_target_embedding(stripped, tiny_llama, tmp_path / "whole")
     assert (whole / fmt.WEIGHTS_FILE).read_bytes() == (out / fmt.WEIGHTS_FILE).read_bytes()
-    assert (whole / fmt.CONFIG_FILE).read_bytes() == (out / fmt.CONFIG_FILE).read_bytes()
+    restored, written = (json.loads((d / fmt.CONFIG_FILE).read_text()) for d in (whole, out))
+    # the verifier is the target it was made whole with ("org/v" named it while it travelled), nothing else changed
+    assert restored["speculators_config"]["verifier"]["name_or_path"] == os.path.abspath(tiny_llama)
+    restored["speculators_config"]["verifier"]["name_or_path"] = "org/v"
+    assert restored == written
     with pytest.raises(UserError, match="sha256 differs|not the one"):  # another target's rows are refused
         fmt.with_target_embedding(stripped, tiny_qwen3, tmp_path / "wrong")
     assert not (tmp_path / "wrong").exists()
