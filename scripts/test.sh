@@ -44,8 +44,10 @@ fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE} TOKENIZERS_PARALLELISM=false
 status=0
 vllm_log=$(mktemp /tmp/peagle-vllm-tests.XXXXXX.log)
+# The Slurm tests join the vLLM phase: mostly waiting on daemons and subprocess start-ups, they fill the
+# shorter phase's slack instead of lengthening the main one (each phase ~15-18 minutes on 2 cores).
 run_vllm_phase() {  # exit 5 (nothing collected: e.g. -k matched no vLLM test) is not a failure
-  .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 -m vllm "$@" || { rc=$?; [ "$rc" = 5 ] || return $rc; }
+  .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 -m "vllm or slurm" "$@" || { rc=$?; [ "$rc" = 5 ] || return $rc; }
 }
 run_vllm_phase "$@" > "$vllm_log" 2>&1 &
 vllm_pid=$!
@@ -54,9 +56,9 @@ if [ "${PEAGLE_TEST_PHASES:-parallel}" = "serial" ]; then
   vllm_pid=
 fi
 # --durations: CI's log names the slowest tests, which is where CI time is won or lost.
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 -m "not vllm" \
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 -m "not vllm and not slurm" \
   --ignore=tests/stages/extract/test_backend_vllm.py "$@" || status=$?
 if [ -n "$vllm_pid" ]; then wait "$vllm_pid" || status=$?; fi
-echo "================ the vLLM tests (their own pytest process) ================"
+echo "================ the vLLM and Slurm tests (their own pytest process) ================"
 cat "$vllm_log"
 exit "$status"

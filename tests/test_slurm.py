@@ -174,6 +174,7 @@ def _log(runs, name: str) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.slurm
 def test_extract_array_with_a_requeued_task_leaves_the_one_process_store(runs):
     states = re.findall(r"JobState=(\S+)", runs["extract_states"])
     assert states == ["COMPLETED"] * NUM_TASKS, runs["extract_states"]
@@ -189,6 +190,7 @@ def test_extract_array_with_a_requeued_task_leaves_the_one_process_store(runs):
 
 
 @pytest.mark.slow
+@pytest.mark.slurm
 def test_train_recipe_after_the_extract_job_ends_with_the_weights_of_torchrun_alone(runs):
     assert f"Dependency=afterok:{runs['extract_job']}" in runs["train_pending"], runs["train_pending"]
     assert re.findall(r"JobState=(\S+)", runs["train_states"]) == ["COMPLETED"], runs["train_states"]
