@@ -198,6 +198,26 @@ def test_a_run_whose_checkpoints_lead_outside_is_not_pruned(train_baseline, runn
     figures.add(bad_inputs_handled=1)
 
 
+def test_a_run_whose_metrics_file_leads_outside_is_neither_read_nor_written(train_baseline, runner, tmp_path, figures):
+    """A run's ``metrics.jsonl`` that is a link to a file elsewhere: the resumed run (which cuts the file
+    back to its checkpoint's step and appends to it) and ``peagle eval`` of the run (which reads it)
+    each refuse it in one line; the file there keeps its bytes and eval writes no report."""
+    run, victim = tmp_path / "run", tmp_path / "victim.jsonl"
+    shutil.copytree(train_baseline.run, run)
+    victim.write_text('{"not": "peagle\'s", "step": 99}\n')
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").symlink_to(victim)
+    resumed = runner.run(*train_baseline.args(run, "--max-steps", "14"))
+    evaluated = runner.run("eval", run, "--target", train_baseline.target, "--store", train_baseline.store,
+                           "--out", tmp_path / "report", "--mode", "offline")
+    figures.add(bad_inputs_tried=2)
+    for res in (resumed, evaluated):
+        one_line_error(res, f"run {run}: path 'metrics.jsonl'", REFUSED)
+    assert victim.read_text() == '{"not": "peagle\'s", "step": 99}\n'
+    assert not list((tmp_path / "report").glob("**/report.json"))  # eval stopped before its report
+    figures.add(bad_inputs_handled=2)
+
+
 LOCKS = {"store": ".lock", "store_writers": "inputs/.lock", "run": ".lock"}
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from peagle.pipeline.atomic import atomic_write_json
+from peagle.pipeline.contained import inside
 
 REPORT_FILE = "report.json"
 MODES = ("offline", "online", "vllm", "server")
@@ -74,7 +75,7 @@ def read_metrics(run_dir: str | os.PathLike | None) -> list[dict[str, Any]]:
     """The records of ``RUN_DIR/metrics.jsonl`` (unparseable lines, e.g. a torn last line, skipped)."""
     if run_dir is None:
         return []
-    path = Path(run_dir) / "metrics.jsonl"
+    path = inside(run_dir, "metrics.jsonl", tree="run")  # a received run's link out of itself is refused
     if not path.is_file():
         return []
     records = []

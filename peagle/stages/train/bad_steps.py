@@ -22,6 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from peagle.pipeline.contained import inside
 from peagle.schemas.errors import UserError
 from peagle.schemas.store import shard_stem
 from peagle.stages.train.metrics_file import truncate_jsonl
@@ -55,7 +56,7 @@ class BadSteps:
         """Continue a checkpointed run: its count, and its record file cut back to the checkpoint's step."""
         self.count = count
         if self.rank == 0:
-            truncate_jsonl(self.run_dir / BAD_STEPS_FILE, step)
+            truncate_jsonl(inside(self.run_dir, BAD_STEPS_FILE, tree="run"), step)
 
     def record(self, step: int, batches: list[TrainBatch], *, cpu_group: Any = None) -> str:
         """Count bad step ``step``, append its line (the samples of every rank's ``batches``) and return
@@ -71,7 +72,7 @@ class BadSteps:
             line = {"step": step, "epoch": batches[0].epoch,
                     "samples": [{"sample_id": i, "store": store, "shard": shard} for i, store, shard in samples]}
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            with open(self.run_dir / BAD_STEPS_FILE, "a") as f:
+            with open(inside(self.run_dir, BAD_STEPS_FILE, tree="run"), "a") as f:  # never through a link out
                 f.write(json.dumps(line) + "\n")
         return (f"warning: step {step}: the loss or gradient norm is not finite; the step is not applied "
                 f"({_steps(self.count)} so far, --max-bad-steps {self.max_bad_steps}; its samples are in "

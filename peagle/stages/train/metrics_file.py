@@ -12,18 +12,19 @@ from pathlib import Path
 from typing import Any
 
 from peagle.pipeline.atomic import atomic_write_bytes
+from peagle.pipeline.contained import inside
 
 METRICS_FILE = "metrics.jsonl"
 
 
 def append_metrics(run_dir: Path, record: dict[str, Any]) -> None:
-    with open(run_dir / METRICS_FILE, "a") as f:
+    with open(inside(run_dir, METRICS_FILE, tree="run"), "a") as f:  # a link out of the run is refused
         f.write(json.dumps(record) + "\n")
 
 
 def truncate_metrics(run_dir: Path, step: int) -> None:
     """Drop metrics lines past ``step``."""
-    truncate_jsonl(run_dir / METRICS_FILE, step)
+    truncate_jsonl(inside(run_dir, METRICS_FILE, tree="run"), step)
 
 
 def truncate_jsonl(path: Path, step: int) -> None:
