@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import threading
 import time
 import zipfile
@@ -115,13 +116,22 @@ def test_a_cached_target_is_returned_without_reading_the_wheel(tmp_path):
 
 
 def _someone_waits_for(lock: Path) -> bool:
-    """Linux lists a process blocked in flock as a ``->`` line of /proc/locks ending in the file's
-    ``major:minor:inode`` and its range."""
-    inode = f":{lock.stat().st_ino} "
-    return any("->" in line and inode in line for line in Path("/proc/locks").read_text().splitlines())
+    """The waiter (a thread of this process) has opened the lock file besides the holder: file_lock opens
+    it and then polls for the lock (``LOCK_NB``, so that it can say whom it waits for), so the second
+    descriptor on the file is the waiter's, and it has not found the directory yet."""
+    target = lock.resolve()
+    fds = [fd for fd in Path("/proc/self/fd").iterdir() if _points_to(fd, target)]
+    return len(fds) >= 2
 
 
-@pytest.mark.skipif(not Path("/proc/locks").exists(), reason="needs Linux's /proc/locks to see the waiter")
+def _points_to(fd: Path, target: Path) -> bool:
+    try:
+        return Path(os.readlink(fd)) == target
+    except OSError:  # a descriptor closed while we looked
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="needs Linux's /proc/self/fd to see the waiter")
 def test_a_fetch_that_waited_for_another_builder_uses_its_directory(tmp_path):
     """Two fetches at once (both test phases, two demos) build once: the second must not replace the
     directory the first published while its user loads from it."""
