@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
-from recipe_curves import BASE  # noqa: E402
+from train_cpu_step import train_args  # noqa: E402  (the same throughput-only `peagle train` command)
 
 from peagle.pipeline.atomic import atomic_write_json  # noqa: E402
 
@@ -54,14 +54,6 @@ VARIANTS = {
                              "--muon-ns-dtype", "bfloat16"],
 }
 LABELS = ("attention", "lm head + loss", "muon newton-schulz", "optimizer", "forward", "backward", "step")
-
-
-def train_args(store: Path, target: Path, out: Path, steps: int, flags: list[str]) -> list[str]:
-    base = [w for pair in zip(BASE[::2], BASE[1::2]) if pair[0] not in ("--eval-every", "--save-every") for w in pair]
-    merged = dict(zip(base[::2], base[1::2])) | dict(zip(flags[::2], flags[1::2]))
-    return ["train", "--store", str(store), "--target", str(target), "--out", str(out), "--max-steps", str(steps),
-            "--heldout-fraction", "0", "--eval-every", "0", "--save-every", "0", "--log-every", "5",
-            "--no-train-embeddings", *[w for pair in merged.items() for w in pair]]
 
 
 def metrics(run: Path) -> list[dict]:
