@@ -1,8 +1,9 @@
 """Secrets stay in the process (docs/reliability.md, "What peagle trusts"; issue 58).
 
 A team's ``--config`` file names an MLflow store with a password in its URI, the environment holds
-a token and another tracking URI with a password: the real CLI trains, exports and evaluates with
-them (a real MLflow file store at each URI, ``file://USER:PASS@localhost/PATH``, and TensorBoard),
+a token, and eval is given another tracking URI with a password on its command line: the real CLI
+trains, exports and evaluates with them (a real MLflow file store at each URI,
+``file://USER:PASS@localhost/PATH``, TensorBoard, and W&B offline, which records a process's argv),
 and no byte of any file those commands write, nor their stdout or stderr, holds a secret; what the
 trackers show is the redacted URI, and the stores were used. A tracking server's URI with
 ``user:pass@`` reaches a server on 127.0.0.1 (started here) as a Basic ``Authorization`` header, on
@@ -25,6 +26,7 @@ from faultkit import TRAIN_FLAGS, ok, one_line_error
 
 pytest.importorskip("tensorboard", reason="the tracker extras are not installed (scripts/install_loggers.sh)")
 pytest.importorskip("mlflow", reason="the tracker extras are not installed (scripts/install_loggers.sh)")
+pytest.importorskip("wandb", reason="the tracker extras are not installed (scripts/install_loggers.sh)")
 
 AREA = "secrets"
 STEPS = 2
@@ -50,8 +52,8 @@ def files_holding(root: Path, secrets: list[str]) -> list[str]:
 
 
 def test_a_planted_secret_is_in_no_file_and_no_line(train_baseline, runner, tmp_path, figures, monkeypatch):
-    """A password in a --config file's tracking URI, a token and a tracking URI with a password in the
-    environment: train, export and eval (and a failing train) write none of them anywhere, nor print
+    """A password in a --config file's tracking URI, a token in the environment and a tracking URI with a
+    password on eval's command line (also logged to W&B offline): train, export and eval (and a failing train) write none of them anywhere, nor print
     them; the trackers hold the redacted URI and the MLflow stores at those URIs hold the runs."""
     from mlflow import MlflowClient
 
@@ -65,9 +67,11 @@ def test_a_planted_secret_is_in_no_file_and_no_line(train_baseline, runner, tmp_
     results = [ok(runner.run("train", "--store", train_baseline.store, "--target", train_baseline.target, "--out", run,
                              *train_flags(), "--config", team, env=env))]
     results.append(ok(runner.run("export", run, "--out", export, env=env)))
-    eval_env = {**env, "MLFLOW_TRACKING_URI": f"file://bob:{env_password}@localhost{work / 'env-mlruns'}"}
+    # eval: the URI with a password on the command line (W&B records a process's argv unless told not to)
+    argv_uri = f"file://bob:{env_password}@localhost{work / 'env-mlruns'}"
     results.append(ok(runner.run("eval", run, "--target", train_baseline.target, "--mode", "offline", "--max-samples",
-                                 "4", "--quiet", "--out", report, "--logger", "tensorboard,mlflow", env=eval_env)))
+                                 "4", "--quiet", "--out", report, "--logger", "tensorboard,mlflow,wandb",
+                                 "--wandb-mode", "offline", "--mlflow-tracking-uri", argv_uri, env=env)))
     refused = tmp_path / "refused.yaml"
     refused.write_text(f"logger: mlflow\nmlflow_tracking_uri: http://alice:{password}@127.0.0.1:9/\n")
     failed = runner.run("train", "--store", train_baseline.store, "--target", train_baseline.target, "--out",
@@ -95,6 +99,7 @@ def test_a_planted_secret_is_in_no_file_and_no_line(train_baseline, runner, tmp_
     runs = measured.search_runs([measured.get_experiment_by_name("peagle").experiment_id])
     assert len(runs) == 1 and "acceptance_length/measured_offline_chains" in runs[0].data.metrics
     assert (run / "logs" / "tensorboard").is_dir() and (report / "logs" / "tensorboard").is_dir()
+    assert list((report / "logs" / "wandb").glob("offline-run-*/run-*.wandb"))  # W&B's run file was written
     exported = json.loads((export / "config.json").read_text())["peagle"]
     assert "hostname" not in exported["host"] and "platform" not in exported["host"]
     recorded = [exported["checkpoint"], *exported["run_config"].values(), *exported["run_config"]["store"]]

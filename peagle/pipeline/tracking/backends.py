@@ -77,10 +77,13 @@ class WandbBackend:
         run_id = saved.get("run_id") or uuid.uuid4().hex[:8]  # W&B ids: 8 of [a-z0-9], as its own
         plan.log_dir.mkdir(parents=True, exist_ok=True)
         # console off: W&B's capture of stdout/stderr would wrap peagle's progress lines; the run file is
-        # written every 5 s (W&B's default 15): a killed run keeps more of its points
+        # written every 5 s (W&B's default 15): a killed run keeps more of its points. No metadata: W&B's
+        # records the process's command line as it is, and a tracking URI's password given as a flag would
+        # reach the run file and the W&B server (the redacted config is what the run shows instead)
         self.run = wandb.init(project=plan.project, entity=plan.wandb_entity, name=plan.run_name, id=run_id,
                               resume="allow", dir=str(plan.log_dir), mode=plan.wandb_mode,
-                              settings=wandb.Settings(console="off", silent=True, x_transaction_log_flush_interval=5.0))
+                              settings=wandb.Settings(console="off", silent=True, x_transaction_log_flush_interval=5.0,
+                                                      x_disable_meta=True))
         if config:  # also on a resume (W&B keeps a run's config server-side; an offline run file keeps its own)
             self.run.config.update({**config, **extras}, allow_val_change=True)
         self.state = {"run_id": run_id, "project": plan.project, "entity": plan.wandb_entity, "mode": plan.wandb_mode}
