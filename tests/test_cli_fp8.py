@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from peagle.pipeline.shard_parquet import read_shard_rows
 from peagle.pipeline.store import open_store
 from peagle.testing import store_faults as F
 from peagle.testing.chat_data import write_chat_jsonl
@@ -48,7 +49,7 @@ def test_fp8_store_from_the_hf_backend_trains_exports_and_evaluates(tiny_llama, 
 
     # A buggy extractor's zeroed sample (its commit statistics say so): train refuses, naming shard and flag.
     store = tmp_path / "store"
-    F.zero_sample_rows(store, 1, open_store(store).read_rows(1, ["sample_id"]).column("sample_id")[0].as_py())
+    F.zero_sample_rows(store, 1, read_shard_rows(open_store(store), 1, ["sample_id"]).column("sample_id")[0].as_py())
     args = ("train", "--store", store, "--target", tiny_llama, "--out", tmp_path / "run2", "--max-steps", "1",
             "--num-layers", "1", "--num-depths", "3", "--token-budget", "512", "--draft-vocab-size", "256")
     refused = run_peagle(*args)

@@ -13,7 +13,7 @@ convert``, the shard statistics, the planted faults of :mod:`peagle.testing.stor
 reads the same samples shifted (:mod:`peagle.pipeline.store_reader`, whose columns and samples are
 built from these: the shift is written there once). Opening a store (settings, commit records, size
 and sha256 checks) and the content check of each file on its first read are :mod:`peagle.pipeline.store`;
-the tensor file is :mod:`peagle.pipeline.shard_tensors`.
+the Parquet file is :mod:`peagle.pipeline.shard_parquet`, the tensor file :mod:`peagle.pipeline.shard_tensors`.
 
 Shape letters: n a sample's tokens, A aux layers, H hidden size, k stored top-k.
 """
@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from peagle.pipeline.aux_rows import StoredAux
+from peagle.pipeline.shard_parquet import read_shard_rows
 from peagle.pipeline.shard_tensors import open_shard_tensors, stored_aux
 from peagle.pipeline.store import Store
 from peagle.schemas import store as S
@@ -76,7 +77,7 @@ def read_raw_columns(store: Store, index: int) -> RawColumns:
     Raises:
         UserError: when a row's ``input_ids`` and ``loss_mask`` differ in length.
     """
-    table = store.read_rows(index, _READ_COLUMNS)
+    table = read_shard_rows(store, index, _READ_COLUMNS)
     ids, offsets = _flat_list(table.column("input_ids").combine_chunks())
     mask, mask_offsets = _flat_list(table.column("loss_mask").combine_chunks())
     if not np.array_equal(offsets, mask_offsets):

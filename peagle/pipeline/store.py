@@ -9,8 +9,8 @@ of an opened store is :mod:`peagle.pipeline.raw_reader` (as stored) and
 **Content is checked on read** (:mod:`peagle.pipeline.content_check`). Each shard file's crc32s (per
 ``CRC32_BLOCK_BYTES`` block) are recorded at commit, in the same pass as its sha256, and compared with
 the bytes the first time a reader of the opened store reads them (``Store.check_content``):
-``Store.read_rows`` checks the whole Parquet file, ``shard_tensors.open_shard_tensors`` the whole
-tensor file, the training reader (``store_reader.ShardReader``) the blocks of each sample's rows as
+``shard_parquet.read_shard_rows`` checks the whole Parquet file, ``shard_tensors.open_shard_tensors``
+the whole tensor file, the training reader (``store_reader.ShardReader``) the blocks of each sample's rows as
 it hands the sample out. A byte changed after the commit stops the reader in one line before
 anything uses it. Records from before the checksums hold none: those shards are checked by size
 only, and ``open_store`` says so once.
@@ -28,7 +28,6 @@ import fcntl
 import hashlib
 import json
 import logging
-import mmap
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -422,25 +421,6 @@ class Store:
             if r.index == index:
                 return r
         raise KeyError(index)
-
-    def read_rows(self, index: int, columns: list[str] | None = None):
-        """The shard's Parquet table (pyarrow), optionally only some columns; the file's content is
-        checked first (``check_content``, on the same mapping the table is read from)."""
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        rel = self.shard(index).parquet
-        path = shard_file(self.root, self.shard(index), "parquet")
-        try:
-            with open(path, "rb") as f:
-                data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except (OSError, ValueError) as err:  # ValueError: an empty file cannot be mapped
-            raise damaged(path, err) from err
-        self.check_content(index, rel, data)
-        try:
-            return pq.read_table(pa.BufferReader(pa.py_buffer(data)), columns=columns)
-        except (OSError, pa.ArrowException) as err:
-            raise damaged(path, err) from err
 
 
 def damaged(path: Path, err: Exception) -> UserError:

@@ -41,6 +41,7 @@ from torch import Tensor
 from peagle.pipeline.aux_rows import AuxSource, ByteRange, StoredAux
 from peagle.pipeline.raw_reader import RawColumns, RawSample, raw_sample, read_raw_columns
 from peagle.pipeline.safetensors_file import MappedFile, TensorEntry
+from peagle.pipeline.shard_parquet import read_shard_rows
 from peagle.pipeline.shard_tensors import check_rows, map_shard_tensors, stored_aux
 from peagle.pipeline.split import is_heldout
 from peagle.pipeline.store import Store, shard_file
@@ -113,7 +114,7 @@ def training_rows(token_offset: int, num_positions: int) -> tuple[slice, slice]:
 def read_num_positions(store: Store, index: int) -> tuple[list[str], np.ndarray]:
     """(sample ids, training positions n − 1 per sample) of shard ``index``: two small Parquet columns,
     all an epoch plan needs."""
-    table = store.read_rows(index, ["sample_id", "num_tokens"])
+    table = read_shard_rows(store, index, ["sample_id", "num_tokens"])
     return table.column("sample_id").to_pylist(), table.column("num_tokens").to_numpy().astype(np.int64) - 1
 
 

@@ -2,9 +2,9 @@
 
 Files are byte-identical for identical input (docs/reliability.md: a killed and resumed run, or n workers
 instead of one, give the same store): the Parquet file is written with fixed settings and no
-varying metadata, and the safetensors file is serialised directly (``shard_tensors.write_tensors``:
-header, then each tensor's rows sample by sample), which also avoids concatenating a shard's tensors
-into one more copy.
+varying metadata (``shard_parquet.write_parquet``), and the safetensors file is serialised directly
+(``shard_tensors.write_tensors``: header, then each tensor's rows sample by sample), which also avoids
+concatenating a shard's tensors into one more copy.
 An fp8 store's rows are quantised as they are encoded (``peagle.pipeline.shard_tensors.encode_sample``),
 and the shard's content statistics (``peagle.pipeline.shard_stats``) are computed from exactly the
 encoded rows and committed with it.
@@ -19,34 +19,22 @@ Shape legend: T tokens of the shard, A aux layers, H hidden size, K top-k.
 
 from __future__ import annotations
 
-import itertools
 import queue
 import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 from peagle.model.target_backend import TargetOutput
 from peagle.pipeline.contained import inside
 from peagle.pipeline.raw_reader import raw_sample
+from peagle.pipeline.shard_parquet import parquet_table, write_parquet
 from peagle.pipeline.shard_stats import sample_rows, shard_stats
 from peagle.pipeline.shard_tensors import encode_sample, write_tensors
 from peagle.pipeline.store import commit_shard, write_shard_file
 from peagle.schemas import store as S
 from peagle.stages.extract.template import TokenizedSample
-
-PARQUET_SCHEMA = pa.schema([
-    ("sample_id", pa.string()),
-    ("source", pa.string()),
-    ("input_ids", pa.list_(pa.int32())),
-    ("loss_mask", pa.list_(pa.uint8())),
-    ("num_tokens", pa.int64()),
-    ("token_offset", pa.int64()),
-])
-assert tuple(PARQUET_SCHEMA.names) == S.PARQUET_COLUMNS
 
 @dataclass(kw_only=True)
 class ShardContent:
@@ -71,26 +59,6 @@ def sum_token_counts(samples: list[TokenizedSample]) -> dict[str, int]:
         for key, n in sample.token_counts.items():
             total[key] = total.get(key, 0) + n
     return dict(sorted(total.items()))
-
-
-def parquet_table(samples: list[TokenizedSample]) -> pa.Table:
-    """One row per sample (docs/store.md); ``token_offset`` is the sample's first row in the tensors."""
-    lengths = [len(s.input_ids) for s in samples]
-    offsets = list(itertools.accumulate(lengths, initial=0))[:-1]
-    return pa.table({
-        "sample_id": [s.sample_id for s in samples],
-        "source": [s.source for s in samples],
-        "input_ids": [s.input_ids for s in samples],
-        "loss_mask": [s.loss_mask for s in samples],
-        "num_tokens": lengths,
-        "token_offset": offsets,
-    }, schema=PARQUET_SCHEMA)
-
-
-def write_parquet(table: pa.Table, path: str | Path) -> None:
-    """Fixed settings only: same rows, same pyarrow version -> same bytes."""
-    pq.write_table(table, path, compression="zstd", compression_level=3, use_dictionary=False,
-                   write_statistics=False, row_group_size=max(1, table.num_rows), data_page_version="2.0")
 
 
 def encoded_shard(content: ShardContent, settings: S.StoreSettings

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pyarrow.compute as pc
 
+from peagle.pipeline.shard_parquet import read_shard_rows
 from peagle.pipeline.store import Store
 from peagle.schemas.errors import UserError
 
@@ -39,7 +40,7 @@ def resolve_mask_token_id(stores: list[Store], asked: int | None) -> int:
         raise UserError(f"--mask-token-id {asked} is outside the target vocab (ids 0..{settings.target.vocab_size - 1})")
     for store in stores:
         for record in store.shards:
-            ids = store.read_rows(record.index, ["input_ids"]).column("input_ids")
+            ids = read_shard_rows(store, record.index, ["input_ids"]).column("input_ids")
             if pc.any(pc.equal(pc.list_flatten(ids), asked)).as_py():
                 raise UserError(f"--mask-token-id {asked} occurs in the data (store {store.root}, shard "
                                 f"{record.index}); choose an id the data never uses")

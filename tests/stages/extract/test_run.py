@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from peagle.pipeline.shard_parquet import read_shard_rows
 from peagle.pipeline.store import open_store
 from peagle.pipeline.shard_tensors import open_shard_tensors
 from peagle.model.target import open_target
@@ -86,7 +87,7 @@ def test_store_follows_design_and_index_conventions(data, tiny_qwen3, tmp_path):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen3, dtype=torch.float32).eval()
-    rows = store.read_rows(1).to_pylist()
+    rows = read_shard_rows(store, 1).to_pylist()
     tensors = open_shard_tensors(store, 1)
     assert tensors[S.AUX_HIDDEN].shape == (sum(r["num_tokens"] for r in rows), 3, 128)
     for row in rows:

@@ -1,5 +1,5 @@
-"""The shard writer: exact docs/store.md columns and tensors, byte-identical output for identical input,
-non-finite samples dropped and counted, and a writer thread that reports its errors."""
+"""The shard writer: byte-identical output for identical input, non-finite samples dropped and counted,
+and a writer thread that reports its errors (the Parquet file's columns: tests/pipeline/test_shard_parquet.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -25,9 +23,7 @@ from peagle.stages.extract.writer import (
     ShardContent,
     ShardWriter,
     encoded_shard,
-    parquet_table,
     write_and_commit,
-    write_parquet,
 )
 
 A, H, K = 3, 16, 4
@@ -54,25 +50,6 @@ def _content(index: int = 0, lengths=(5, 3, 7)) -> ShardContent:
                         samples=[_sample(i, n) for i, n in enumerate(lengths)],
                         outputs=[_output(i, n) for i, n in enumerate(lengths)], skipped={"malformed_json": 1},
                         num_truncated=1, backend="hf")
-
-
-def test_parquet_rows_follow_design_exactly(tmp_path):
-    content = _content()
-    write_parquet(parquet_table(content.samples), tmp_path / "x.parquet")
-    table = pq.read_table(tmp_path / "x.parquet")
-    assert tuple(table.column_names) == S.PARQUET_COLUMNS
-    assert table.schema.field("input_ids").type == pa.list_(pa.int32())
-    assert table.schema.field("loss_mask").type == pa.list_(pa.uint8())
-    rows = table.to_pylist()
-    assert [r["num_tokens"] for r in rows] == [5, 3, 7]
-    assert [r["token_offset"] for r in rows] == [0, 5, 8]
-    assert rows[1]["input_ids"] == [1, 2, 3] and rows[1]["loss_mask"] == [0, 1, 1]
-    assert rows[2]["sample_id"] == "id2" and rows[2]["source"] == "a.jsonl:2"
-
-
-def test_an_empty_shard(tmp_path):
-    write_parquet(parquet_table([]), tmp_path / "e.parquet")
-    assert pq.read_table(tmp_path / "e.parquet").num_rows == 0
 
 
 def test_identical_input_gives_identical_bytes(tmp_path):

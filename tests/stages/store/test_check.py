@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from peagle.pipeline.shard_parquet import read_shard_rows
 from peagle.pipeline.store import init_store, open_store
 from peagle.schemas import store as S
 from peagle.schemas.check_config import CheckConfig
@@ -60,7 +61,7 @@ def copy(src: Path, dst: Path) -> Path:
 
 
 def sample_ids(store: Path, shard: int) -> list[str]:
-    return open_store(store).read_rows(shard, ["sample_id"]).column("sample_id").to_pylist()
+    return read_shard_rows(open_store(store), shard, ["sample_id"]).column("sample_id").to_pylist()
 
 
 def check(store: Path, **kw):
@@ -96,7 +97,7 @@ def test_one_sample_zeroed_with_checksums_remade_is_caught_and_refused_by_train(
     report = check(store)
     assert set(failed(report)) == {"zero_rows"}
     finding = next(f for f in report.findings if f.key == "zero_rows")
-    num_tokens = next(r for r in open_store(store).read_rows(1).to_pylist() if r["sample_id"] == victim)["num_tokens"]
+    num_tokens = next(r for r in read_shard_rows(open_store(store), 1).to_pylist() if r["sample_id"] == victim)["num_tokens"]
     assert finding.count == num_tokens * 3 and [w.sample_id for w in finding.worst] == [victim]
     assert "all zero" in failed(report)["zero_rows"]
 
