@@ -1,9 +1,10 @@
 """Reading and writing the shard store (docs/store.md): settings, shard commits, manifest, checks.
 
-Writers: ``init_store`` (creates or checks ``store.json``), ``commit_shard`` (two files, then the
-commit record, then the manifest), all crash-safe. Readers: ``open_store`` sees exactly the shards
-that have a commit record and checks sizes (fast) or sha256 (``verify=True``); reading the samples
-of an opened store is :mod:`peagle.pipeline.raw_reader` (as stored) and
+Writers: ``init_store`` (creates or checks ``store.json``), ``write_shard_file`` and ``commit_shard``
+(a shard file; the commit record, then the manifest: the steps of the commit protocol, which
+:mod:`peagle.pipeline.shard_commit` takes in order), all crash-safe. Readers: ``open_store`` sees
+exactly the shards that have a commit record and checks sizes (fast) or sha256 (``verify=True``);
+reading the samples of an opened store is :mod:`peagle.pipeline.raw_reader` (as stored) and
 :mod:`peagle.pipeline.store_reader` (in training coordinates).
 
 **Content is checked on read** (:mod:`peagle.pipeline.content_check`). Each shard file's crc32s (per

@@ -1,9 +1,10 @@
 """Faults planted in a real store the way inference-engine bugs put them there, for ``peagle store check``.
 
 Each fault is written the way a buggy extractor would have written it: the shard's rows are edited,
-re-encoded through the real encoder (``shard_tensors.encode_sample``, ``write_tensors``), and committed with fresh
-sizes, sha256, crc32 and content statistics, so ``peagle store verify`` sees an intact store. (With
-``keep_stats`` the old statistics stay in the record: rows changed after their commit.)
+re-encoded through the real encoder (``shard_tensors.encode_sample``, ``write_tensors``), and committed
+through the real protocol (``shard_commit.write_and_commit_shard``) with fresh sizes, sha256, crc32 and
+content statistics, so ``peagle store verify`` sees an intact store. (With ``keep_stats`` the old
+statistics stay in the record: rows changed after their commit.)
 
 * :func:`zero_sample_rows` -- one sample's aux rows all zero (a request whose states were never written);
 * :func:`shift_shard_rows` -- every row of a shard one position early (row t holds row t+1: a dropped
@@ -29,11 +30,12 @@ from typing import Callable
 import torch
 
 from peagle.pipeline.atomic import canonical_json
+from peagle.pipeline.content_check import file_digests
 from peagle.pipeline.raw_reader import RawColumns, RawShard, open_raw_shard, raw_sample
+from peagle.pipeline.shard_commit import write_and_commit_shard
 from peagle.pipeline.shard_stats import sample_rows, shard_stats
 from peagle.pipeline.shard_tensors import encode_sample, stored_aux, write_tensors
-from peagle.pipeline.content_check import file_digests
-from peagle.pipeline.store import commit_shard, open_store, rebuild_manifest, write_shard_file
+from peagle.pipeline.store import commit_shard, open_store, rebuild_manifest
 from peagle.schemas import store as S
 
 Edit = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, RawColumns], None]
@@ -55,12 +57,9 @@ def rewrite_shard(root: str | Path, index: int, edit: Edit, *, keep_stats: bool 
         parts = encode_sample(sample.aux_nAH, sample.topk_ids_nk, sample.topk_logprobs_nk, store.settings)
         encoded.append(parts)
         facts.append(sample_rows(raw_sample(sample.sample_id, sample.input_ids_n, sample.loss_mask_n, parts)))
-    written = write_shard_file(store.root, record.safetensors, lambda tmp: write_tensors(tmp, encoded, store.settings))
-    new = replace(record, safetensors_bytes=written.size, safetensors_sha256=written.sha256,
-                  safetensors_crc32=written.crc32,
-                  stats=record.stats if keep_stats else shard_stats(facts, store.settings))
-    commit_shard(store.root, new)
-    return new
+    stats = record.stats if keep_stats else shard_stats(facts, store.settings)
+    return write_and_commit_shard(store.root, replace(record, stats=stats), write_rows=None,  # the rows stay
+                                  write_tensors=lambda tmp: write_tensors(tmp, encoded, store.settings))
 
 
 def _rows_of(columns: RawColumns, sample_id: str) -> slice:

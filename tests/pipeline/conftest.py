@@ -1,6 +1,6 @@
-"""A store written by hand for the reader tests: through the commit protocol and the safetensors header
-writer, but not through extract's writer or the readers under test, so that what they read back can
-be compared with what was written."""
+"""A store written by hand for the reader tests: through the commit protocol (``shard_commit``) and the
+safetensors header writer, but not through extract's writer, the Parquet file's (``shard_parquet``) or the
+readers under test, so that what they read back can be compared with what was written."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import torch
 from peagle.pipeline import fp8
 from peagle.pipeline.safetensors_file import encode_header
 from peagle.pipeline.shard_tensors import tensor_layout
-from peagle.pipeline.store import commit_shard, init_store, write_shard_file
+from peagle.pipeline.shard_commit import write_and_commit_shard
+from peagle.pipeline.store import init_store
 from peagle.schemas import store as S
 
 TARGET = S.TargetIdentity(path="/models/t", architecture="LlamaForCausalLM", num_hidden_layers=8,
@@ -87,13 +88,12 @@ def write_raw_store(root: Path, lengths_of_shards: list[list[int]], seed: int = 
                              S.TOPK_LOGPROBS: r.topk_logprobs_nk}[name]
                         f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
 
-        pq = write_shard_file(root, S.parquet_name(index), lambda tmp, rows=rows: write_parquet_rows(tmp, rows))
-        st = write_shard_file(root, S.tensors_name(index), write_tensors)
-        commit_shard(root, S.ShardRecord(
+        record = S.ShardRecord(
             index=index, parquet=S.parquet_name(index), safetensors=S.tensors_name(index), num_samples=len(rows),
-            num_tokens=sum(lengths), parquet_bytes=pq.size, safetensors_bytes=st.size, parquet_sha256=pq.sha256,
-            safetensors_sha256=st.sha256, parquet_crc32=pq.crc32, safetensors_crc32=st.crc32, input_file="a.jsonl", first_record=0, end_record=len(rows),
-            num_records=len(rows)))
+            num_tokens=sum(lengths), parquet_bytes=0, safetensors_bytes=0, parquet_sha256="", safetensors_sha256="",
+            input_file="a.jsonl", first_record=0, end_record=len(rows), num_records=len(rows))
+        write_and_commit_shard(root, record, write_rows=lambda tmp, rows=rows: write_parquet_rows(tmp, rows),
+                               write_tensors=write_tensors)
     return WrittenStore(root, samples, order)
 
 

@@ -9,8 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from peagle.pipeline.shard_commit import write_and_commit_shard
 from peagle.pipeline.shard_parquet import parquet_table, read_shard_rows, write_parquet
-from peagle.pipeline.store import commit_shard, init_store, open_store, write_shard_file
+from peagle.pipeline.store import init_store, open_store
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 from peagle.testing.store_faults import flip_byte, recommit
@@ -62,13 +63,11 @@ def test_the_same_rows_give_the_same_bytes(tmp_path):
 def _committed(root):
     """A store of one shard whose tensor file is a stand-in (only its Parquet file is read here)."""
     init_store(root, SETTINGS)
-    rows = write_shard_file(root, S.parquet_name(0), lambda tmp: write_parquet(parquet_table(ROWS), tmp))
-    tensors = write_shard_file(root, S.tensors_name(0), lambda tmp: tmp.write_bytes(b"tensors"))
-    commit_shard(root, S.ShardRecord(
-        index=0, parquet=S.parquet_name(0), safetensors=S.tensors_name(0), num_samples=len(ROWS), num_tokens=15,
-        parquet_bytes=rows.size, safetensors_bytes=tensors.size, parquet_sha256=rows.sha256,
-        safetensors_sha256=tensors.sha256, parquet_crc32=rows.crc32, safetensors_crc32=tensors.crc32,
-        input_file="a.jsonl", first_record=0, end_record=3, num_records=3))
+    record = S.ShardRecord(index=0, parquet=S.parquet_name(0), safetensors=S.tensors_name(0), num_samples=len(ROWS),
+                           num_tokens=15, parquet_bytes=0, safetensors_bytes=0, parquet_sha256="",
+                           safetensors_sha256="", input_file="a.jsonl", first_record=0, end_record=3, num_records=3)
+    write_and_commit_shard(root, record, write_rows=lambda tmp: write_parquet(parquet_table(ROWS), tmp),
+                           write_tensors=lambda tmp: tmp.write_bytes(b"tensors"))
     return root
 
 

@@ -4,7 +4,8 @@ Files are byte-identical for identical input (docs/reliability.md: a killed and 
 instead of one, give the same store): the Parquet file is written with fixed settings and no
 varying metadata (``shard_parquet.write_parquet``), and the safetensors file is serialised directly
 (``shard_tensors.write_tensors``: header, then each tensor's rows sample by sample), which also avoids
-concatenating a shard's tensors into one more copy.
+concatenating a shard's tensors into one more copy. Both go to disk and are committed by the one
+commit protocol (``peagle.pipeline.shard_commit.write_and_commit_shard``).
 An fp8 store's rows are quantised as they are encoded (``peagle.pipeline.shard_tensors.encode_sample``),
 and the shard's content statistics (``peagle.pipeline.shard_stats``) are computed from exactly the
 encoded rows and committed with it.
@@ -27,12 +28,11 @@ from pathlib import Path
 import torch
 
 from peagle.model.target_backend import TargetOutput
-from peagle.pipeline.contained import inside
 from peagle.pipeline.raw_reader import raw_sample
+from peagle.pipeline.shard_commit import write_and_commit_shard
 from peagle.pipeline.shard_parquet import parquet_table, write_parquet
 from peagle.pipeline.shard_stats import sample_rows, shard_stats
 from peagle.pipeline.shard_tensors import encode_sample, write_tensors
-from peagle.pipeline.store import commit_shard, write_shard_file
 from peagle.schemas import store as S
 from peagle.stages.extract.template import TokenizedSample
 
@@ -90,22 +90,14 @@ def encoded_shard(content: ShardContent, settings: S.StoreSettings
 
 
 def write_and_commit(root: Path, content: ShardContent, settings: S.StoreSettings) -> S.ShardRecord:
-    """Write both files (atomically each), then the commit record: the shard exists from then on."""
+    """The shard's commit record from ``content``, its two files written and the record committed
+    (``shard_commit.write_and_commit_shard``): the shard exists from then on."""
     content, encoded, stats = encoded_shard(content, settings)
     table = parquet_table(content.samples)
-    rows = write_shard_file(root, S.parquet_name(content.index), lambda tmp: write_parquet(table, tmp))
-    try:
-        tensors = write_shard_file(root, S.tensors_name(content.index),
-                                   lambda tmp: write_tensors(tmp, encoded, settings))
-    except BaseException:  # also an interrupt: readers would ignore the file (no commit record), but a
-        # half shard should not even be on disk.
-        inside(root, S.parquet_name(content.index)).unlink(missing_ok=True)
-        raise
     record = S.ShardRecord(
         index=content.index, parquet=S.parquet_name(content.index), safetensors=S.tensors_name(content.index),
         num_samples=len(content.samples), num_tokens=sum(len(s.input_ids) for s in content.samples),
-        parquet_bytes=rows.size, safetensors_bytes=tensors.size, parquet_sha256=rows.sha256,
-        safetensors_sha256=tensors.sha256, parquet_crc32=rows.crc32, safetensors_crc32=tensors.crc32,
+        parquet_bytes=0, safetensors_bytes=0, parquet_sha256="", safetensors_sha256="",  # measured as written
         input_file=content.input_name, first_record=content.first_record,
         end_record=content.end_record, num_records=content.end_record - content.first_record,
         skipped={k: v for k, v in content.skipped.items() if v}, num_truncated=content.num_truncated,
@@ -113,8 +105,8 @@ def write_and_commit(root: Path, content: ShardContent, settings: S.StoreSetting
         num_supervised_turns=sum(s.num_turns for s in content.samples),
         num_rendered_per_turn=content.num_rendered_per_turn,
     )
-    commit_shard(root, record)
-    return record
+    return write_and_commit_shard(root, record, write_rows=lambda tmp: write_parquet(table, tmp),
+                                  write_tensors=lambda tmp: write_tensors(tmp, encoded, settings))
 
 
 class ShardWriter:

@@ -1,5 +1,5 @@
 """`peagle store convert --store STORE --hidden-dtype fp8 --out NEW`: rewrite a store's aux states in another
-encoding, shard by shard, resumably, under the extract commit protocol.
+encoding, shard by shard, resumably, under extract's commit protocol (``shard_commit.write_and_commit_shard``).
 
 Each committed shard of STORE becomes the same shard of NEW: its Parquet file is copied byte for
 byte, its samples (read through the raw reader) are re-encoded by the encoder extract writes with
@@ -27,11 +27,11 @@ from typing import Callable
 from peagle.pipeline.contained import inside
 from peagle.pipeline.plan import read_registrations
 from peagle.pipeline.raw_reader import open_raw_shard, raw_sample
+from peagle.pipeline.shard_commit import write_and_commit_shard
 from peagle.pipeline.shard_stats import sample_rows, shard_stats
 from peagle.pipeline.shard_tensors import encode_sample, write_tensors
-from peagle.pipeline.store import (Store, check_shards, commit_shard, init_store, list_commits, open_store,
-                                   rebuild_manifest, remove_stale_store_temps, shard_file, write_bytes_atomic,
-                                   write_shard_file)
+from peagle.pipeline.store import (Store, check_shards, init_store, list_commits, open_store, rebuild_manifest,
+                                   remove_stale_store_temps, shard_file, write_bytes_atomic)
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 
@@ -57,19 +57,10 @@ def convert_shard(source: Store, record: S.ShardRecord, out: Path, settings: S.S
         encoded.append(parts)
         rows.append(sample_rows(raw_sample(sample.sample_id, sample.input_ids_n, sample.loss_mask_n, parts)))
     source_rows = shard_file(source.root, record, "parquet")
-    rows_file = write_shard_file(out, record.parquet, lambda tmp: shutil.copyfile(source_rows, tmp))
-    try:
-        tensors_file = write_shard_file(out, record.safetensors, lambda tmp: write_tensors(tmp, encoded, settings))
-    except Exception:
-        inside(out, record.parquet).unlink(missing_ok=True)
-        raise
-    # The checksums are the new files' (also for a source committed before checksums existed).
-    new = replace(record, parquet_bytes=rows_file.size, parquet_sha256=rows_file.sha256,
-                  parquet_crc32=rows_file.crc32, safetensors_bytes=tensors_file.size,
-                  safetensors_sha256=tensors_file.sha256, safetensors_crc32=tensors_file.crc32,
-                  stats=shard_stats(rows, settings))
-    commit_shard(out, new)
-    return new
+    # The sizes and checksums committed are the new files' (also for a source committed before checksums).
+    return write_and_commit_shard(out, replace(record, stats=shard_stats(rows, settings)),
+                                  write_rows=lambda tmp: shutil.copyfile(source_rows, tmp),
+                                  write_tensors=lambda tmp: write_tensors(tmp, encoded, settings))
 
 
 def convert_store(source_root: str | Path, out_root: str | Path, hidden_dtype: str, *,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from peagle.pipeline.store import open_store
+from peagle.pipeline.store import list_commits, open_store
 from peagle.pipeline.store_reader import iter_training_samples
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
@@ -83,6 +83,30 @@ def test_a_killed_conversion_rerun_ends_identical(extracted, tmp_path, run_peagl
     assert not [p for p in (tmp_path / "c").rglob("*") if ".tmp-" in p.name]
     done = run_peagle(*args)
     assert done.returncode == 0 and "4 converted already, 0 to do" in done.stdout
+
+
+def test_an_interrupted_conversion_leaves_no_half_shard(extracted, tmp_path, monkeypatch):
+    """Ctrl-C while shard 1's tensor file is written, its Parquet copy already in place: neither file
+    stays (convert cleaned up on Exception only), shard 0 stays whole, and the re-run ends identical."""
+    import peagle.stages.store.convert as convert_module
+
+    write_tensors, calls = convert_module.write_tensors, []
+
+    def interrupted(path, encoded, settings):
+        calls.append(path)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        write_tensors(path, encoded, settings)
+
+    out = tmp_path / "c"
+    with monkeypatch.context() as m:
+        m.setattr(convert_module, "write_tensors", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            convert_store(extracted["bf16"], out, "fp8", echo=lambda _: None, progress=False)
+    assert [r.index for r in list_commits(out)] == [0]
+    assert sorted(p.name for p in (out / S.SHARDS_DIR).iterdir()) == ["00000.parquet", "00000.safetensors"]
+    convert_store(extracted["bf16"], out, "fp8", echo=lambda _: None, progress=False)
+    assert files_of(out) == files_of(extracted["fp8"])
 
 
 def test_wrong_requests_are_one_line(extracted, tmp_path):
