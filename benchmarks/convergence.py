@@ -174,9 +174,10 @@ def commit_draft(home: Path, step: int, dest: Path, *, target_name: str = "smoll
     checkpoint = home / "run" / "checkpoints" / f"step-{step:08d}"
     if not checkpoint.is_dir():
         raise SystemExit(f"{checkpoint} is gone (the run keeps its newest two): commit a checkpoint it still holds")
-    # bf16 weights (vLLM serves in bf16 here anyway): no file over 16 MiB, as git should hold it
+    # bf16 weights (vLLM serves in bf16 here anyway), in shards of 15 MiB: no file over 16 MiB, as git should
+    # hold it (a 2-layer draft's trainable weights are 16.4 MiB in bf16)
     export = [*PEAGLE, "export", str(checkpoint), "--out", str(dest), "--without-target-embedding", "--dtype", "bfloat16",
-              "--speculative-tokens", str(report["meta"]["num_depths"])]
+              "--max-file-mib", "15", "--speculative-tokens", str(report["meta"]["num_depths"])]
     subprocess.run(export, check=True, stdout=subprocess.DEVNULL)
     work = home.parent.parent
     found = record(home, work)

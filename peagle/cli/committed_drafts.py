@@ -2,7 +2,8 @@
 knows where they are and how to pick one.
 
 Each is an export written without the target's embedding (``peagle export RUN --out DIR
---without-target-embedding``: no file over 16 MiB, so git holds it) and a ``draft.json`` saying what
+--without-target-embedding --max-file-mib 15``: no file over 16 MiB, so git holds it; a draft of
+more layers is in shards) and a ``draft.json`` saying what
 it is: the target it was trained for (a name ``peagle target fetch`` knows), the method, the K it was
 trained and measured at (``num_depths``), the K to serve it at (``serve_k``: the one ``peagle eval``
 recommended for it and serving confirmed; ``num_depths`` when absent), what it measured and the

@@ -9,7 +9,8 @@ from peagle.cli.config_command import ConfigCommand
 from peagle.schemas.export_config import EXPORT_DTYPES, ExportConfig
 
 _HELP = """Write OUT/config.json + OUT/model.safetensors atomically: the speculators 'peagle' format for a
-P-EAGLE draft, 'eagle3' for an EAGLE-3 one (`train --method eagle3`).
+P-EAGLE draft, 'eagle3' for an EAGLE-3 one (`train --method eagle3`); in shards and their index with
+--max-file-mib.
 
 Serve it with `vllm serve OUT` or `LLM(model=OUT)`: vLLM then loads the verifier named inside and
 runs parallel drafting (peagle) or drafts one token per forward (eagle3). (For a P-EAGLE export, a

@@ -31,14 +31,15 @@ from peagle.schemas.speculative_schedule import SCHEDULE_KEY, Schedule, check_sc
 
 def export_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *, verifier_name: str | None = None,
                       speculative_tokens: int | None = None, dtype: str = "float32",
-                      speculative_schedule: Schedule | None = None, k_flag: str = "--speculative-tokens") -> Path:
+                      speculative_schedule: Schedule | None = None, k_flag: str = "--speculative-tokens",
+                      max_file_bytes: int | None = None) -> Path:
     """Export the checkpoint ``source`` names (a run's newest valid one, or one checkpoint) to ``out``.
 
     ``verifier_name`` defaults to the target path training used, ``speculative_tokens`` to the trained
     number of depths, which bound it for a P-EAGLE draft (:func:`check_served_k`).
     ``speculative_schedule`` (a K per batch size, peagle/schemas/speculative_schedule.py) goes into the
     ``peagle`` section, checked against K and the drafting method. ``k_flag``: the flag that gave K,
-    as an error line names it.
+    as an error line names it. ``max_file_bytes``: weights larger than that are written as shards.
 
     Raises:
         UserError: no usable checkpoint, a default that the checkpoint cannot supply, a K or schedule
@@ -65,7 +66,7 @@ def export_checkpoint(source: str | os.PathLike, out: str | os.PathLike, *, veri
                                                   where="--speculative-schedule")
     return write_export(ckpt.state_dict, ckpt.draft_config, out, verifier_name=verifier,
                         verifier_architectures=verifier_architectures(target, verifier), speculative_tokens=int(k),
-                        dtype=getattr(torch, dtype), provenance=provenance)
+                        dtype=getattr(torch, dtype), provenance=provenance, max_file_bytes=max_file_bytes)
 
 
 def check_served_k(k: int, trained_depths: int | None, method: str, *, flag: str) -> None:

@@ -18,7 +18,7 @@ from typing import Mapping
 import torch
 from torch import Tensor
 
-from peagle.model.speculators_format import WEIGHTS_FILE
+from peagle.pipeline.weight_files import WEIGHTS_FILE, WEIGHTS_INDEX_FILE, has_weights, iter_tensors
 from peagle.schemas.checkpoint import METADATA_FILE, WEIGHTS_FINITE_KEY
 from peagle.schemas.errors import UserError
 
@@ -44,11 +44,8 @@ def describe(names: list[str], limit: int = 3) -> str:
 
 
 def non_finite_in_export(export_dir: str | os.PathLike) -> list[str]:
-    """The tensors of an export's ``model.safetensors`` holding a NaN or an infinity, read one at a time."""
-    from safetensors import safe_open
-
-    with safe_open(str(Path(export_dir) / WEIGHTS_FILE), framework="pt") as f:
-        return [name for name in f.keys() if not is_finite(f.get_tensor(name))]
+    """The tensors of an export's weights (one file or shards) holding a NaN or an infinity, read one at a time."""
+    return [name for name, tensor in iter_tensors(export_dir) if not is_finite(tensor)]
 
 
 def refuse_non_finite_export(export_dir: str | os.PathLike, *, flag: str = "--init-from") -> None:
@@ -58,14 +55,16 @@ def refuse_non_finite_export(export_dir: str | os.PathLike, *, flag: str = "--in
     Raises:
         UserError: in one line naming the tensors.
     """
-    if not (Path(export_dir) / WEIGHTS_FILE).is_file():
+    if not has_weights(export_dir):
         return
     try:
         names = non_finite_in_export(export_dir)
     except Exception:  # noqa: BLE001 - a damaged file: the loader refuses it in its own words
         return
     if names:
-        raise UserError(f"{flag} {export_dir}: {WEIGHTS_FILE} holds non-finite values (NaN or inf) in "
+        sharded = (Path(export_dir) / WEIGHTS_INDEX_FILE).is_file()
+        held_in = f"the shards of {WEIGHTS_INDEX_FILE}" if sharded else WEIGHTS_FILE
+        raise UserError(f"{flag} {export_dir}: {held_in} holds non-finite values (NaN or inf) in "
                         f"{describe(names)}; warm-start from an export of a checkpoint with finite weights")
 
 

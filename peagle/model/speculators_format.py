@@ -1,6 +1,7 @@
 """The speculators checkpoint format (docs/draft-and-export.md): the one module that writes and reads it.
 
-An export directory holds ``config.json`` and ``model.safetensors``, as speculators model type
+An export directory holds ``config.json`` and ``model.safetensors`` (or its shards and index:
+``peagle export --max-file-mib``, peagle/pipeline/weight_files.py), as speculators model type
 'peagle' (a P-EAGLE draft) or 'eagle3' (an EAGLE-3 draft; no ``mask_hidden``, no mask token). vLLM
 loads it unchanged with ``LLM(model=EXPORT_DIR)``: it reads the verifier named inside and drafts in
 parallel (peagle) or one token per forward (eagle3); the ``speculators`` library loads it with
@@ -39,11 +40,11 @@ from peagle.model.speculators_config import (ARCHITECTURE, CONFIG_JSON, PROVENAN
                                              draft_config_from_speculators, read_config_file, variant_of)
 from peagle.pipeline.atomic import atomic_dir, canonical_json
 from peagle.pipeline.failpoints import failpoint
+from peagle.pipeline.weight_files import WEIGHTS_FILE, WEIGHTS_INDEX_FILE, has_weights, load_tensors, save_tensors
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.errors import UserError
 
 CONFIG_FILE = CONFIG_JSON
-WEIGHTS_FILE = "model.safetensors"
 
 # peagle's PEagleDraft state-dict key -> the speculators/vLLM checkpoint key. ``{i}`` is any layer
 # index (any aux index in ``fc_norm``); ``layers.0.hidden_norm`` exists on layer 0 only, q/k norms
@@ -182,16 +183,16 @@ def check_tensors(tensors: dict[str, Tensor], config: DraftConfig, where: str) -
 
 def write_export(state_dict: dict[str, Tensor], draft_config: DraftConfig, out: str | os.PathLike, *,
                  verifier_name: str, verifier_architectures: list[str], speculative_tokens: int,
-                 dtype: torch.dtype = torch.float32, provenance: dict[str, Any] | None = None) -> Path:
+                 dtype: torch.dtype = torch.float32, provenance: dict[str, Any] | None = None,
+                 max_file_bytes: int | None = None) -> Path:
     """Write ``config.json`` + ``model.safetensors`` to ``out`` as one atomic directory (temp dir,
-    fsync, rename); an existing export there is replaced whole.
+    fsync, rename); an existing export there is replaced whole. With ``max_file_bytes``, weights
+    larger than that are written as shards and their index (:mod:`peagle.pipeline.weight_files`).
 
     Raises:
         UserError: ``out`` holds something that is not an export, or the state dict does not fit
             the format (:func:`export_state_dict`).
     """
-    from safetensors.torch import save_file
-
     tensors = export_state_dict(state_dict, draft_config, dtype=dtype)
     config_json = build_config(draft_config, verifier_name=verifier_name, verifier_architectures=verifier_architectures,
                                speculative_tokens=speculative_tokens, dtype=str(dtype).removeprefix("torch."),
@@ -201,7 +202,7 @@ def write_export(state_dict: dict[str, Tensor], draft_config: DraftConfig, out: 
     if out.exists() and any(out.iterdir()) and not (is_export_dir(out) or holds_only_export_files(out)):
         raise UserError(f"--out {out} exists and is not a peagle export; choose an empty or new directory")
     with atomic_dir(out) as tmp:
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        save_tensors(tensors, tmp, max_file_bytes=max_file_bytes, metadata={"format": "pt"})
         failpoint("export.write")  # the weights written under the temp name, config.json not yet
         (tmp / CONFIG_FILE).write_bytes(canonical_json(config_json))
     return out
@@ -218,17 +219,21 @@ def is_export_dir(path: str | os.PathLike) -> bool:
     return False
 
 
+SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
 def holds_only_export_files(path: str | os.PathLike) -> bool:
     """Whether every entry of ``path`` is a file an export has (a damaged export, which a new one may replace)."""
-    return all(p.is_file() and p.name in (CONFIG_FILE, WEIGHTS_FILE, EMBEDDING_RECORD) for p in Path(path).iterdir())
+    names = (CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE, EMBEDDING_RECORD)
+    return all(p.is_file() and (p.name in names or SHARD_FILE.fullmatch(p.name)) for p in Path(path).iterdir())
 
 
 def looks_like_export(path: str | os.PathLike) -> bool:
-    """Whether ``path`` holds an export's two files, whatever their content: a reader that finds them
-    reads the directory as an export (:func:`read_export_config`), so a damaged config.json is named
-    as such, not taken for something else (a checkpoint, a run)."""
+    """Whether ``path`` holds an export's config.json and weights (one file or an index), whatever their
+    content: a reader that finds them reads the directory as an export (:func:`read_export_config`), so
+    a damaged config.json is named as such, not taken for something else (a checkpoint, a run)."""
     path = Path(path)
-    return (path / CONFIG_FILE).is_file() and (path / WEIGHTS_FILE).is_file()
+    return (path / CONFIG_FILE).is_file() and has_weights(path)
 
 
 def read_export_config(path: str | os.PathLike) -> dict[str, Any]:
@@ -239,21 +244,22 @@ def read_export_config(path: str | os.PathLike) -> dict[str, Any]:
             unreadable, cut short, or with a field missing or out of range.
     """
     path = Path(path)
-    if not (path / CONFIG_FILE).is_file() or not (path / WEIGHTS_FILE).is_file():
-        raise UserError(f"{path} is not an export directory (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
+    if not (path / CONFIG_FILE).is_file() or not has_weights(path):
+        raise UserError(f"{path} is not an export directory (needs {CONFIG_FILE} and {WEIGHTS_FILE} "
+                        f"or {WEIGHTS_INDEX_FILE})")
     config_json = read_config_file(path / CONFIG_FILE)
     draft_config_from_speculators(config_json, str(path / CONFIG_FILE))  # checks every field the readers use
     return config_json
 
 
 def _read_tensors(path: Path) -> dict[str, Tensor]:
-    from safetensors.torch import load_file
+    return load_tensors(path)
 
-    try:
-        return load_file(str(path / WEIGHTS_FILE))
-    except Exception as err:  # safetensors raises its own error types for a damaged file
-        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UserError(f"{path / WEIGHTS_FILE} is unreadable ({detail})") from err
+
+def weights_name(path: str | os.PathLike) -> str:
+    """How messages name an export's weights: its one file, or its index (for shards)."""
+    path = Path(path)
+    return str(path / (WEIGHTS_INDEX_FILE if (path / WEIGHTS_INDEX_FILE).is_file() else WEIGHTS_FILE))
 
 
 @dataclass(kw_only=True)
@@ -296,7 +302,7 @@ def load_export(path: str | os.PathLike) -> ExportedDraft:
     tensors = _read_tensors(path)
     provenance = config_json.get(PROVENANCE_KEY) or {}
     check_recorded_draft_config(provenance, config, path / CONFIG_FILE)
-    check_tensors(tensors, config, str(path / WEIGHTS_FILE))
+    check_tensors(tensors, config, weights_name(path))
     draft = PEagleDraft(config)
     own = draft.state_dict()
     by_key = {export_key(name): name for name in own}
@@ -320,8 +326,8 @@ def load_weights_into(draft: PEagleDraft, export_dir: str | os.PathLike) -> str:
     Raises:
         UserError: missing files, another variant, a shape that differs, or another draft vocab.
     """
-    if not (Path(export_dir) / WEIGHTS_FILE).is_file():
-        raise UserError(f"--init-from {export_dir}: no {WEIGHTS_FILE} there (expected a `peagle export` "
+    if not has_weights(export_dir):
+        raise UserError(f"--init-from {export_dir}: no {WEIGHTS_FILE} (or {WEIGHTS_INDEX_FILE}) there (expected a `peagle export` "
                         "or speculators draft directory)")
     tensors = _read_tensors(Path(export_dir))
     check_same_variant(draft.config, export_dir, tensors)
@@ -393,23 +399,23 @@ def _tensor_sha256(tensor: Tensor) -> str:
     return hashlib.sha256(tensor.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
-def without_target_embedding(export_dir: str | os.PathLike, out: str | os.PathLike) -> Path:
+def without_target_embedding(export_dir: str | os.PathLike, out: str | os.PathLike, *,
+                             max_file_bytes: int | None = None) -> Path:
     """A copy of an export without ``embed_tokens`` (a draft trained with ``--no-train-embeddings``
     keeps the target's rows, which are most of a small draft's bytes), and a record of what was left
-    out, so :func:`with_target_embedding` can put back exactly those bytes from the target.
+    out, so :func:`with_target_embedding` can put back exactly those bytes from the target. With
+    ``max_file_bytes``, weights larger than that are written as shards (a draft git holds).
 
     Raises:
         UserError: ``export_dir`` is not an export.
     """
-    from safetensors.torch import save_file
-
     config_json = moved_config(read_export_config(export_dir), export_dir, out)
     tensors = _read_tensors(Path(export_dir))
     embedding = tensors.pop(TARGET_EMBEDDING_KEY)
     record = {"key": TARGET_EMBEDDING_KEY, "shape": list(embedding.shape), "dtype": str(embedding.dtype).removeprefix("torch."),
               "sha256": _tensor_sha256(embedding)}
     with atomic_dir(Path(out)) as tmp:
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        save_tensors(tensors, tmp, max_file_bytes=max_file_bytes, metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_bytes(canonical_json(config_json))
         (tmp / EMBEDDING_RECORD).write_bytes(canonical_json(record))
     return Path(out)
@@ -447,8 +453,6 @@ def with_target_embedding(stripped_dir: str | os.PathLike, target_dir: str | os.
     Raises:
         UserError: no record, the target has no unique embedding, or its bytes differ.
     """
-    from safetensors.torch import save_file
-
     from peagle.model.target import TargetWeights
 
     stripped = Path(stripped_dir)
@@ -472,8 +476,8 @@ def with_target_embedding(stripped_dir: str | os.PathLike, target_dir: str | os.
         config_json = {**config_json, "speculators_config": {
             **spec, "verifier": {**spec["verifier"], "name_or_path": os.path.abspath(target_dir)}}}
     check_tensors(tensors, draft_config_from_speculators(config_json, str(stripped / CONFIG_FILE)),
-                  str(stripped / WEIGHTS_FILE))
+                  weights_name(stripped))
     with atomic_dir(Path(out)) as tmp:
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        save_tensors(tensors, tmp, metadata={"format": "pt"})  # made whole here, to serve: one file
         (tmp / CONFIG_FILE).write_bytes(canonical_json(config_json))
     return Path(out)

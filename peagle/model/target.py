@@ -37,13 +37,12 @@ import torch
 from torch import Tensor
 
 from peagle.model.weights_hash import weights_sha256
+from peagle.pipeline.weight_files import WEIGHTS_FILE, WEIGHTS_INDEX_FILE, has_weights, weight_map
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError, not_weights_only_line, one_line
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
-WEIGHTS_FILE = "model.safetensors"
-WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
 WEIGHT_INDEX_SUFFIX = ".index.json"
@@ -234,17 +233,10 @@ class TargetWeights:
     """The target's safetensors weights by tensor name (sharded through the index, or one file)."""
 
     def __init__(self, path: str | os.PathLike):
-        from safetensors import safe_open
-
         self.root = Path(path)
-        index = self.root / WEIGHTS_INDEX_FILE
-        if index.is_file():
-            self.file_of_key: dict[str, str] = dict(json.loads(index.read_text())["weight_map"])
-        elif (self.root / WEIGHTS_FILE).is_file():
-            with safe_open(self.root / WEIGHTS_FILE, framework="pt") as f:
-                self.file_of_key = {key: WEIGHTS_FILE for key in f.keys()}
-        else:
+        if not has_weights(self.root):
             raise UserError(f"target {self.root} has no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE}")
+        self.file_of_key: dict[str, str] = weight_map(self.root)  # the index's names stay inside the target
 
     @property
     def keys(self) -> set[str]:

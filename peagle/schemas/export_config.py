@@ -53,8 +53,16 @@ class ExportConfig:
     """Weight dtype in model.safetensors: float32 (lossless) or bfloat16 (half the size; vLLM casts to
     the served dtype anyway)."""
 
+    max_file_mib: float | None = None
+    """Weights larger than this many MiB are written as shards of at most that size,
+    model-00001-of-0000N.safetensors and model.safetensors.index.json, as transformers shards a
+    checkpoint; vLLM, speculators and peagle load either form. For a draft git or a size-capped
+    transfer holds (the committed drafts use 15). Default: one model.safetensors."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", dtype_choice("dtype", self.dtype, EXPORT_DTYPES))
+        if self.max_file_mib is not None and not self.max_file_mib > 0:
+            raise UserError(f"--max-file-mib must be > 0, got {self.max_file_mib}")
         if self.speculative_tokens is not None and self.speculative_tokens < 1:
             raise UserError(f"--speculative-tokens must be >= 1, got {self.speculative_tokens}")
         if self.speculative_schedule is not None:

@@ -359,3 +359,31 @@ def test_every_reader_checks_the_whole_config_and_names_file_and_field(tmp_path,
         with pytest.raises(UserError, match=f"target_embedding.json: {field} is"):
             fmt.with_target_embedding(stripped, tiny_llama, tmp_path / "whole")
     assert not (tmp_path / "whole").exists()
+
+
+def test_an_export_in_shards_reads_back_travels_and_comes_back_whole(tmp_path, tiny_llama):
+    """`peagle export --max-file-mib`: the same tensors in shards and their index (a draft git holds),
+    read by every reader of an export; without the target's embedding the shards travel, and made
+    whole again it is one file; a new export replaces a sharded one whole."""
+    from peagle.model.finite import refuse_non_finite_export
+
+    draft = tiny_draft(tiny_llama, num_layers=2)
+    kw = dict(verifier_name="org/v", verifier_architectures=["LlamaForCausalLM"], speculative_tokens=4)
+    one = write_export(draft.state_dict(), draft.config, tmp_path / "one", **kw)
+    cap = (one / fmt.WEIGHTS_FILE).stat().st_size // 4
+    sharded = write_export(draft.state_dict(), draft.config, tmp_path / "sharded", max_file_bytes=cap, **kw)
+    shards = sorted(sharded.glob("model-*-of-*.safetensors"))
+    assert len(shards) >= 4 and not (sharded / fmt.WEIGHTS_FILE).exists()
+    assert fmt.looks_like_export(sharded) and fmt.holds_only_export_files(sharded)
+    loaded = load_export(sharded).draft.state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in draft.state_dict().items())
+    refuse_non_finite_export(sharded)  # reads every shard
+    warm = tiny_draft(tiny_llama, num_layers=2, seed=1)
+    load_weights_into(warm, sharded)
+    assert torch.equal(warm.state_dict()["fc.weight"], draft.state_dict()["fc.weight"])
+    stripped = fmt.without_target_embedding(sharded, tmp_path / "travel", max_file_bytes=cap)
+    assert (stripped / fmt.WEIGHTS_INDEX_FILE).is_file() and max(p.stat().st_size for p in stripped.iterdir()) <= cap * 2
+    whole = fmt.with_target_embedding(stripped, tiny_llama, tmp_path / "whole")
+    assert (whole / fmt.WEIGHTS_FILE).read_bytes() == (one / fmt.WEIGHTS_FILE).read_bytes()
+    write_export(draft.state_dict(), draft.config, sharded, **kw)  # one file now, no shard left behind
+    assert sorted(p.name for p in sharded.iterdir()) == [fmt.CONFIG_FILE, fmt.WEIGHTS_FILE]

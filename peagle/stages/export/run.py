@@ -49,6 +49,7 @@ def run_export(config: ExportConfig, *, echo: Callable[[str], None] = print) -> 
             another target, or what ``export_checkpoint`` refuses.
     """
     source, out = Path(config.source), Path(config.out)
+    max_bytes = None if config.max_file_mib is None else int(config.max_file_mib * 2**20)
     if config.speculative_schedule and ((source / EMBEDDING_RECORD).is_file() or looks_like_export(source)):
         raise UserError(f"{source} is an export: --speculative-schedule is written when a checkpoint is exported "
                         "(peagle export RUN_DIR --speculative-schedule ...); serve this one with vLLM's "
@@ -65,7 +66,7 @@ def run_export(config: ExportConfig, *, echo: Callable[[str], None] = print) -> 
             raise UserError(f"{source} is an export already; serve it as it is, or pass --without-target-embedding "
                             "to write the copy that travels")
         refuse_trained_embedding((read_export_config(source).get(PROVENANCE_KEY) or {}).get("run_config"), source)
-        path = without_target_embedding(source, out)
+        path = without_target_embedding(source, out, max_file_bytes=max_bytes)
         echo(f"wrote {path} without the target's embedding (whole again: peagle export {path} --target T --out DIR)")
         return path
     checkpoint = resolve_checkpoint(config.source)
@@ -74,7 +75,7 @@ def run_export(config: ExportConfig, *, echo: Callable[[str], None] = print) -> 
     if not config.without_target_embedding:
         path = export_checkpoint(checkpoint, out, verifier_name=config.verifier_name,
                                  speculative_tokens=config.speculative_tokens, dtype=config.dtype,
-                                 speculative_schedule=schedule)
+                                 speculative_schedule=schedule, max_file_bytes=max_bytes)
         echo(f"exported {config.source} -> {path}  (serve: vllm serve {path}{serve_flags(schedule)})")
         return path
     refuse_trained_embedding(read_draft_checkpoint(checkpoint).train_config, checkpoint)
@@ -85,7 +86,7 @@ def run_export(config: ExportConfig, *, echo: Callable[[str], None] = print) -> 
         whole = export_checkpoint(checkpoint, work / "whole", verifier_name=config.verifier_name,
                                   speculative_tokens=config.speculative_tokens, dtype=config.dtype,
                                   speculative_schedule=schedule)
-        path = without_target_embedding(whole, out)
+        path = without_target_embedding(whole, out, max_file_bytes=max_bytes)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     echo(f"exported {config.source} -> {path} without the target's embedding "

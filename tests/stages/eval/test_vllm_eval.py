@@ -90,11 +90,12 @@ def fit_to_continuations(draft: PEagleDraft, target: HFTarget, sequences: list[l
     return draft.eval()
 
 
-def export(draft: PEagleDraft, target_dir, out):
+def export(draft: PEagleDraft, target_dir, out, max_file_bytes: int | None = None):
     from peagle.model.speculators_format import write_export
 
     return write_export(draft.state_dict(), draft.config, out, verifier_name=str(target_dir),
-                        verifier_architectures=["LlamaForCausalLM"], speculative_tokens=K)
+                        verifier_architectures=["LlamaForCausalLM"], speculative_tokens=K,
+                        max_file_bytes=max_file_bytes)
 
 
 def own_loop(setup, draft):

