@@ -94,9 +94,9 @@ class Run:
                                method=training_method(method))
                      for s in samples(per_batch, args.sample_tokens, args.supervised_share, step, shape)]
             self.batches.append(collate(items, target_to_draft_V=target_to_draft, method=training_method(method)))
-        config = TrainConfig(store=("unused",), target="unused", out="unused", method=method, num_depths=num_depths,
-                             token_budget=args.token_budget, attention="sdpa", max_steps=len(self.batches),
-                             warmup_steps=0)
+        config = TrainConfig.from_flags(store=("unused",), target="unused", out="unused", method=method,
+                                        num_depths=num_depths, token_budget=args.token_budget, attention="sdpa",
+                                        max_steps=len(self.batches), warmup_steps=0)
         self.trainer = trainer_for_draft(config, draft)
         self.wall: list[float] = []
         self.cpu: list[float] = []

@@ -42,7 +42,6 @@ unchanged (a killed benchmark resumes).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -57,6 +56,7 @@ from quality_report import print_peer_table, summarise_peers
 
 from peagle.pipeline.atomic import atomic_write_json
 from peagle.pipeline.store import open_store
+from peagle.schemas.components import leaves
 from peagle.schemas.train_config import TrainConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,7 +89,7 @@ BUDGET_FIELDS = ("train_steps", "token_budget", "draft_vocab_size", "num_prompts
 
 def peagle_settings(flags: list[str]) -> TrainConfig:
     """The ``peagle train`` flags as the TrainConfig they make (every other field at its default)."""
-    by_name = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    by_name = {leaf.name: leaf.field for leaf in leaves(TrainConfig)}  # the flags, each part's included
     values: dict = {}
     i = 0
     while i < len(flags):
@@ -110,7 +110,7 @@ def peagle_settings(flags: list[str]) -> TrainConfig:
         if isinstance(value, str):
             kind = type(default) if default is not None and not isinstance(default, (str, tuple)) else None
             values[name] = kind(value) if kind else _number_or_text(value)
-    return TrainConfig(store=("STORE",), target="TARGET", out="OUT", **values)
+    return TrainConfig.from_flags(store=("STORE",), target="TARGET", out="OUT", **values)
 
 
 def _number_or_text(value: str) -> int | float | str:
@@ -148,13 +148,14 @@ def speculators_peagle_flags(peagle_flags: list[str], mask_token_id: int) -> lis
     p = peagle_settings(peagle_flags)
     flags = ["--speculator-type", "peagle", "--num-layers", str(p.num_layers), "--draft-arch", p.draft_architecture,
              "--full-attention-indices", *map(str, range(p.num_layers)),
-             "--num-depths", str(p.num_depths), "--down-sample-ratio", str(p.down_sample_ratio),
-             "--down-sample-ratio-min", str(p.down_sample_ratio_min),
-             "--max-anchors", str(p.max_anchors or NO_ANCHOR_CAP), "--total-seq-len", str(p.token_budget),
+             "--num-depths", str(p.cod.num_depths), "--down-sample-ratio", str(p.cod.down_sample_ratio),
+             "--down-sample-ratio-min", str(p.cod.down_sample_ratio_min),
+             "--max-anchors", str(p.cod.max_anchors or NO_ANCHOR_CAP), "--total-seq-len", str(p.data.token_budget),
              "--draft-vocab-size", str(p.draft_vocab_size), "--mask-token-id", str(mask_token_id),
-             "--optimizer", p.optimizer, "--lr", str(p.lr), "--weight-decay", str(p.weight_decay),
-             "--muon-lr", str(p.muon_lr), "--muon-weight-decay", str(p.weight_decay), "--muon-adjust-lr-fn", "original",
-             "--scheduler-type", "cosine", "--scheduler-warmup-steps", str(p.warmup_steps),
+             "--optimizer", p.optim.optimizer, "--lr", str(p.optim.lr), "--weight-decay", str(p.optim.weight_decay),
+             "--muon-lr", str(p.optim.muon_lr), "--muon-weight-decay", str(p.optim.weight_decay),
+             "--muon-adjust-lr-fn", "original", "--scheduler-type", "cosine",
+             "--scheduler-warmup-steps", str(p.optim.warmup_steps),
              "--scheduler-num-cosine-cycles", f"{COSINE_CYCLES_TO_TENTH:.6f}", "--loss-fn", PEAGLE_LOSS[p.loss],
              "--norm-before-residual" if p.norm_before_residual else "--no-norm-before-residual",
              "--norm-before-fc" if p.norm_before_fc or p.fc_norm else "--no-norm-before-fc",

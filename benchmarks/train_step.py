@@ -302,12 +302,12 @@ def run_config(args, d, device: torch.device, rec: dict, num_layers: int, seq_le
     """One configuration, written to ``--out`` whatever happens to it (ok, oom, error, or a SIGTERM)."""
     trainer = draft = None
     try:
-        config = TrainConfig(store=("bench",), target="bench", out="bench", num_depths=8,
-                             sequence_partitions=num_segments, attention=attention, max_steps=10**6,
-                             lr=1e-4, warmup_steps=0, grad_clip=1.0, weight_decay=0.01,
-                             activation_checkpointing=args.activation_checkpointing, compile=args.compile,
-                             flex_kernel=args.flex_kernel, fp8_matmuls=rec["fp8_matmuls"],
-                             optimizer="adamw")  # the reference trainer's: a like-for-like step
+        config = TrainConfig.from_flags(store=("bench",), target="bench", out="bench", num_depths=8,
+                                        sequence_partitions=num_segments, attention=attention, max_steps=10**6,
+                                        lr=1e-4, warmup_steps=0, grad_clip=1.0, weight_decay=0.01,
+                                        activation_checkpointing=args.activation_checkpointing, compile=args.compile,
+                                        flex_kernel=args.flex_kernel, fp8_matmuls=rec["fp8_matmuls"],
+                                        optimizer="adamw")  # the reference trainer's: a like-for-like step
         draft = build_draft(d, num_layers, args.activation_checkpointing, device)
         trainer = trainer_for_draft(config, draft.to(device))
         run_one(args, d, trainer, rec, num_layers, seq_len, num_segments, attention)

@@ -4,7 +4,10 @@ A :class:`ConfigCommand` turns a config dataclass (``peagle/schemas``) into a ty
 field is ``--field-name`` (or a positional argument, where the command says so), its docstring the
 help text, its default the flag's default (written once, in the dataclass), and its type the
 flag's type. So a command and its config cannot drift apart; a new field is a new flag with no
-edit here (tests hold them 1:1). The config's ``__post_init__`` validates the values.
+edit here (tests hold them 1:1). The config's ``__post_init__`` validates the values. A config made of
+component configs (``TrainConfig.optim``, ...) gives one flag per plain field of each part, named as
+the field (``--lr``, not ``--optim.lr``): the parts are the code's structure, not the user's
+(:mod:`peagle.schemas.components`).
 
 How types become flags:
 
@@ -43,6 +46,7 @@ from typer.core import TyperCommand
 
 from peagle.cli.config_file import ConfigOption
 from peagle.schemas.checkpoint import CHECKPOINTS_DIR
+from peagle.schemas.components import Leaf, from_flat, leaves
 from peagle.schemas.errors import UserError
 from peagle.schemas.fields import field_docs
 from peagle.schemas.store import STORE_SETTINGS_FILE
@@ -120,9 +124,9 @@ def check_out_place(out: Any, command: str) -> None:
                         "another directory")
 
 
-def _field_type(cls: type, name: str) -> tuple[Any, bool]:
+def _field_type(leaf: Leaf) -> tuple[Any, bool]:
     """(the field's type without ``None``, whether ``None`` is allowed)."""
-    hint = typing.get_type_hints(cls)[name]
+    hint = typing.get_type_hints(leaf.owner)[leaf.name]
     args = typing.get_args(hint)
     if type(None) in args:
         rest = [a for a in args if a is not type(None)]
@@ -130,11 +134,12 @@ def _field_type(cls: type, name: str) -> tuple[Any, bool]:
     return hint, False
 
 
-def _own_fields_first(cls: type) -> list[dataclasses.Field]:
-    """The config's fields, its own before those it takes from a base (the tracker flags train and eval
-    share come last in ``--help``, after the command's own)."""
+def _own_fields_first(cls: type) -> list[Leaf]:
+    """The config's plain fields, each part's in its place (``TrainConfig.cod``: --num-depths, ...), its
+    own before those it takes from a base (the tracker flags train and eval share come last in
+    ``--help``, after the command's own)."""
     own = set(vars(cls).get("__annotations__", {}))
-    return sorted(dataclasses.fields(cls), key=lambda f: f.name not in own)
+    return sorted(leaves(cls), key=lambda leaf: leaf.part is None and leaf.name not in own)
 
 
 def _tuple_item(tp: Any) -> Any | None:
@@ -202,10 +207,9 @@ class ConfigCommand:
         return enum.Enum(f"{self.config_class.__name__}_{name}", {c: c for c in self.choices[name]}, type=str)
 
     def parameters(self) -> list[inspect.Parameter]:
-        docs = field_docs(self.config_class)
         params = []
-        for f in _own_fields_first(self.config_class):
-            tp, optional = _field_type(self.config_class, f.name)
+        for leaf in _own_fields_first(self.config_class):
+            f, (tp, optional) = leaf.field, _field_type(leaf)
             item = _tuple_item(tp)
             required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
             default = ... if required else (f.default if f.default is not dataclasses.MISSING else f.default_factory())
@@ -229,7 +233,7 @@ class ConfigCommand:
             if f.name == self.old_positional:
                 annotation, default = Optional[tp], None  # may come positionally; build() checks it came
             metavar = self._metavar(f.name, tp)
-            help_text = docs[f.name] + ("  [required]" if f.name == self.old_positional else "")
+            help_text = field_docs(leaf.owner)[f.name] + ("  [required]" if f.name == self.old_positional else "")
             if f.name in self.arguments:
                 option = typer.Argument(default, help=help_text, metavar=metavar, show_default=not required)
             else:
@@ -272,15 +276,15 @@ class ConfigCommand:
             self._take_old_positional(values, flags)
         if self.more_values is not None:
             values[self.more_values] = tuple(values.get(self.more_values) or ()) + tuple(flags.get(self.more_name) or ())
-        for f in dataclasses.fields(self.config_class):
-            item = _tuple_item(_field_type(self.config_class, f.name)[0])
-            value = values.get(f.name)
+        for leaf in leaves(self.config_class):
+            item, name = _tuple_item(_field_type(leaf)[0]), leaf.name
+            value = values.get(name)
             if isinstance(value, enum.Enum):
-                values[f.name] = value.value
+                values[name] = value.value
             if item is not None and value is not None:
-                values[f.name] = (split_list(value, item, f.name.replace("_", "-")) if f.name in self.comma_lists
-                                  else tuple(value))
-        return self.config_class(**values)
+                values[name] = (split_list(value, item, name.replace("_", "-")) if name in self.comma_lists
+                                else tuple(value))
+        return from_flat(self.config_class, values)
 
     def register(self, app: typer.Typer) -> None:
         def command(ctx: typer.Context, **flags: Any) -> None:

@@ -1,4 +1,4 @@
-"""``peagle train``: flags generated from ``TrainConfig`` (README.md, docs/draft-and-export.md, docs/reliability.md), then the trainer.
+"""``peagle train``: flags generated from ``TrainConfig`` and its parts (README.md, docs/draft-and-export.md, docs/reliability.md), then the trainer.
 
 Run it as is for one process, or as ``torchrun --nproc-per-node N -m peagle train ...`` for data
 parallelism (every rank runs this same command).
@@ -10,7 +10,8 @@ from peagle.cli import app
 from peagle.cli.config_command import ConfigCommand
 from peagle.schemas.draft_config import DRAFT_METHODS
 from peagle.schemas.tracking_config import TRACKING_METAVARS
-from peagle.schemas.train_config import ATTENTION_BACKENDS, DRAFT_ARCHITECTURES, LOSSES, OPTIMIZERS, TrainConfig
+from peagle.schemas.optimizer_settings import OPTIMIZERS
+from peagle.schemas.train_config import ATTENTION_BACKENDS, DRAFT_ARCHITECTURES, LOSSES, TrainConfig
 
 _HELP = """Train a draft on shard stores written by `peagle extract`: P-EAGLE (the default, all K tokens in
 one forward) or EAGLE-3 with training-time test (`--method eagle3`), from the same store.

@@ -59,6 +59,16 @@ _TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.(tmp|deleted)-\d+(-[A-Za-z0-9_]+)?$")
 _LIBRARY_OS_ERROR = re.compile(r"\(os error (\d+)\)")
 
 
+def at_least(name: str, value: int, low: int) -> None:
+    """Refuse a flag's value below ``low``, naming the flag (``num_depths`` is ``--num-depths``).
+
+    Raises:
+        UserError: ``value < low``.
+    """
+    if value < low:
+        raise UserError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+
+
 def as_os_error(err: BaseException) -> OSError | None:
     """``err`` if it is an ``OSError``; for a library error that reports one in words only (safetensors
     and tokenizers, written in Rust, say ``... (os error 27)``), the ``OSError`` it stands for; else None."""

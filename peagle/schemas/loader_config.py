@@ -2,15 +2,19 @@
 
 ``TrainConfig`` is what a user writes; the trainer turns it into one ``LoaderConfig`` per stream
 (training, evaluation). Fields marked (plan) fix the order of the stream: a resumed loader refuses
-a change to any of them (``stages/train/loader.TrainLoader.load_state_dict``).
+a change to any of them (``stages/train/loader.TrainLoader.load_state_dict``). The COD part
+(``CodSettings``, its own home) is the run's, handed over whole; the other fields are per stream (the
+evaluation stream reads its own store or split, in the training process), so they are made here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from peagle.schemas.cod_settings import CodSettings
+from peagle.schemas.data_settings import StoreSpec, parse_store_spec
 from peagle.schemas.errors import UserError
-from peagle.schemas.train_config import StoreSpec, TrainConfig, parse_store_spec
+from peagle.schemas.train_config import TrainConfig
 
 SPLITS = ("train", "heldout", "all")
 LOADER_ATTENTION = ("flex", "sdpa")
@@ -18,16 +22,6 @@ LOADER_ATTENTION = ("flex", "sdpa")
 DEFAULT_BLOCK_SIZE = 128
 """Query/key block of flex attention's BlockMask: the loader computes block indices for it and the
 model wraps them (peagle.model.mask)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class CodSettings:
-    """How COD sampling draws a sample's elements (docs/cod.md)."""
-
-    num_depths: int = 8
-    down_sample_ratio: float = 0.7
-    down_sample_ratio_min: float = 0.2
-    max_anchors: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,19 +64,18 @@ def stream_config(c: TrainConfig, *, aux_layer_ids: tuple[int, ...], attention: 
     """The training stream of a run, or its evaluation stream (the eval store, else the held-out split;
     None if neither). ``attention`` is the step's resolved one; the loader only needs to know whether
     it is flex (block indices) or any form of SDPA."""
-    stores, split, fraction = c.stores(), "train", c.heldout_fraction
-    if c.eval_store is not None:
-        stores, split, fraction = ([parse_store_spec(c.eval_store)] if eval_split else stores), "all", 0.0
+    data = c.data
+    stores, split, fraction = data.stores(), "train", data.heldout_fraction
+    if data.eval_store is not None:
+        stores, split, fraction = ([parse_store_spec(data.eval_store)] if eval_split else stores), "all", 0.0
     elif eval_split:
-        if c.heldout_fraction == 0:
+        if data.heldout_fraction == 0:
             return None
         split = "heldout"
     return LoaderConfig(
-        stores=tuple(stores), seed=c.seed, token_budget=c.token_budget, method=c.method,
-        cod=CodSettings(num_depths=c.num_depths, down_sample_ratio=c.down_sample_ratio,
-                        down_sample_ratio_min=c.down_sample_ratio_min, max_anchors=c.max_anchors),
+        stores=tuple(stores), seed=c.seed, token_budget=data.token_budget, method=c.method, cod=c.cod,
         split=split, heldout_fraction=fraction, shuffle=not eval_split,
         sequence_partitions=c.sequence_partitions, attention="flex" if attention == "flex" else "sdpa",
-        num_workers=0 if eval_split else c.num_workers, pin_memory=on_cuda,
-        verify=c.verify, dequantize_in_workers=not on_cuda, allow_bad_aux_rows=c.allow_bad_aux_rows,
-        allow_incomplete=c.allow_incomplete, aux_layer_ids=tuple(aux_layer_ids))
+        num_workers=0 if eval_split else data.num_workers, pin_memory=on_cuda,
+        verify=data.verify, dequantize_in_workers=not on_cuda, allow_bad_aux_rows=data.allow_bad_aux_rows,
+        allow_incomplete=data.allow_incomplete, aux_layer_ids=tuple(aux_layer_ids))

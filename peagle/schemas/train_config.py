@@ -1,61 +1,50 @@
-"""The configuration of one `peagle train` run: every CLI flag is a field, its docstring the help.
+"""The configuration of one `peagle train` run, one component config per part (torchtitan's shape).
 
-Validation happens here, before any model, store or process group is touched.
-Checks that need the target or the store (hidden size, aux layers, vocab) happen where those are
-opened. A checkpoint stores ``to_dict()``; resuming compares it field by field
-(:func:`peagle.schemas.train_resume.config_mismatch`) and refuses a change, except for the fields in
-``SAFE_TO_CHANGE``.
+The parts: ``data`` (:class:`DataSettings`: stores, evaluation split, loader budget and workers),
+``cod`` (:class:`CodSettings`: K and the COD draw), ``optim`` (:class:`OptimizerSettings`) and
+``checkpoint`` (:class:`CheckpointSettings`); the draft's shape, the step's kernels and the run's length
+are fields of the config itself. Each part validates its own fields and is handed whole to what builds
+that part (the loader's stream config, the optimizer, the checkpointer); checks across parts are here.
+
+Every plain field, in a part or not, is one `peagle train` flag of its name (its docstring the
+help), and the names are unique across the parts (:mod:`peagle.schemas.components`), so flags,
+``--config`` files and the saved ``train_config`` stay one flat mapping: :meth:`TrainConfig.to_dict`
+writes it and :meth:`TrainConfig.from_dict` reads it, the same keys runs written before the parts
+existed hold. Validation happens before any model, store or process group is touched; checks that
+need the target or the store (hidden size, aux layers, vocab) happen where those are opened. A
+resumed run compares the saved mapping leaf by leaf (:func:`peagle.schemas.train_resume.config_mismatch`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
+from peagle.schemas.checkpoint_settings import CheckpointSettings
+from peagle.schemas.cod_settings import PEAGLE_ONLY_COD, CodSettings
+from peagle.schemas.components import from_flat, leaves, to_flat
+from peagle.schemas.data_settings import DataSettings, StoreSpec, parse_store_spec
 from peagle.schemas.draft_config import DRAFT_ARCHITECTURES, DRAFT_METHODS
 from peagle.schemas.dtypes import dtype_choice
-from peagle.schemas.errors import UserError
+from peagle.schemas.errors import UserError, at_least
+from peagle.schemas.optimizer_settings import OptimizerSettings
 from peagle.schemas.tracking_config import TrackingOptions
 
 ATTENTION_BACKENDS = ("auto", "flex", "sdpa")
 COMPILE_MODES = ("auto", "layers", "flex", "off")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
 FLEX_KERNELS = ("auto", "rows-safe", "tma", "flash")
-OPTIMIZERS = ("adamw", "muon")
-MUON_NS_DTYPES = ("float32", "bfloat16")
 LOSSES = ("forward_kl", "tv")
-PEAGLE_ONLY = ("down_sample_ratio", "down_sample_ratio_min", "max_anchors", "mask_token_id")
+PEAGLE_ONLY = (*PEAGLE_ONLY_COD, "mask_token_id")
 """Fields of P-EAGLE's COD sampling and mask slots: `--method eagle3` refuses them set (it trains every
 chain and has no mask slots)."""
 
-__all__ = ["TrainConfig", "StoreSpec", "parse_store_spec", "PEAGLE_ONLY"]
-
-
-@dataclass(frozen=True)
-class StoreSpec:
-    """One training store and its mixing weight (``PATH`` or ``PATH:WEIGHT``)."""
-
-    path: str
-    weight: float = 1.0
-
-
-def parse_store_spec(text: str) -> StoreSpec:
-    """``/data/a`` -> (``/data/a``, 1.0); ``/data/a:0.7`` -> (``/data/a``, 0.7).
-
-    Only a suffix that parses as a number is a weight, so paths that contain ``:`` still work.
-    """
-    path, sep, tail = str(text).rpartition(":")
-    if sep and path:
-        try:
-            weight = float(tail)
-        except ValueError:
-            return StoreSpec(str(text), 1.0)
-        if not (math.isfinite(weight) and weight > 0):
-            raise UserError(f"--store {text}: the weight after ':' must be a positive number, got {tail!r}")
-        return StoreSpec(path, weight)
-    return StoreSpec(str(text), 1.0)
+__all__ = ["TrainConfig", "StoreSpec", "parse_store_spec", "PEAGLE_ONLY", "DataSettings", "CodSettings",
+           "OptimizerSettings", "CheckpointSettings"]
+"""``StoreSpec`` and ``parse_store_spec`` live with the data part; they are named here too, where the
+stores' readers have always imported them from."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,9 +52,9 @@ class TrainConfig(TrackingOptions):
     """Settings of `peagle train` (docs/cod.md, docs/draft-and-export.md, docs/reliability.md): data, draft shape, optimisation, run mechanics
     (and the experiment trackers of :class:`TrackingOptions`)."""
 
-    store: tuple[str, ...]
-    """Shard store(s) written by `peagle extract`, as STORE or STORE:WEIGHT. Repeat the flag to mix
-    stores: each batch draws samples from store i with probability weight_i / sum(weights)."""
+    data: DataSettings
+    """The stores trained and evaluated on and how the loader reads them (--store, --eval-store,
+    --token-budget, --num-workers, --follow, ...)."""
 
     target: str
     """Directory of the target model the stores were extracted from (config, weights, tokenizer):
@@ -82,16 +71,9 @@ class TrainConfig(TrackingOptions):
     test: one forward per token, each reading the draft's previous hidden state; trained by unrolling
     K steps over every chain). `peagle export` writes the format vLLM serves for it."""
 
-    num_depths: int = 8
-    """K: how many tokens the draft proposes per step (depths 0..K-1 are trained): in one forward
-    (peagle), or in K forwards, the steps eagle3 unrolls."""
-
-    down_sample_ratio: float = 0.7
-    """r: COD sampling keeps a fraction max(r^d, r_min) of the supervised positions at depth d
-    (--method peagle; eagle3 trains every chain)."""
-
-    down_sample_ratio_min: float = 0.2
-    """r_min: the floor of the per-depth COD keep fraction (--method peagle)."""
+    cod: CodSettings = dataclasses.field(default_factory=CodSettings)
+    """K and P-EAGLE's COD draw of the deeper depths (--num-depths, --down-sample-ratio,
+    --down-sample-ratio-min, --max-anchors)."""
 
     sequence_partitions: int = 1
     """S: split each sample's COD sequence into S segments, one forward+backward each (exact: same
@@ -150,17 +132,8 @@ class TrainConfig(TrackingOptions):
     epochs: float | None = None
     """Stop after this many passes over the training data (exclusive with --max-steps)."""
 
-    lr: float = 1e-4
-    """Peak learning rate of the AdamW updates (after warmup; cosine decay to 10% of it by the last
-    step): with Muon (the default optimizer), of the parameters outside the decoder layers' matrices
-    (--muon-lr is theirs); with --optimizer adamw, of every parameter."""
-
     seed: int = 0
     """Run seed: draft init, data order and every COD draw derive from it."""
-
-    eval_store: str | None = None
-    """Store to evaluate on every --eval-every steps. Without it, a --heldout-fraction of the
-    training samples (chosen by sample_id hash) is held out for evaluation."""
 
     draft_vocab_size: int | None = None
     """Draft vocabulary size: the most frequent supervised target tokens, as built by `peagle vocab
@@ -173,41 +146,12 @@ class TrainConfig(TrackingOptions):
     the store (`peagle store info` shows it); a different value is refused. Only needed for a store
     written by an older peagle that recorded none (it is then checked against all stored tokens)."""
 
-    token_budget: int = 16384
-    """Training positions per micro-batch on each rank: samples (n tokens give n - 1 positions) are
-    packed into one row up to this; COD then adds the deeper-depth elements on top."""
-
     grad_accum: int = 1
     """Micro-batches per optimizer step on each rank. Global batch = world size x grad_accum x
     token_budget tokens."""
 
-    warmup_steps: int = 100
-    """Linear learning-rate warmup from 0 over this many optimizer steps."""
-
-    weight_decay: float = 0.01
-    """Decoupled weight decay on 2-D weights except embed_tokens (with --optimizer muon, on Muon's
-    matrices too, each scaled by its own learning rate)."""
-
-    grad_clip: float = 1.0
-    """Clip the global gradient norm to this value (0 turns clipping off)."""
-
-    optimizer: str = "muon"
-    """`muon` (default): Muon (momentum orthogonalised by Newton-Schulz) at --muon-lr on the decoder
-    layers' 2-D weights (attention and MLP projections), AdamW at --lr on the rest (embeddings, fc,
-    lm_head, norms, mask_hidden); it raised acceptance length 12% over AdamW at the same steps
-    on the toy target (benchmarks/quality.py, README "Draft quality"). `adamw`: AdamW on every parameter at --lr;
-    the one --fsdp supports."""
-
-    muon_lr: float = 0.02
-    """Peak learning rate of Muon's matrices with --optimizer muon (warmup and cosine decay as --lr,
-    so the two keep their ratio). Muon's step has a fixed spectral size, so it needs a larger rate
-    than AdamW's: on the quality benchmark 0.02 to 0.1 did alike and 0.01 lost Muon's gain."""
-
-    muon_ns_dtype: str = "float32"
-    """Dtype of Muon's Newton-Schulz iterations with --optimizer muon: `float32`, or `bfloat16` (what
-    Muon's authors run: the five iterations only need singular values near 1, and bf16 keeps them within
-    ~3 %). A cost per optimizer step, not per token: a large share of a deep draft's CPU step
-    (benchmarks/train_step_profile.py); bf16 matmuls run faster where the CPU has AVX512-BF16 or AMX."""
+    optim: OptimizerSettings = dataclasses.field(default_factory=OptimizerSettings)
+    """The optimizer, its learning rates and schedule (--optimizer, --lr, --muon-lr, --warmup-steps, ...)."""
 
     loss: str = "forward_kl"
     """Training loss per element against the stored top-k, renormalised over the draft vocab:
@@ -221,22 +165,11 @@ class TrainConfig(TrackingOptions):
     that learns a small store by heart (docs/quality.md). Drawn from the run's checkpointed RNG, so a
     resumed run draws what the killed one would have."""
 
-    max_anchors: int | None = None
-    """(--method peagle) Cap M on the draft chains of each sample: at most M of its positions start a chain (get
-    depth 1 elements); every deeper element extends one of those chains, and the deeper depths'
-    counts shrink by the factor that capped depth 1. A sample of T positions then adds at most
-    M x (K-1) elements to its T depth-0 ones. Per sample, also when samples are packed into one
-    row. Default: no cap."""
-
     eval_every: int = 500
     """Evaluate every this many optimizer steps, and at the end (0: never)."""
 
-    save_every: int = 1000
-    """Write a checkpoint every this many optimizer steps, and at the end (0: only at the end)."""
-
-    keep_checkpoints: int = 3
-    """How many of the newest checkpoints to keep (older ones are deleted once a new one commits); the
-    newest checkpoint whose weights are all finite is kept as well, however old."""
+    checkpoint: CheckpointSettings = dataclasses.field(default_factory=CheckpointSettings)
+    """When checkpoints are written and how many are kept (--save-every, --keep-checkpoints)."""
 
     max_bad_steps: int = 3
     """How many steps with a non-finite (NaN or inf) loss or gradient norm the run survives. Such a step
@@ -248,10 +181,6 @@ class TrainConfig(TrackingOptions):
 
     log_every: int = 10
     """Write a metrics.jsonl line (and refresh the progress bar) every this many optimizer steps."""
-
-    num_workers: int = 2
-    """DataLoader worker processes per rank doing COD sampling, packing and mask metadata (0: in
-    the training process)."""
 
     train_lm_head: bool = False
     """Also train lm_head (by default it keeps the target's rows, frozen, as in the reference)."""
@@ -273,44 +202,7 @@ class TrainConfig(TrackingOptions):
     speculators checkpoint): every tensor whose name and shape match is copied (the draft vocab must be
     the same); the rest keep their usual start (the target's embeddings and lm_head, random layers)."""
 
-    heldout_fraction: float = 0.01
-    """Share of training samples held out for evaluation when no --eval-store is given (0: none)."""
-
-    verify: bool = False
-    """Check the sha256 of every shard when opening the stores (default: sizes only)."""
-
-    allow_bad_aux_rows: bool = False
-    """Train on stores whose commit statistics show all-zero or non-finite aux rows (by default such
-    a store is refused, naming the shard: `peagle store check --store STORE` finds the samples)."""
-
-    allow_incomplete: bool = False
-    """Train on stores with planned shards that are not committed (a worker died, or is still at work),
-    saying how much is missing; by default such a store is refused, naming the missing shards
-    (`peagle store info --store STORE` prints the command that extracts them)."""
-
-    follow: bool = False
-    """Train while extraction still commits into the stores: start once a shard is committed; each epoch
-    covers the shards committed when it begins (while a store is incomplete, a new epoch waits for a new
-    commit rather than repeat the same data). Needs --max-steps; the draft vocab is the one built before
-    the run starts (`peagle vocab --store STORE --allow-incomplete`), frozen for the run. RUN_DIR/epochs.json
-    records the shards of every epoch; a store still incomplete when the steps are spent is an error
-    (after the final checkpoint) unless --allow-incomplete."""
-
-    follow_timeout: float = 3600.0
-    """With --follow: seconds to wait for the first (or a next) committed shard before giving up with one
-    line naming the missing shards (re-running the same command then resumes)."""
-
-    epoch_shards: str | None = None
-    """Train epoch e on exactly the shards FILE records for it (the RUN_DIR/epochs.json of a --follow run;
-    epochs it does not list cover every committed shard): repeats that run's consumption on the
-    finished store, step for step."""
-
     def __post_init__(self) -> None:
-        store = (self.store,) if isinstance(self.store, str) else tuple(self.store or ())
-        object.__setattr__(self, "store", store)
-        if not store:
-            raise UserError("no training store: pass --store PATH (or PATH:WEIGHT; repeat to mix stores)")
-        self.stores()  # validates weights
         if self.attention not in ATTENTION_BACKENDS:
             raise UserError(f"--attention must be one of {'|'.join(ATTENTION_BACKENDS)}, got {self.attention!r}")
         object.__setattr__(self, "compute_dtype", dtype_choice("compute-dtype", self.compute_dtype, COMPUTE_DTYPES))
@@ -323,60 +215,37 @@ class TrainConfig(TrackingOptions):
                             f"got {self.draft_architecture!r}")
         if self.max_steps is not None and self.epochs is not None:
             raise UserError(f"--max-steps {self.max_steps} and --epochs {self.epochs} are exclusive; pass one")
-        if self.follow and self.max_steps is None:
+        if self.data.follow and self.max_steps is None:
             raise UserError("--follow needs --max-steps: the length of an epoch is not known before the store is "
                             "complete, so --epochs cannot size the run")
-        if self.follow and self.epoch_shards is not None:
-            raise UserError("--follow and --epoch-shards are exclusive: --epoch-shards repeats a finished --follow run")
-        if not (math.isfinite(self.follow_timeout) and self.follow_timeout > 0):
-            raise UserError(f"--follow-timeout must be > 0 seconds, got {self.follow_timeout}")
         if self.method not in DRAFT_METHODS:
             raise UserError(f"--method must be one of {'|'.join(DRAFT_METHODS)}, got {self.method!r}")
         if self.method != "peagle":
             self._check_eagle3()
-        for name in ("num_depths", "sequence_partitions", "num_layers", "token_budget", "grad_accum",
-                     "log_every", "keep_checkpoints"):
-            _at_least(name, getattr(self, name), 1)
-        for name in ("warmup_steps", "eval_every", "save_every", "num_workers", "seed", "max_bad_steps"):
-            _at_least(name, getattr(self, name), 0)
-        for name in ("max_steps", "max_anchors", "draft_vocab_size", "mask_token_id"):
+        for name in ("sequence_partitions", "num_layers", "grad_accum", "log_every"):
+            at_least(name, getattr(self, name), 1)
+        for name in ("eval_every", "seed", "max_bad_steps"):
+            at_least(name, getattr(self, name), 0)
+        for name in ("max_steps", "draft_vocab_size", "mask_token_id"):
             if getattr(self, name) is not None:
-                _at_least(name, getattr(self, name), 0 if name == "mask_token_id" else 1)
+                at_least(name, getattr(self, name), 0 if name == "mask_token_id" else 1)
         if self.epochs is not None and not (math.isfinite(self.epochs) and self.epochs > 0):
             raise UserError(f"--epochs must be > 0, got {self.epochs}")
-        if not 0 < self.down_sample_ratio <= 1:
-            raise UserError(f"--down-sample-ratio must be in (0, 1], got {self.down_sample_ratio}")
-        if not 0 <= self.down_sample_ratio_min <= 1:
-            raise UserError(f"--down-sample-ratio-min must be in [0, 1], got {self.down_sample_ratio_min}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise UserError(f"--lr must be > 0, got {self.lr}")
         if not (math.isfinite(self.aux_noise) and self.aux_noise >= 0):
             raise UserError(f"--aux-noise must be >= 0, got {self.aux_noise}")
-        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
-            raise UserError(f"--weight-decay must be >= 0, got {self.weight_decay}")
-        if not (math.isfinite(self.grad_clip) and self.grad_clip >= 0):
-            raise UserError(f"--grad-clip must be >= 0 (0 = off), got {self.grad_clip}")
-        if self.optimizer not in OPTIMIZERS:
-            raise UserError(f"--optimizer must be one of {'|'.join(OPTIMIZERS)}, got {self.optimizer!r}")
-        if not (math.isfinite(self.muon_lr) and self.muon_lr > 0):
-            raise UserError(f"--muon-lr must be > 0, got {self.muon_lr}")
-        if self.muon_ns_dtype not in MUON_NS_DTYPES:
-            raise UserError(f"--muon-ns-dtype must be one of {'|'.join(MUON_NS_DTYPES)}, got {self.muon_ns_dtype!r}")
-        if self.optimizer == "muon" and self.fsdp:
+        if self.optim.optimizer == "muon" and self.fsdp:
             raise UserError("--fsdp needs --optimizer adamw: Muon (the default optimizer) orthogonalises whole "
                             "matrices and FSDP2 shards them; add --optimizer adamw, or drop --fsdp to use DDP")
         if self.loss not in LOSSES:
             raise UserError(f"--loss must be one of {'|'.join(LOSSES)}, got {self.loss!r}")
-        if not 0 <= self.heldout_fraction < 1:
-            raise UserError(f"--heldout-fraction must be in [0, 1), got {self.heldout_fraction}")
         self.check_tracking()
 
     def _check_eagle3(self) -> None:
         """What --method eagle3 does not take: P-EAGLE's COD and mask-token settings (it trains every
         chain, from the draft's own hidden states), and FSDP2 (its unrolled steps call the decoder
         layers' ``step``, which FSDP2's per-layer hooks do not wrap)."""
-        defaults = {f.name: f.default for f in fields(self)}
-        peagle_only = [name for name in PEAGLE_ONLY if getattr(self, name) != defaults[name]]
+        defaults, values = {leaf.name: leaf.field.default for leaf in leaves(TrainConfig)}, to_flat(self)
+        peagle_only = [name for name in PEAGLE_ONLY if values[name] != defaults[name]]
         if peagle_only:
             flags = ", ".join(f"--{name.replace('_', '-')}" for name in peagle_only)
             raise UserError(f"{flags} {'is' if len(peagle_only) == 1 else 'are'} P-EAGLE's (--method peagle): "
@@ -388,28 +257,32 @@ class TrainConfig(TrackingOptions):
 
     # ----------------------------------------------------------------------------------------------
 
-    def stores(self) -> list[StoreSpec]:
-        """The training stores with their weights, in the order given."""
-        return [parse_store_spec(s) for s in self.store]
+    @classmethod
+    def from_flags(cls, **values: Any) -> "TrainConfig":
+        """The config of these flag values, named as the flags' fields (``store=``, ``lr=``,
+        ``num_depths=``): each goes to its part, the rest keep their defaults. A part may be given
+        whole instead (``cod=CodSettings(...)``)."""
+        return from_flat(cls, values)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able; ``store`` as a list. Inverse of :meth:`from_dict`."""
-        d = dataclasses.asdict(self)
-        d["store"] = list(self.store)
+        """The flat mapping of every flag's value, JSON-able (``store`` as a list): what ``run.json``
+        and ``config.pt`` hold, in the keys they held before the parts existed. Inverse of :meth:`from_dict`."""
+        d = to_flat(self)
+        d["store"] = list(self.data.store)
         return d
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
-        known = {f.name for f in fields(cls)}
+        """A saved :meth:`to_dict` (of this or an earlier peagle, whose keys are the same flat names).
+
+        Raises:
+            UserError: a key that is no flag of this peagle, or a value its checks refuse.
+        """
+        known = {leaf.name for leaf in leaves(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise UserError(f"train config: unknown key {unknown[0]!r}")
         d = dict(data)
         if "store" in d:
             d["store"] = tuple(d["store"])
-        return cls(**d)
-
-
-def _at_least(name: str, value: int, low: int) -> None:
-    if value < low:
-        raise UserError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+        return from_flat(cls, d)

@@ -1,16 +1,16 @@
 """Whether a checkpointed `peagle train` run may resume under the current flags (docs/reliability.md).
 
-A resumed run must compute what the killed one computed: every :class:`TrainConfig` field but
-:data:`SAFE_TO_CHANGE` must be what the checkpointed run was started with (``run.json`` and the
+A resumed run must compute what the killed one computed: every plain field of :class:`TrainConfig` and
+its parts (flat names, the flags') but :data:`SAFE_TO_CHANGE` must be what the checkpointed run was started with (``run.json`` and the
 checkpoint's config). :func:`config_mismatch` names the first that differs, in one line.
 """
 
 from __future__ import annotations
 
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from peagle.schemas.components import leaves
 from peagle.schemas.errors import show_value
 from peagle.schemas.tracking_config import TRACKING_FIELDS
 from peagle.schemas.train_config import TrainConfig, parse_store_spec
@@ -36,14 +36,16 @@ EAGLE-3.1 norm options existed trained without them (both since made defaults); 
 def config_mismatch(saved: dict[str, Any], current: TrainConfig) -> str | None:
     """The first field (other than ``SAFE_TO_CHANGE``) that differs, as one line; None if none does.
 
-    Paths compare after resolving, so ``./store`` and ``/abs/store`` are the same store.
+    Paths compare after resolving, so ``./store`` and ``/abs/store`` are the same store. ``saved`` is
+    the flat mapping of :meth:`TrainConfig.to_dict` (every plain field of every part under its flag's
+    name, as runs from before the parts were written too), compared leaf by leaf.
     """
     now = current.to_dict()
-    for f in fields(TrainConfig):
-        name = f.name
+    for leaf in leaves(TrainConfig):
+        name = leaf.name
         if name in SAFE_TO_CHANGE:
             continue
-        old = saved.get(name, ABSENT_MEANT.get(name, f.default))
+        old = saved.get(name, ABSENT_MEANT.get(name, leaf.field.default))
         new = now[name]
         if _normalise(name, old) != _normalise(name, new):
             return (f"--{name.replace('_', '-')} was {show_value(old)} in the checkpointed run and is {show_value(new)} "

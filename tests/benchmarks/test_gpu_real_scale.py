@@ -34,13 +34,14 @@ def test_every_run_is_a_valid_train_command_and_the_scaling_row_trains_equal_ste
         args = scale.train_args(run, stores, weights, target=tmp_path / "t", heldout=tmp_path / "h",
                                 out=tmp_path / run.name, steps=steps[run.kind], scale=scale.GPU)
         config = train.parse(app, args[1:])
-        assert config.store == tuple(f"{stores[s]}:{weights[s]}" for s in run.stores), run.name
-        assert config.max_steps == steps[run.kind] and config.eval_store == str(tmp_path / "h")
+        assert config.data.store == tuple(f"{stores[s]}:{weights[s]}" for s in run.stores), run.name
+        assert config.max_steps == steps[run.kind] and config.data.eval_store == str(tmp_path / "h")
         assert config.train_embeddings is False  # the export travels without the target's embedding
-        assert config.allow_incomplete == ("s2" in run.stores)  # the sampled store is cut at a deadline
+        assert config.data.allow_incomplete == ("s2" in run.stores)  # the sampled store is cut at a deadline
         smoke = train.parse(app, scale.train_args(run, stores, weights, target=tmp_path / "t", heldout=tmp_path / "h",
                                                   out=tmp_path / run.name, steps=4, scale=scale.SMOKE)[1:])
-        assert (config.keep_checkpoints, smoke.keep_checkpoints) == (3, 1)  # the smoke's five runs fit a CI disk
+        kept = (config.checkpoint.keep_checkpoints, smoke.checkpoint.keep_checkpoints)
+        assert kept == (3, 1)  # the smoke's five runs fit a CI disk
     row = [r for r in scale.RUNS if r.kind == "peagle-1l"]
     assert [r.stores for r in row] == [("a0", "a1", "a2"), ("a0", "a1"), ("a0",)]  # all, 1/4, 1/16
     assert sum(scale.PARTS.values()) == 16 and scale.PARTS["a0"] == 1 and scale.PARTS["a0"] + scale.PARTS["a1"] == 4

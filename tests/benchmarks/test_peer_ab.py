@@ -43,10 +43,11 @@ def value(flags: list[str], name: str) -> str:
 
 def test_peagle_settings_are_the_train_config_of_the_flags(bench) -> None:
     p = bench.peagle_settings(bench.train_flags("muon-all-norms", replace(bench.Budget(), max_anchors=None), seed=3))
-    assert (p.optimizer, p.muon_lr, p.lr, p.num_depths, p.num_layers, p.seed) == ("muon", 0.02, 3e-3, 5, 1, 3)
-    assert p.norm_before_residual and p.norm_before_fc and p.fc_norm and p.max_anchors is None
+    assert (p.optim.optimizer, p.optim.muon_lr, p.optim.lr, p.cod.num_depths, p.num_layers, p.seed) == \
+        ("muon", 0.02, 3e-3, 5, 1, 3)
+    assert p.norm_before_residual and p.norm_before_fc and p.fc_norm and p.cod.max_anchors is None
     base = bench.peagle_settings(bench.train_flags("baseline", bench.Budget(), seed=0))
-    assert base.optimizer == "adamw" and not (base.norm_before_residual or base.norm_before_fc or base.fc_norm)
+    assert base.optim.optimizer == "adamw" and not (base.norm_before_residual or base.norm_before_fc or base.fc_norm)
     with pytest.raises(SystemExit, match="--no-such-flag"):
         bench.peagle_settings(["--no-such-flag", "1"])
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import json
 import os
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from peagle.cli import _register, app
+from peagle.schemas.components import leaves
 from peagle.schemas.train_config import TrainConfig
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "quality.py"
@@ -25,7 +25,7 @@ def bench(load_benchmark):
 
 
 def test_every_variant_flag_is_a_train_flag(bench) -> None:
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    fields = {leaf.name for leaf in leaves(TrainConfig)}  # the flags, each part's included
     flags = set(bench.BASE_TRAIN) | {flag for variant in bench.VARIANTS.values() for flag in variant}
     assert {flag[2:].replace("-", "_") for flag in flags} <= fields
     assert set(bench.DEFAULT_VARIANTS) | set(bench.TOY_VARIANTS) <= set(bench.VARIANTS) and bench.VARIANTS["baseline"] == {}
@@ -43,7 +43,7 @@ def test_every_variant_is_a_valid_train_command(bench, budget) -> None:
         config = train.parse(app, ["--store", "s", "--target", "t", "--out", "o",
                                    *bench.train_flags(variant, budget, seed=1)])
         assert config.method == bench.method_of(variant) and config.seed == 1, variant
-        assert config.max_steps == budget.train_steps and config.token_budget == budget.token_budget, variant
+        assert config.max_steps == budget.train_steps and config.data.token_budget == budget.token_budget, variant
 
 
 def test_eagle3_variants_train_the_other_method_on_the_same_budget(bench) -> None:

@@ -25,10 +25,10 @@ def test_every_recipe_is_a_valid_train_command(curves, tmp_path) -> None:
         args = curves.train_command(name, recipe, stores, target=tmp_path / "t", heldout=tmp_path / "h",
                                     work=tmp_path / "w")
         config = train.parse(app, args[1:])
-        assert config.store == tuple(str(stores[s]) for s in recipe.stores), name
-        assert config.max_steps == recipe.steps and config.eval_store == str(tmp_path / "h"), name
+        assert config.data.store == tuple(str(stores[s]) for s in recipe.stores), name
+        assert config.max_steps == recipe.steps and config.data.eval_store == str(tmp_path / "h"), name
         assert config.out == str(tmp_path / "w" / name) and config.draft_vocab_size == curves.VOCAB, name
-        assert (config.max_anchors is None) == (config.method == "eagle3"), name  # P-EAGLE's cap only
+        assert (config.cod.max_anchors is None) == (config.method == "eagle3"), name  # P-EAGLE's cap only
     mixed = curves.RECIPES["4x-data+sampled"]
     assert mixed.stores == ("large", "sampled") and mixed.steps == curves.RECIPES["4x-data"].steps
 

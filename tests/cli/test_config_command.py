@@ -12,6 +12,7 @@ import pytest
 import typer.main
 
 from peagle.cli import _register, app
+from peagle.schemas.components import leaves
 from peagle.schemas.errors import UserError
 from peagle.schemas.fields import field_docs
 
@@ -32,12 +33,13 @@ def test_every_config_field_is_a_flag_with_its_docstring_and_default(name):
     cls = command_spec.config_class
     command = typer.main.get_command(app).commands[name]
     params = {p.name: p for p in command.params}
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {leaf.name: leaf.field for leaf in leaves(cls)}  # a part's fields (TrainConfig.optim) are flags too
+    owner = {leaf.name: leaf.owner for leaf in leaves(cls)}
     extra = {"config"} | ({command_spec.more_name} if command_spec.more_values else set())
     assert set(params) == set(fields) | extra
     for field_name, f in fields.items():
         param = params[field_name]
-        assert param.help == field_docs(cls)[field_name]
+        assert param.help == field_docs(owner[field_name])[field_name]
         if field_name in command_spec.arguments:
             assert param.param_type_name == "argument"
         else:
@@ -56,15 +58,16 @@ def test_every_config_field_is_a_flag_with_its_docstring_and_default(name):
 ])
 def test_unset_flags_take_the_config_defaults(name, argv):
     config = spec(name).parse(app, argv)
-    for f in dataclasses.fields(config):
-        if f.default is not dataclasses.MISSING:
-            assert getattr(config, f.name) == f.default, f.name
+    for leaf in leaves(type(config)):
+        if leaf.field.default is not dataclasses.MISSING:
+            value = getattr(getattr(config, leaf.part) if leaf.part else config, leaf.name)
+            assert value == leaf.field.default, leaf.name
 
 
 def test_tuple_fields_are_repeatable_comma_lists_or_take_trailing_values():
     train = spec("train").parse(app, ["--store", "a", "--store", "b:0.5", "--target", "t", "--out", "o", "--fsdp",
                                         "--optimizer", "adamw"])
-    assert train.store == ("a", "b:0.5") and train.fsdp is True
+    assert train.data.store == ("a", "b:0.5") and train.fsdp is True
     extract = spec("extract").parse(app, ["--data", "a.jsonl", "b.jsonl", "c.parquet", "--target", "t", "--out", "o",
                                           "--aux-layers", "2, 8,13"])
     assert extract.data == ("a.jsonl", "b.jsonl", "c.parquet") and extract.aux_layers == (2, 8, 13)

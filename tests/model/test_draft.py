@@ -125,7 +125,7 @@ def test_every_option_changes_the_forward(option):
 
 
 def test_frozen_embeddings_get_no_gradient_and_no_optimizer_state():
-    from peagle.schemas.train_config import TrainConfig
+    from peagle.schemas.optimizer_settings import OptimizerSettings
     from peagle.stages.train.optim import build_optimizer
 
     draft = random_draft(small_config(), train_embeddings=False)
@@ -136,8 +136,8 @@ def test_frozen_embeddings_get_no_gradient_and_no_optimizer_state():
     draft(token_ids_N, torch.randn(9, 3, 64), position_N, mask).sum().backward()
     assert draft.embed_tokens.weight.grad is None and draft.fc.weight.grad is not None
     for optimizer in ("muon", "adamw"):
-        config = TrainConfig(store=("s",), target="t", out="o", optimizer=optimizer, train_embeddings=False)
-        optimized = {id(p) for group in build_optimizer(draft, config, torch.device("cpu")).param_groups
+        optimized = {id(p) for group in build_optimizer(draft, OptimizerSettings(optimizer=optimizer),
+                                                        torch.device("cpu")).param_groups
                      for p in group["params"]}
         assert id(draft.embed_tokens.weight) not in optimized and id(draft.fc.weight) in optimized
 

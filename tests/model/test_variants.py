@@ -73,8 +73,9 @@ def test_variant_trains_a_step_and_round_trips_through_the_export(variant, tmp_p
                 {f"fc_norm.{j}.weight" for j in range(NUM_AUX)} if config.fc_norm else set())
     assert own_tensors(draft) == expected
 
-    trainer = trainer_for_draft(TrainConfig(store=("unused",), target="unused", out="unused", num_depths=K,
-                                            attention="sdpa", max_steps=1, lr=1e-2, warmup_steps=0), draft)
+    train_config = TrainConfig.from_flags(store=("unused",), target="unused", out="unused", num_depths=K,
+                                          attention="sdpa", max_steps=1, lr=1e-2, warmup_steps=0)
+    trainer = trainer_for_draft(train_config, draft)
     before = {name: p.detach().clone() for name, p in draft.named_parameters()}
     result = trainer.train_step([batch_of(random_items(0, [20, 13]), 1)])
     assert math.isfinite(float(result.stats.loss_sum))
@@ -107,8 +108,9 @@ def test_variant_trains_a_step_and_round_trips_through_the_export(variant, tmp_p
 def test_qwen3_draft_trains_under_bf16_autocast():
     """The q/k norms' fp32 weights must not turn bf16 queries into fp32 ones before attention."""
     draft = variant_draft("qwen3-all")
-    trainer = trainer_for_draft(TrainConfig(store=("unused",), target="unused", out="unused", num_depths=K,
-                                            attention="sdpa", max_steps=1), draft, compute_dtype=torch.bfloat16)
+    config = TrainConfig.from_flags(store=("unused",), target="unused", out="unused", num_depths=K, attention="sdpa",
+                                    max_steps=1)
+    trainer = trainer_for_draft(config, draft, compute_dtype=torch.bfloat16)
     stats, _ = trainer.step_fn.forward_backward([batch_of(random_items(1, [17]), 1)])
     assert math.isfinite(float(stats.loss_sum))
     assert all(p.grad is not None for name, p in draft.named_parameters() if name in own_tensors(draft))

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from peagle.model.mask import document_ids
 from peagle.pipeline.store_reader import AuxSource, ByteRange, StoredAux, TrainingSample
-from peagle.schemas.loader_config import CodSettings
+from peagle.schemas.cod_settings import CodSettings
 from peagle.stages.train.cod import pack_cod
 from peagle.stages.train.methods import PEAGLE, TrainingMethod
 from peagle.stages.train.segments import plan_units

@@ -32,11 +32,16 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from peagle.schemas.cod_settings import CodSettings
 from peagle.stages.train.seeds import stable_seed
 
+_DEFAULT = CodSettings()
+"""Where the functions below take their defaults: the settings' own, written once (cod_settings.py)."""
 
-def cod_depth_counts(n_valid: int, num_depths: int, down_sample_ratio: float = 0.7,
-                     down_sample_ratio_min: float = 0.2, max_anchors: int | None = None) -> list[int]:
+
+def cod_depth_counts(n_valid: int, num_depths: int, down_sample_ratio: float = _DEFAULT.down_sample_ratio,
+                     down_sample_ratio_min: float = _DEFAULT.down_sample_ratio_min,
+                     max_anchors: int | None = _DEFAULT.max_anchors) -> list[int]:
     """Target sample count of each depth 1..num_depths−1 (before clipping to the candidate pool).
 
     ``int((n_valid − d) · max(r^d, r_min))``, never negative. With ``max_anchors = M`` and a depth-1
@@ -62,13 +67,13 @@ def _sample_without_replacement(pool: Tensor, count: int, generator: torch.Gener
 def generate_cod_sample_indices(
     seq_length: int,
     loss_mask: Tensor,
-    num_depths: int = 8,
-    down_sample_ratio: float = 0.7,
-    down_sample_ratio_min: float = 0.2,
+    num_depths: int = _DEFAULT.num_depths,
+    down_sample_ratio: float = _DEFAULT.down_sample_ratio,
+    down_sample_ratio_min: float = _DEFAULT.down_sample_ratio_min,
     filter_position_zero: bool = True,
     *,
     generator: torch.Generator | None = None,
-    max_anchors: int | None = None,
+    max_anchors: int | None = _DEFAULT.max_anchors,
 ) -> tuple[Tensor, Tensor]:
     """COD-sample the elements of one sample; returns ``(anchor_pos, depth)``, int64, flat COD layout.
 

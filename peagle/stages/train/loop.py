@@ -73,13 +73,13 @@ class Trainer:
         self.loader: TrainLoader | None = None  # None in trainers that tests feed (peagle.testing.trainer)
         self.eval_loader: TrainLoader | None = None
         self.cpu_group = None
-        self.checkpointer = ckpt.Checkpointer(self.run_dir, keep=config.keep_checkpoints)
+        self.checkpointer = ckpt.Checkpointer(self.run_dir, keep=config.checkpoint.keep_checkpoints)
         self.extra: dict[str, Any] = {}  # what the config part records besides the configs
         self.lr_used, self.data_wait_s = 0.0, 0.0
         # None: the device's default (device.default_compute_dtype); tests may set it too
         self.compute_dtype: torch.dtype | None = (None if config.compute_dtype == "auto"
                                                   else getattr(torch, config.compute_dtype))
-        self.roots = [Path(spec.path) for spec in config.stores()]
+        self.roots = [Path(spec.path) for spec in config.data.stores()]
         self.epoch_began_at: dict[int, int] = {}  # with --follow/--epoch-shards: the step each epoch began at
         self.run_lock: RunLock | None = None  # rank 0's, from build() to close()
         self.bad_steps = BadSteps(self.run_dir, max_bad_steps=config.max_bad_steps)
@@ -89,7 +89,7 @@ class Trainer:
 
     def build(self) -> None:
         """Process group, stores, vocab, draft, wrapper, optimizer, schedule; then resume if possible."""
-        c = self.config
+        c, data = self.config, self.config.data
         ckpt.seed_rngs(c.seed)  # before anything draws; a resume then restores the checkpoint's states
         self.setup_world()
         self.run_lock = lock_run_dir(self.run_dir, rank=self.rank, agree=self._agree)
@@ -97,13 +97,13 @@ class Trainer:
         tracking = self._on_rank0(lambda: plan_tracking(  # before any slow work: a tracker that cannot run is one line
             c, log_dir=self.run_dir / "logs", run_name=self.run_dir.resolve().name,
             mlflow_default=f"file:{(self.run_dir / 'mlruns').resolve()}"))
-        if c.follow:  # extraction may not have committed anything yet
-            follow.wait_for_first_commit(self.roots, timeout_s=c.follow_timeout, say=self._say)
+        if data.follow:  # extraction may not have committed anything yet
+            follow.wait_for_first_commit(self.roots, timeout_s=data.follow_timeout, say=self._say)
         target = open_target(c.target)
         target_cfg = target.config
-        for path in [spec.path for spec in c.stores()] + ([parse_store_spec(c.eval_store).path] if c.eval_store else []):
+        for path in [s.path for s in data.stores()] + ([parse_store_spec(data.eval_store).path] if data.eval_store else []):
             check_store_matches_target(read_settings(path), target, store=path)
-        first_store = c.stores()[0].path
+        first_store = data.stores()[0].path
         settings = read_settings(first_store)
         vocab_size = int(target_cfg.vocab_size)
         draft_vocab_size, note = choose_draft_vocab_size(
@@ -113,9 +113,9 @@ class Trainer:
         if draft_vocab_size > vocab_size:
             raise UserError(f"--draft-vocab-size {draft_vocab_size} is larger than the target vocab {vocab_size}")
         vocab = None if draft_vocab_size == vocab_size else load_draft_vocab(first_store, draft_vocab_size,
-                                                                              growing=c.follow, say=self._say)
-        source = follow.epoch_source(self.roots, follow=c.follow, epoch_shards=c.epoch_shards,
-                                     timeout_s=c.follow_timeout, say=self._say)
+                                                                              growing=data.follow, say=self._say)
+        source = follow.epoch_source(self.roots, follow=data.follow, epoch_shards=data.epoch_shards,
+                                     timeout_s=data.follow_timeout, say=self._say)
         self.loader = TrainLoader(stream_config(c, aux_layer_ids=settings.aux_layer_ids, attention=self.attention,
                                                 on_cuda=self.device.type == "cuda", eval_split=False), vocab=vocab,
                                   rank=self.rank, world_size=self.world_size, source=source, agree=self._agree,
@@ -157,11 +157,11 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_json(self.run_dir / RUN_FILE, self._config_part())
         self.tracker = self._on_rank0(lambda: open_tracker(tracking, state_dir=self.run_dir, start=self.step, config=(
-            c.to_dict()), extras={"stores": describe_stores(self.loader.stores, [s.weight for s in c.stores()],
+            c.to_dict()), extras={"stores": describe_stores(self.loader.stores, [s.weight for s in data.stores()],
                                                            self.loader.manifest_hashes)}))
         num_params = sum(p.numel() for p in self.draft.parameters())
         num_trainable = sum(p.numel() for p in self.draft.parameters() if p.requires_grad)
-        self._say(f"draft ({METHOD_NAMES[c.method]}, K = {c.num_depths}): {c.num_layers} layers, "
+        self._say(f"draft ({METHOD_NAMES[c.method]}, K = {c.cod.num_depths}): {c.num_layers} layers, "
                   f"{num_params / 1e6:.1f}M params ({num_trainable / 1e6:.1f}M trainable), vocab {draft_vocab_size}; world {self.world_size} on {self.device.type}, "
                   f"{self.step_fn.describe()}; {self.loader.num_batches} batches/epoch/rank, {total_steps} steps")
 
@@ -172,7 +172,7 @@ class Trainer:
         if config is None or self.config.eval_every == 0:
             return None
         source = None
-        if self.loader.source is not None and self.config.eval_store is None:
+        if self.loader.source is not None and self.config.data.eval_store is None:
             self.loader.plan(0)  # decides epoch 0 where no checkpoint recorded it
             first = self.loader.epoch_shards[0]
             source = lambda epoch, previous: first  # noqa: E731
@@ -233,7 +233,7 @@ class Trainer:
         self.step_fn = TrainStep(draft, self.config, device=self.device, attention=self.attention,
                                  total_steps=total_steps, world_size=self.world_size, cpu_group=self.cpu_group,
                                  compute_dtype=self.compute_dtype)
-        self.window = MetricsWindow(self.config.num_depths, self.device)
+        self.window = MetricsWindow(self.config.cod.num_depths, self.device)
 
     @property
     def draft(self) -> PEagleDraft:
@@ -310,15 +310,15 @@ class Trainer:
             paused = time.perf_counter()  # evals and saves are not training: kept out of the window's tokens/s
             if c.eval_every and (self.step % c.eval_every == 0 or last) and self.eval_loader is not None:
                 self._write_metrics(self.evaluate())
-            if (c.save_every and self.step % c.save_every == 0) or last:
+            if (c.checkpoint.save_every and self.step % c.checkpoint.save_every == 0) or last:
                 self.save()
             window_start += time.perf_counter() - paused
         if bar is not None:
             bar.close()
-        if c.follow:  # the steps are spent: is the store complete, was every shard trained on?
+        if c.data.follow:  # the steps are spent: is the store complete, was every shard trained on?
             now = self._agree(follow.snapshot(self.roots) if self.rank == 0 else None)
             for line in follow.end_of_follow(now, self.roots, self.loader.epoch_shards, max_steps=self.total_steps,
-                                             allow_incomplete=c.allow_incomplete):
+                                             allow_incomplete=c.data.allow_incomplete):
                 self._say(line)
 
     def window_metrics(self, seconds: float) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from peagle.model.draft import PEagleDraft
-from peagle.schemas.train_config import TrainConfig
+from peagle.schemas.optimizer_settings import OptimizerSettings
 from peagle.stages.train.device import uses_fused_optimizer
 
 MIN_LR_RATIO = 0.1
@@ -57,7 +57,7 @@ def clip_and_step(optimizer: torch.optim.Optimizer, params: list[Tensor], max_no
     return norm
 
 
-def build_optimizer(draft: PEagleDraft, config: TrainConfig, device: torch.device,
+def build_optimizer(draft: PEagleDraft, config: OptimizerSettings, device: torch.device,
                     fused: bool | None = None) -> torch.optim.Optimizer:
     """AdamW over the trainable fp32 parameters; weight decay on matrices only (not norms, embeddings
     or ``mask_hidden``, which is an input rather than a weight). Fused on CUDA.
@@ -68,7 +68,8 @@ def build_optimizer(draft: PEagleDraft, config: TrainConfig, device: torch.devic
     keeps their ratio. Under DDP every rank holds the whole, already all-reduced gradient before
     the step, so Muon's Newton-Schulz runs on identical matrices and the replicas stay identical;
     FSDP2 shards are refused by the config (TrainConfig). ``fused`` (default: on CUDA) makes AdamW one
-    fused kernel, into which :func:`clip_and_step` folds the gradient clip."""
+    fused kernel, into which :func:`clip_and_step` folds the gradient clip. Built from the run's
+    optimizer part alone (``TrainConfig.optim``): a new optimizer knob is a field there, used here."""
     if config.optimizer == "muon":
         from peagle.stages.train.muon import MuonAdamW, muon_param_groups
 

@@ -203,11 +203,11 @@ class TrainStep:
                                       attention=attention, kernel_options=FLEX_KERNEL_OPTIONS[config.flex_kernel],
                                       loss_chunk=fused_chunk_loss)
         self.method = training_method(config.method)
-        self.model = self._parallelize(DraftStep(self.draft, config.num_depths, self.compiler, config.loss,
+        self.model = self._parallelize(DraftStep(self.draft, config.cod.num_depths, self.compiler, config.loss,
                                                  self.method))
-        self.optimizer = build_optimizer(self.draft, config, device)
+        self.optimizer = build_optimizer(self.draft, config.optim, device)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, config.warmup_steps, total_steps))
+            self.optimizer, lambda s: lr_factor(s, config.optim.warmup_steps, total_steps))
 
     def describe(self) -> str:
         fp8 = ", fp8 matmuls" if self.config.fp8_matmuls else ""
@@ -240,7 +240,7 @@ class TrainStep:
         grad_norm = gradient_norm(params)
         applied = self.is_finite(stats.loss_sum, grad_norm)
         if applied:
-            clip_and_step(self.optimizer, params, self.config.grad_clip, grad_norm)
+            clip_and_step(self.optimizer, params, self.config.optim.grad_clip, grad_norm)
         else:  # module docstring: nothing of this step reaches the weights or the optimizer state
             self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[-1]  # --lr's: the last group is AdamW's for both optimizers
@@ -284,7 +284,7 @@ class TrainStep:
     def _units_forward_backward(self, batches: list[TrainBatch], loss_scale: float) -> LossStats:
         units = [(j, plan) for j, batch in enumerate(batches) for plan in batch.units]
         correct: list[list[Tensor]] = [[] for _ in batches]
-        total = LossStats.zeros(self.config.num_depths, self.device)
+        total = LossStats.zeros(self.config.cod.num_depths, self.device)
         for i, (j, plan) in enumerate(units):
             with self._gradient_sync(i == len(units) - 1):
                 stats, correct_e = self._unit_forward(batches[j], plan)
@@ -313,7 +313,7 @@ class TrainStep:
         """Summed stats over ``batches`` (no gradients) and their ``num_no_target``, both summed over
         ranks: the count is read from the host batches, so it costs no device sync."""
         self.model.eval()
-        total = LossStats.zeros(self.config.num_depths, self.device)
+        total = LossStats.zeros(self.config.cod.num_depths, self.device)
         no_target = 0
         for host_batch in batches:
             no_target += host_batch.num_no_target

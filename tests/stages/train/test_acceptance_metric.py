@@ -132,8 +132,8 @@ def test_training_acceptance_length_equals_the_offline_evaluators(planted, num_s
     assert sum(b.num_no_target for b in batches) > 0  # unusable targets are in play ...
     assert any(bool((b.chain_target_idx_CK == b.num_supervised).any()) for b in batches)  # ... inside chains
 
-    config = TrainConfig(store=("unused",), target="unused", out="unused", num_depths=K,
-                         sequence_partitions=num_segments, attention="sdpa", max_steps=1)
+    config = TrainConfig.from_flags(store=("unused",), target="unused", out="unused", num_depths=K,
+                                    sequence_partitions=num_segments, attention="sdpa", max_steps=1)
     trainer = trainer_for_draft(config, draft)
     stats, _ = trainer.step_fn.forward_backward(batches)
     train = summarise(stats)

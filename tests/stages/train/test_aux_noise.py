@@ -37,8 +37,8 @@ def test_the_noise_is_a_fraction_of_each_states_rms_whatever_its_scale():
 
 
 def _step_loss(aux_noise: float, *, training: bool, seed: int) -> float:
-    config = TrainConfig(store=("unused",), target="unused", out="unused", num_depths=K, attention="sdpa",
-                         max_steps=1, aux_noise=aux_noise)
+    config = TrainConfig.from_flags(store=("unused",), target="unused", out="unused", num_depths=K, attention="sdpa",
+                                    max_steps=1, aux_noise=aux_noise)
     trainer = trainer_for_draft(config, tiny_draft())
     batch = batch_of(random_items(3, [40, 17]), 1)
     torch.manual_seed(seed)

@@ -21,8 +21,8 @@ from test_partition_equivalence import K, batch_of, random_items, tiny_draft  # 
 
 
 def guarded_trainer(out: Path, **kw):
-    config = TrainConfig(store=("unused",), target="unused", out=str(out), num_depths=K, attention="sdpa",
-                         max_steps=4, warmup_steps=0, lr=1e-3, **kw)
+    config = TrainConfig.from_flags(store=("unused",), target="unused", out=str(out), num_depths=K, attention="sdpa",
+                                    max_steps=4, warmup_steps=0, lr=1e-3, **kw)
     return trainer_for_draft(config, tiny_draft())
 
 
@@ -91,4 +91,4 @@ def test_past_the_budget_the_stop_line_names_the_stores_shards_and_samples(tmp_p
 
 def test_max_bad_steps_is_checked():
     with pytest.raises(UserError, match="--max-bad-steps must be >= 0, got -1"):
-        TrainConfig(store=("s",), target="t", out="o", max_bad_steps=-1)
+        TrainConfig.from_flags(store=("s",), target="t", out="o", max_bad_steps=-1)

@@ -227,7 +227,7 @@ def test_loading_on_another_world_size_is_refused(tmp_path):
 
 
 def config(**kw) -> TrainConfig:
-    return TrainConfig(**{"store": ("s",), "target": "t", "out": "o", **kw})
+    return TrainConfig.from_flags(**{"store": ("s",), "target": "t", "out": "o", **kw})
 
 
 def test_a_changed_config_names_the_field_and_both_values():

@@ -116,9 +116,9 @@ def test_compiled_flex_forward_compiles_at_most_twice_over_real_batches(tiny_sto
 
 
 def _trainer(tiny_store, compile: str) -> Trainer:
-    config = TrainConfig(store=(str(tiny_store.root),), target=str(tiny_store.target_dir), out="unused",
-                         num_depths=4, attention="sdpa", compile=compile, max_steps=10, lr=1e-3, warmup_steps=0,
-                         optimizer="adamw")
+    config = TrainConfig.from_flags(store=(str(tiny_store.root),), target=str(tiny_store.target_dir), out="unused",
+                                    num_depths=4, attention="sdpa", compile=compile, max_steps=10, lr=1e-3,
+                                    warmup_steps=0, optimizer="adamw")
     return trainer_for_draft(config, _draft(tiny_store).train(), compute_dtype=torch.bfloat16)
 
 

@@ -56,9 +56,9 @@ def _trainer(tiny_store, attention: str, partitions: int = 1, **options) -> Trai
     draft_config = DraftConfig.from_target_config(hf_config, num_layers=2, mask_token_id=tiny_store.mask_token_id)
     torch.manual_seed(0)
     draft = build_draft_from_target(tiny_store.target_dir, draft_config, train_lm_head=True)
-    config = TrainConfig(store=(str(tiny_store.root),), target=str(tiny_store.target_dir), out="unused",
-                         num_depths=4, sequence_partitions=partitions, attention=attention, max_steps=10,
-                         lr=1e-3, warmup_steps=0, **options)
+    config = TrainConfig.from_flags(store=(str(tiny_store.root),), target=str(tiny_store.target_dir), out="unused",
+                                    num_depths=4, sequence_partitions=partitions, attention=attention, max_steps=10,
+                                    lr=1e-3, warmup_steps=0, **options)
     trainer = trainer_for_draft(config, draft)
     assert trainer.device.type == "cuda" and trainer.step_fn.compute_dtype == torch.bfloat16
     return trainer

@@ -50,9 +50,9 @@ def _micro_batches(step: int, rank: int):
 
 def _trainer(world_size: int, *, fsdp: bool = False, compute_dtype: torch.dtype | None = None,
              optimizer: str = "adamw") -> Trainer:
-    config = TrainConfig(store=("unused",), target="unused", out="unused", num_depths=5, sequence_partitions=2,
-                         attention="sdpa", max_steps=NUM_STEPS + 1, grad_accum=2 // world_size, lr=3e-3,
-                         warmup_steps=1, fsdp=fsdp, optimizer=optimizer)
+    config = TrainConfig.from_flags(store=("unused",), target="unused", out="unused", num_depths=5,
+                                    sequence_partitions=2, attention="sdpa", max_steps=NUM_STEPS + 1,
+                                    grad_accum=2 // world_size, lr=3e-3, warmup_steps=1, fsdp=fsdp, optimizer=optimizer)
     return trainer_for_draft(config, tiny_draft(num_layers=2), compute_dtype=compute_dtype)
 
 

@@ -133,7 +133,7 @@ def test_the_end_of_a_follow_run(growing):
 def test_follow_needs_a_step_budget():
     base = dict(store=("s",), target="t", out="o")
     with pytest.raises(UserError, match="--follow needs --max-steps"):
-        TrainConfig(**base, follow=True)
+        TrainConfig.from_flags(**base, follow=True)
     with pytest.raises(UserError, match="exclusive"):
-        TrainConfig(**base, follow=True, max_steps=5, epoch_shards="e.json")
-    assert TrainConfig(**base, follow=True, max_steps=5).follow
+        TrainConfig.from_flags(**base, follow=True, max_steps=5, epoch_shards="e.json")
+    assert TrainConfig.from_flags(**base, follow=True, max_steps=5).data.follow

@@ -61,7 +61,7 @@ def test_the_checkpointed_metrics_window_resumes_and_an_older_layout_is_dropped_
     fresh = trainer_for(tiny_draft(), 1)
     fresh.load_state_dict(state)
     assert torch.equal(fresh.window.stats.to_vector(), saved)
-    K = trainer.config.num_depths
+    K = trainer.config.cod.num_depths
     state[ckpt.TRAIN_STATE]["window"]["stats"] = torch.ones(2 + 3 * K)
     older = trainer_for(tiny_draft(), 1)
     older.load_state_dict(state)
@@ -77,7 +77,7 @@ def run_config(tiny, out, **kw) -> TrainConfig:
     base = dict(store=(str(tiny.root),), target=str(tiny.target_dir), out=str(out), num_layers=1, num_depths=4,
                 token_budget=256, draft_vocab_size=tiny.vocab_size, max_steps=4, lr=2e-3, warmup_steps=1,
                 log_every=1, save_every=2, eval_every=2, heldout_fraction=0.25, num_workers=0)
-    return TrainConfig(**{**base, **kw})
+    return TrainConfig.from_flags(**{**base, **kw})
 
 
 def metrics(out) -> list[dict]:

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from peagle.model.draft import PEagleDraft
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.errors import UserError
+from peagle.schemas.optimizer_settings import OptimizerSettings
 from peagle.schemas.train_config import TrainConfig
 from peagle.stages.train.muon import CUBIC, QUINTIC, MuonAdamW, muon_param_groups, muon_scale, newton_schulz
 sys.path.insert(0, str(Path(__file__).parent))  # sibling test helpers (test_loop), whatever pytest's import mode
@@ -108,14 +109,13 @@ def test_build_optimizer_runs_newton_schulz_in_the_configured_dtype(monkeypatch)
     monkeypatch.setattr(muon, "newton_schulz", lambda m, **kw: seen.append(kw["dtype"]) or real(m, **kw))
     draft = tiny_draft()
     for dtype in ("float32", "bfloat16"):
-        config = TrainConfig(store=("s",), target="t", out="o", muon_ns_dtype=dtype)
-        opt = build_optimizer(draft, config, torch.device("cpu"))
+        opt = build_optimizer(draft, OptimizerSettings(muon_ns_dtype=dtype), torch.device("cpu"))
         for p in draft.parameters():
             p.grad = torch.ones_like(p) if p.requires_grad else None
         opt.step()
     assert {d for d in seen} == {torch.float32, torch.bfloat16} and seen[0] == torch.float32 and seen[-1] == torch.bfloat16
     with pytest.raises(UserError, match="--muon-ns-dtype must be one of float32|bfloat16, got 'float16'"):
-        TrainConfig(store=("s",), target="t", out="o", muon_ns_dtype="float16")
+        TrainConfig.from_flags(store=("s",), target="t", out="o", muon_ns_dtype="float16")
 
 
 def test_scale_modes() -> None:
@@ -256,7 +256,7 @@ def test_state_dict_round_trip_resumes_exactly() -> None:
 def test_build_optimizer_gives_muon_its_rate_and_the_schedule_keeps_the_ratio() -> None:
     from peagle.stages.train.optim import build_optimizer, lr_factor
 
-    config = TrainConfig(store=("s",), target="t", out="o", optimizer="muon", muon_lr=0.05, lr=1e-3, weight_decay=0.1)
+    config = OptimizerSettings(optimizer="muon", muon_lr=0.05, lr=1e-3, weight_decay=0.1)
     draft = tiny_draft()
     opt = build_optimizer(draft, config, torch.device("cpu"))
     assert isinstance(opt, MuonAdamW)
@@ -269,18 +269,18 @@ def test_build_optimizer_gives_muon_its_rate_and_the_schedule_keeps_the_ratio() 
         assert rates[True] / rates[False] == pytest.approx(50.0)
         opt.step()
         sched.step()
-    adamw = build_optimizer(draft, TrainConfig(store=("s",), target="t", out="o", optimizer="adamw"), torch.device("cpu"))
+    adamw = build_optimizer(draft, OptimizerSettings(optimizer="adamw"), torch.device("cpu"))
     assert type(adamw) is torch.optim.AdamW
 
 
 def test_config_refuses_muon_with_fsdp_and_unknown_choices() -> None:
     with pytest.raises(UserError, match="^--fsdp needs --optimizer adamw: Muon \\(the default optimizer\\)"):
-        TrainConfig(store=("s",), target="t", out="o", fsdp=True)  # the default optimizer is Muon
+        TrainConfig.from_flags(store=("s",), target="t", out="o", fsdp=True)  # the default optimizer is Muon
     with pytest.raises(UserError, match="--optimizer must be one of adamw|muon, got 'sgd'"):
-        TrainConfig(store=("s",), target="t", out="o", optimizer="sgd")
+        TrainConfig.from_flags(store=("s",), target="t", out="o", optimizer="sgd")
     with pytest.raises(UserError, match="--muon-lr must be > 0"):
-        TrainConfig(store=("s",), target="t", out="o", optimizer="muon", muon_lr=0.0)
-    TrainConfig(store=("s",), target="t", out="o", optimizer="adamw", fsdp=True)  # AdamW shards fine
+        TrainConfig.from_flags(store=("s",), target="t", out="o", optimizer="muon", muon_lr=0.0)
+    TrainConfig.from_flags(store=("s",), target="t", out="o", optimizer="adamw", fsdp=True)  # AdamW shards fine
 
 
 def test_a_muon_run_resumes_exactly_from_a_mid_checkpoint(tmp_path, tiny_store) -> None:

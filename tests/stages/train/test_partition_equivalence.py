@@ -65,8 +65,8 @@ def batch_of(items, num_segments: int):
 
 
 def trainer_for(draft: PEagleDraft, num_segments: int) -> Trainer:
-    config = TrainConfig(store=("unused",), target="unused", out="unused", num_depths=K,
-                         sequence_partitions=num_segments, attention="sdpa", max_steps=1)
+    config = TrainConfig.from_flags(store=("unused",), target="unused", out="unused", num_depths=K,
+                                    sequence_partitions=num_segments, attention="sdpa", max_steps=1)
     return trainer_for_draft(config, draft)
 
 

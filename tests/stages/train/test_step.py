@@ -93,8 +93,8 @@ def _trainer(tiny_store, **kw) -> Trainer:
     draft_config = DraftConfig.from_target_config(hf_config, num_layers=2, mask_token_id=tiny_store.mask_token_id)
     torch.manual_seed(0)
     draft = build_draft_from_target(tiny_store.target_dir, draft_config)
-    config = TrainConfig(store=(str(tiny_store.root),), target=str(tiny_store.target_dir), out="unused",
-                         num_depths=4, max_steps=10, lr=1e-3, warmup_steps=0, **kw)
+    config = TrainConfig.from_flags(store=(str(tiny_store.root),), target=str(tiny_store.target_dir), out="unused",
+                                    num_depths=4, max_steps=10, lr=1e-3, warmup_steps=0, **kw)
     return trainer_for_draft(config, draft)
 
 

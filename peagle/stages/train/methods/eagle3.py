@@ -27,7 +27,7 @@ from peagle.model.flex import FlexFn
 from peagle.model.mask import cod_block_indices
 from peagle.model.sequential import unroll
 from peagle.pipeline.store_reader import TrainingSample
-from peagle.schemas.loader_config import CodSettings
+from peagle.schemas.cod_settings import CodSettings
 from peagle.stages.train.attention import unit_mask
 from peagle.stages.train.cod import every_chain
 from peagle.stages.train.methods.method import unit_view

@@ -25,7 +25,7 @@ from torch import Tensor
 from peagle.model.draft import PEagleDraft
 from peagle.model.flex import FlexFn
 from peagle.pipeline.store_reader import TrainingSample
-from peagle.schemas.loader_config import CodSettings
+from peagle.schemas.cod_settings import CodSettings
 from peagle.stages.train.segments import UnitPlan
 from peagle.stages.train.train_batch import TrainBatch
 

@@ -18,7 +18,7 @@ from peagle.model.draft import PEagleDraft
 from peagle.model.flex import FlexFn
 from peagle.model.mask import cod_block_indices
 from peagle.pipeline.store_reader import TrainingSample
-from peagle.schemas.loader_config import CodSettings
+from peagle.schemas.cod_settings import CodSettings
 from peagle.stages.train.attention import unit_mask
 from peagle.stages.train.cod import cod_generator, generate_cod_sample_indices
 from peagle.stages.train.methods.method import unit_view

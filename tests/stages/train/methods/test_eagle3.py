@@ -62,8 +62,8 @@ def items_of(samples, seed: int = 0, epoch: int = 0):
 
 
 def trainer_for(draft, num_segments: int = 1):
-    config = TrainConfig(store=("unused",), target="unused", out="unused", method="eagle3", num_depths=K,
-                         sequence_partitions=num_segments, attention="sdpa", max_steps=1)
+    config = TrainConfig.from_flags(store=("unused",), target="unused", out="unused", method="eagle3", num_depths=K,
+                                    sequence_partitions=num_segments, attention="sdpa", max_steps=1)
     return trainer_for_draft(config, draft)
 
 
@@ -132,11 +132,11 @@ def test_partitions_are_exact_for_the_unrolled_steps():
 def test_peagle_only_settings_and_fsdp_are_refused_in_one_line():
     base = dict(store=("s",), target="t", out="o", method="eagle3")
     with pytest.raises(UserError, match=r"--down-sample-ratio, --max-anchors are P-EAGLE's"):
-        TrainConfig(**base, down_sample_ratio=0.5, max_anchors=4)
+        TrainConfig.from_flags(**base, down_sample_ratio=0.5, max_anchors=4)
     with pytest.raises(UserError, match="--fsdp is not offered with --method eagle3"):
-        TrainConfig(**base, fsdp=True, optimizer="adamw")
+        TrainConfig.from_flags(**base, fsdp=True, optimizer="adamw")
     with pytest.raises(UserError, match="--method must be one of peagle|eagle3"):
-        TrainConfig(store=("s",), target="t", out="o", method="medusa")
+        TrainConfig.from_flags(store=("s",), target="t", out="o", method="medusa")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -147,7 +147,7 @@ def run_config(tiny, out, **kw) -> TrainConfig:
     base = dict(store=(str(tiny.root),), target=str(tiny.target_dir), out=str(out), method="eagle3", num_layers=1,
                 num_depths=3, token_budget=256, draft_vocab_size=tiny.vocab_size, max_steps=4, lr=2e-3,
                 warmup_steps=1, log_every=1, save_every=2, eval_every=2, heldout_fraction=0.25, num_workers=1)
-    return TrainConfig(**{**base, **kw})
+    return TrainConfig.from_flags(**{**base, **kw})
 
 
 def metrics(out) -> list[dict]:
