@@ -31,10 +31,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from peagle.pipeline.atomic import atomic_write_json
+from peagle.pipeline.contained import inside
 from peagle.pipeline.tracking.backends import BACKENDS
 from peagle.pipeline.tracking.preflight import TrackingPlan, plan_tracking
 from peagle.pipeline.tracking.scalars import record_scalars, report_scalars
 from peagle.schemas.errors import UserError, one_line
+from peagle.schemas.run_files import METRICS_FILE
 from peagle.schemas.secrets import redact, redact_text
 from peagle.schemas.tracking_config import TrackingOptions
 
@@ -229,7 +231,7 @@ def log_eval_report(plan: TrackingPlan | None, report: dict[str, Any], *, run_di
 
 def last_step(run_dir: Path | None) -> int:
     """The last step of ``RUN_DIR/metrics.jsonl`` (0 without one)."""
-    path = None if run_dir is None else Path(run_dir) / "metrics.jsonl"
+    path = None if run_dir is None else inside(run_dir, METRICS_FILE, tree="run")  # a received run's link out: refused
     if path is None or not path.is_file():
         return 0
     step = 0

@@ -28,6 +28,7 @@ from typing import Any
 
 from peagle.pipeline.atomic import atomic_write_json
 from peagle.pipeline.contained import inside
+from peagle.schemas.run_files import METRICS_FILE
 
 REPORT_FILE = "report.json"
 MODES = ("offline", "online", "vllm", "server")
@@ -75,7 +76,7 @@ def read_metrics(run_dir: str | os.PathLike | None) -> list[dict[str, Any]]:
     """The records of ``RUN_DIR/metrics.jsonl`` (unparseable lines, e.g. a torn last line, skipped)."""
     if run_dir is None:
         return []
-    path = inside(run_dir, "metrics.jsonl", tree="run")  # a received run's link out of itself is refused
+    path = inside(run_dir, METRICS_FILE, tree="run")  # a received run's link out of itself is refused
     if not path.is_file():
         return []
     records = []

@@ -24,11 +24,11 @@ import torch.distributed as dist
 
 from peagle.pipeline.contained import inside
 from peagle.schemas.errors import UserError
+from peagle.schemas.run_files import BAD_STEPS_FILE
 from peagle.schemas.store import shard_stem
 from peagle.stages.train.metrics_file import truncate_jsonl
 from peagle.stages.train.train_batch import TrainBatch
 
-BAD_STEPS_FILE = "bad_steps.jsonl"
 NAMED_SAMPLES = 6  # in the stop line; the file holds them all
 
 Sample = tuple[str, str, int]

@@ -13,8 +13,7 @@ from typing import Any
 
 from peagle.pipeline.atomic import atomic_write_bytes
 from peagle.pipeline.contained import inside
-
-METRICS_FILE = "metrics.jsonl"
+from peagle.schemas.run_files import METRICS_FILE
 
 
 def append_metrics(run_dir: Path, record: dict[str, Any]) -> None:
