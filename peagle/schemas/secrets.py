@@ -37,6 +37,11 @@ SECRET_WORDS = frozenset({"token", "key", "apikey", "secret", "password", "passw
 NOT_SECRET_SUFFIXES = ("_FILE", "_PATH", "_DIR", "_SOCK", "_URL", "_HOST", "_PORT", "_USER", "_USERNAME",
                        "_MODE", "_TYPE", "_NAME", "_PARALLELISM")
 """Environment names that end so hold where a secret is, not the secret (``SSH_AUTH_SOCK``)."""
+NOT_SECRET_ENV = frozenset({"PWD", "OLDPWD"})
+"""The shell's working directories: "pwd" is a password's word in a query (``?pwd=``), but these
+environment variables hold a path, and taking them for secrets redacted every path under the
+directory a command was started from (a run started in /data saved its store as ``***/store``,
+then refused its own resume)."""
 
 _USERINFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)(?P<userinfo>[^\s/?#@\"'<>]+)@")
 _QUERY = re.compile(r"(?P<sep>[?&;])(?P<name>[A-Za-z0-9_.\-]+)=(?P<value>[^&#\s\"'<>]*)")
@@ -60,7 +65,7 @@ def secret_env_values(environ: Mapping[str, str] | None = None) -> list[str]:
     environ = os.environ if environ is None else environ
     values = {value for name, value in environ.items()
               if len(value) >= MIN_SECRET_CHARS and is_secret_name(name)
-              and not name.upper().endswith(NOT_SECRET_SUFFIXES)}
+              and not name.upper().endswith(NOT_SECRET_SUFFIXES) and name.upper() not in NOT_SECRET_ENV}
     return sorted(values, key=len, reverse=True)
 
 

@@ -3,7 +3,7 @@ values never leave the process in what peagle writes; a client gets its URI with
 
 from __future__ import annotations
 
-from peagle.schemas.secrets import MARK, Credentials, redact, redact_text, split_credentials
+from peagle.schemas.secrets import MARK, Credentials, redact, redact_text, secret_env_values, split_credentials
 
 ENV = {"HF_TOKEN": "hf_abcdefghijklmnop", "WANDB_API_KEY": "0123456789abcdef", "MLFLOW_TRACKING_PASSWORD": "s3cret-pw",
        "TOKENIZERS_PARALLELISM": "false", "SSH_AUTH_SOCK": "/tmp/ssh-abcdefgh/agent.1", "SHORT_TOKEN": "abc",
@@ -43,3 +43,12 @@ def test_a_client_gets_the_uri_without_its_credentials():
         "file://localhost/data/mlruns", "bob", "pw", None)
     assert split_credentials("file:/data/mlruns?token=x") == Credentials("file:/data/mlruns", None, None, "x")
     assert split_credentials("http://mlflow:5000") == Credentials("http://mlflow:5000")
+
+
+def test_the_working_directory_is_a_path_not_a_secret():
+    """PWD holds where a command was started: taken for a secret, every path under it was redacted
+    (a run started in /data saved ``***/store`` and refused its own resume); ``?pwd=`` stays secret."""
+    env = {"PWD": "/data/team", "OLDPWD": "/data/team/old", "DB_PWD": "hunter2-long-enough"}
+    assert secret_env_values(env) == ["hunter2-long-enough"]
+    assert redact("--store /data/team/store", env) == "--store /data/team/store"
+    assert "s3cr3t" not in redact_text("https://h/x?pwd=s3cr3t-value", env)
