@@ -42,6 +42,7 @@ from peagle.pipeline.atomic import canonical_json
 from peagle.pipeline.split import is_heldout
 from peagle.pipeline.store import Store, check_shards, manifest_hash, open_store
 from peagle.pipeline.store_reader import ShardReader, read_num_positions
+from peagle.schemas.cod_settings import CodSettings
 from peagle.schemas.errors import UserError
 from peagle.schemas.loader_config import LoaderConfig
 from peagle.stages.train.batch import collate, make_item
@@ -349,6 +350,8 @@ class TrainLoader:
         if state.get("version") != STATE_VERSION:
             raise UserError(f"loader state has version {state.get('version')}, this peagle reads {STATE_VERSION}")
         saved, now = state["identity"], self._identity()
+        # a COD knob added after the checkpoint was written: it had that knob's default
+        saved = {**{f"cod.{k}": v for k, v in asdict(CodSettings()).items()}, **saved}
         for key in sorted(set(saved) | set(now), key=lambda k: (k != "seed", k != "world_size", k)):
             if saved.get(key) != now.get(key):
                 raise UserError(f"the checkpointed data stream had {key}={saved.get(key)}, this run has "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import shutil
 from collections import Counter
@@ -189,6 +191,20 @@ def test_resume_refuses_another_stream_in_one_line(tiny_store, change, message):
     with pytest.raises(UserError) as err:
         TrainLoader(config(tiny_store), rank=0, world_size=2).load_state_dict(state)
     assert "\n" not in str(err.value) and "world_size=1" in str(err.value) and "world_size=2" in str(err.value)
+
+
+def test_a_checkpoint_older_than_a_cod_knob_resumes_at_its_default_and_not_off_it(tiny_store):
+    """A COD knob added after a checkpoint was written is absent from its loader state: that run had
+    the knob's default, so a resume at the default goes on and one at another value is refused."""
+    cod = CodSettings()
+    state = TrainLoader(config(tiny_store, cod=cod)).state_dict()
+    newest = sorted(k for k in state["identity"] if k.startswith("cod."))[-1]
+    del state["identity"][newest]
+    TrainLoader(config(tiny_store, cod=cod)).load_state_dict(state)
+    field = newest.removeprefix("cod.")
+    other = dataclasses.replace(cod, **{field: getattr(cod, field) + 1})
+    with pytest.raises(UserError, match=newest):
+        TrainLoader(config(tiny_store, cod=other)).load_state_dict(state)
 
 
 def test_mixing_follows_the_weights(tiny_store, tiny_store_b):
