@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from peagle.pipeline.shard_parquet import read_shard_rows
 from peagle.pipeline.store import open_store
 from peagle.schemas.extract_config import ExtractConfig
 from peagle.model.target import load_causal_lm
@@ -95,7 +96,7 @@ class BarePrefill:
         store = open_store(store_dir)
         batches_BL = []
         for record in store.shards:
-            ids = store.read_rows(record.index, columns=["input_ids"]).column("input_ids").to_pylist()
+            ids = read_shard_rows(store, record.index, columns=["input_ids"]).column("input_ids").to_pylist()
             for batch in make_batches([len(x) for x in ids], batch_size, max_batch_tokens):
                 t = torch.zeros((len(batch), len(ids[batch[0]])), dtype=torch.long)
                 for b, i in enumerate(batch):

@@ -23,6 +23,7 @@ import shutil
 import time
 from pathlib import Path
 
+from peagle.pipeline.shard_parquet import read_shard_rows
 from peagle.pipeline.store import open_store
 from peagle.schemas import store as S
 from peagle.schemas.check_config import CheckConfig
@@ -56,7 +57,7 @@ def main() -> None:
     out.mkdir(parents=True)
     source = open_store(args.store)
     shard = source.shards[len(source.shards) // 2].index
-    ids = source.read_rows(shard, ["sample_id"]).column("sample_id").to_pylist()
+    ids = read_shard_rows(source, shard, ["sample_id"]).column("sample_id").to_pylist()
     # Another target of the demo target's shape: its untrained base (same tokenizer, other weights).
     other = build_tiny_target(out / "untrained-base", DemoTargetSpec().base)
 

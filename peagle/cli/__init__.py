@@ -28,8 +28,8 @@ from typing import Any
 
 import typer
 
-from peagle.schemas.errors import (UserError, as_os_error, decode_error_line, encode_error_line, non_utf8_argument,
-                                   not_weights_only_line, os_error_line)
+from peagle.schemas.errors import (UserError, as_os_error, decode_error_line, encode_error_line, innermost_local,
+                                   non_utf8_argument, not_weights_only_line, os_error_line)
 from peagle.schemas.secrets import redact_text
 
 ROOT_OPTIONS = ("--verbose", "--version")
@@ -146,15 +146,8 @@ def _text_file_read(tb: TracebackType | None) -> str | None:
     """The name of the text file being decoded when a UnicodeDecodeError was raised: the innermost frame
     holding an open (or just closed) text file, as ``open()``, ``Path.read_text`` and a ``for line in f``
     loop all do. None when no frame holds one (the bytes came from elsewhere)."""
-    frames = []
-    while tb is not None:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
-    for frame in reversed(frames):
-        for value in frame.f_locals.values():
-            if isinstance(value, io.TextIOWrapper) and isinstance(value.name, (str, os.PathLike)):
-                return os.fspath(value.name)
-    return None
+    found = innermost_local(tb, lambda v: isinstance(v, io.TextIOWrapper) and isinstance(v.name, (str, os.PathLike)))
+    return None if found is None else os.fspath(found.name)
 
 
 def _fail(line: str) -> None:

@@ -39,7 +39,7 @@ from torch import Tensor
 from peagle.model.weights_hash import weights_sha256
 from peagle.pipeline.weight_files import WEIGHTS_FILE, WEIGHTS_INDEX_FILE, has_weights, weight_map
 from peagle.schemas import store as S
-from peagle.schemas.errors import UserError, not_weights_only_line, one_line
+from peagle.schemas.errors import UserError, innermost_local, not_weights_only_line, one_line
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -189,14 +189,10 @@ def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype, device: torch.de
 def _pickle_file(tb: Any, root: Path) -> Path | None:
     """The weight file of ``root`` that transformers was unpickling when torch refused it: the innermost
     frame holding a path to a pickle-format weight file; else the directory's only such file."""
-    frames = []
-    while tb is not None:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
-    for frame in reversed(frames):
-        for value in frame.f_locals.values():
-            if isinstance(value, (str, os.PathLike)) and str(value).endswith(PICKLE_WEIGHT_SUFFIXES):
-                return Path(value)
+    named = innermost_local(tb, lambda v: isinstance(v, (str, os.PathLike))
+                            and str(v).endswith(PICKLE_WEIGHT_SUFFIXES))
+    if named is not None:
+        return Path(named)
     found = sorted(p for p in root.iterdir() if p.name.endswith(PICKLE_WEIGHT_SUFFIXES))
     return found[0] if len(found) == 1 else root
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+from typing import Any, Callable, Iterator
 
 
 class UserError(Exception):
@@ -164,3 +165,20 @@ def not_weights_only_line(path: str | os.PathLike | None, err: BaseException) ->
     return (f"{subject} is not a weights-only file ({why}); peagle never unpickles code: use a file that holds "
             "tensors only (safetensors, or torch.save of tensors and plain containers) from a source you trust")
 
+
+
+def innermost_local(tb: Any, wanted: Callable[[object], bool]) -> object | None:
+    """The first local of the innermost traceback frame (of ``tb``) that holds one for which ``wanted``
+    is true, or None: which file a library was reading when it raised, for errors that do not say
+    (a UnicodeDecodeError, torch's refusal of a pickle)."""
+    for frame in reversed(list(_frames(tb))):
+        for value in frame.f_locals.values():
+            if wanted(value):
+                return value
+    return None
+
+
+def _frames(tb: Any) -> Iterator[Any]:
+    while tb is not None:
+        yield tb.tb_frame
+        tb = tb.tb_next
