@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--drafts", type=Path, default=Path("benchmarks/results/cpu/drafts"))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu/convergence.json"))
     args = parser.parse_args(argv)
-    from peagle.model.packaged_target import fetch_target
+    from peagle.model.target.packaged import fetch_target
 
     if args.commit:
         name, step = args.commit.rsplit(":", 1)

@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stores-only", action="store_true", help="make the prompts and the stores, train nothing "
                         "(the data of a longer run, e.g. benchmarks/convergence.py's)")
     args = parser.parse_args(argv)
-    from peagle.model.packaged_target import fetch_target
+    from peagle.model.target.packaged import fetch_target
 
     points = (args.points or ",".join(p for p in POINTS if p != "double" or args.more_magpie_prompts)).split(",")
     if "double" in points and not args.more_magpie_prompts:

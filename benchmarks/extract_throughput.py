@@ -39,8 +39,8 @@ import torch
 from peagle.pipeline.shard_parquet import read_shard_rows
 from peagle.pipeline.store import open_store
 from peagle.schemas.extract_config import ExtractConfig
-from peagle.model.target import load_causal_lm
-from peagle.model.target_backend_hf import resolve_device, resolve_dtype
+from peagle.model.target.directory import load_causal_lm
+from peagle.model.target.hf_backend import resolve_device, resolve_dtype
 from peagle.stages.store.info import store_info
 from peagle.stages.extract.run import make_batches, run_extract
 from peagle.testing.chat_data import write_chat_jsonl
@@ -58,7 +58,7 @@ def build_8b_target(out: Path, device: torch.device) -> Path:
         return out
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from peagle.model.target import load_tokenizer
+    from peagle.model.target.directory import load_tokenizer
 
     tiny = build_tiny_target(out.parent / "tiny-tokenizer", TinyTargetSpec(arch="llama"))
     tokenizer = load_tokenizer(tiny)

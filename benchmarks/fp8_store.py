@@ -36,7 +36,7 @@ from peagle.pipeline.store import init_store, open_store
 from peagle.pipeline.raw_reader import iter_raw_shards
 from peagle.pipeline.shard_tensors import raw_bytes_per_token, tensor_layout
 from peagle.schemas import store as S
-from peagle.model.target_backend import TargetOutput
+from peagle.model.target.backend import TargetOutput
 from peagle.stages.store.convert import convert_store
 from peagle.stages.extract.template import TokenizedSample
 from peagle.stages.extract.writer import ShardContent, write_and_commit

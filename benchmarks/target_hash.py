@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", type=Path, help="also write the result here")
     args = ap.parse_args(argv)
 
-    from peagle.model import weights_hash as W
-    from peagle.model.target import CONFIG_FILE, content_hash, weight_files
+    from peagle.model.target import weights_hash as W
+    from peagle.model.target.directory import CONFIG_FILE, content_hash, weight_files
 
     work = Path(tempfile.mkdtemp(prefix="peagle-target-hash-"))
     os.environ["PEAGLE_CACHE_DIR"] = str(work / "cache")  # an empty cache: the cold figure is a first run

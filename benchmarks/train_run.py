@@ -81,7 +81,7 @@ def build_target(out: Path, d: dict) -> Path:
 
 def prepare(work: Path, shape: str, seed: int, workers: int) -> tuple[Path, Path, dict]:
     """Target, store of varying sample lengths, and draft vocab under ``work`` (reused when present)."""
-    from peagle.model.target import content_hash as target_content_hash
+    from peagle.model.target.directory import content_hash as target_content_hash
     from peagle.stages.train.vocab import build_draft_vocab
 
     d = SHAPES[shape]

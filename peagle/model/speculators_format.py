@@ -453,7 +453,7 @@ def with_target_embedding(stripped_dir: str | os.PathLike, target_dir: str | os.
     Raises:
         UserError: no record, the target has no unique embedding, or its bytes differ.
     """
-    from peagle.model.target import TargetWeights
+    from peagle.model.target.directory import TargetWeights
 
     stripped = Path(stripped_dir)
     if not (stripped / EMBEDDING_RECORD).is_file():

@@ -19,7 +19,7 @@ DTYPES = ("auto", "float32", "bfloat16")
 LOGPROB_DTYPES = ("float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
 GENERATION_MODES = ("auto", "dynamic", "static", "compiled")
-"""The hf backend's KV cache for generation (peagle/model/target_backend_hf.py says what each costs)."""
+"""The hf backend's KV cache for generation (peagle/model/target/hf_backend.py says what each costs)."""
 
 MAX_RECORD_BYTES = 4 << 20
 """Default of ``--max-record-bytes``. A chat is ~4 bytes a token, so 4 MiB is ~1 M tokens, several times

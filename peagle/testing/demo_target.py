@@ -81,7 +81,7 @@ def build_demo_target(cache_dir: str | Path, spec: DemoTargetSpec = DemoTargetSp
     def build(work: Path) -> Path:
         import torch
 
-        from peagle.model.target import load_causal_lm, load_tokenizer
+        from peagle.model.target.directory import load_causal_lm, load_tokenizer
 
         base = build_tiny_target(work / "base", spec.base)
         tokenizer = load_tokenizer(base)

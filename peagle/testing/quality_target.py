@@ -233,7 +233,7 @@ def build_quality_target(cache_dir: str | Path, spec: QualityTargetSpec = Qualit
     def build(work: Path) -> Path:
         import torch
 
-        from peagle.model.target import load_causal_lm, load_tokenizer
+        from peagle.model.target.directory import load_causal_lm, load_tokenizer
 
         texts = [m["content"] for chat in chats for m in chat["messages"]]
         base = build_tiny_target(work / "base", spec.base, tokenizer_texts=texts)
@@ -261,7 +261,7 @@ def text_variety(target: Path, prompts: list[list[dict]], max_new_tokens: int) -
     reuses the same phrases: a template), and the share of continuations that loop (< 0.5)."""
     import torch
 
-    from peagle.model.target import load_causal_lm, load_tokenizer
+    from peagle.model.target.directory import load_causal_lm, load_tokenizer
 
     tokenizer = load_tokenizer(target)
     model = load_causal_lm(target, torch.float32, "cpu")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
-from peagle.model.target import NUM_SAMPLES, SAMPLE_BYTES, _sample_offset
+from peagle.model.target.directory import NUM_SAMPLES, SAMPLE_BYTES, _sample_offset
 
 
 def flip_an_unsampled_byte(weights_file: str | Path) -> int:

@@ -38,7 +38,7 @@ import transformers  # noqa: E402
 
 for _name in ("AutoConfig", "AutoTokenizer", "AutoModelForCausalLM", "PreTrainedTokenizerFast"):
     getattr(transformers, _name)
-import peagle.model.target_backend_hf  # noqa: E402,F401
+import peagle.model.target.hf_backend  # noqa: E402,F401
 import peagle.stages.store.info  # noqa: E402,F401
 import peagle.stages.extract.run  # noqa: E402,F401
 import peagle.stages.train.loop  # noqa: E402,F401

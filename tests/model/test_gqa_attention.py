@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from peagle.model.gqa_attention import NAME, use_gqa_sdpa
-from peagle.model.target import load_causal_lm
+from peagle.model.target.directory import load_causal_lm
 
 
 def _prefill_then_verify(model, prompt: list[int], new: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

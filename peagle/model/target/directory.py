@@ -12,7 +12,7 @@ produced them. Names and shapes are not enough: a fine-tune, or the same archite
 another seed, has the same config and weight files of the same sizes. Two hashes say which weights
 these are: ``content_hash`` covers ``config.json``, each weight file's name and size, and a few evenly
 spaced samples of its bytes (a few MiB read; every store records it), and ``weights_sha256`` every
-byte of every weight file (:mod:`peagle.model.weights_hash`; each file hashed once per version of it,
+byte of every weight file (:mod:`peagle.model.target.weights_hash`; each file hashed once per version of it,
 the digest cached by path, size and mtime), so a change confined to tensors between the samples is
 another target too. Stores recorded it since it exists; an older store is matched by its sampled
 hash alone, as it always was.
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from peagle.model.weights_hash import weights_sha256
+from peagle.model.target.weights_hash import weights_sha256
 from peagle.pipeline.weight_files import WEIGHTS_FILE, WEIGHTS_INDEX_FILE, has_weights, weight_map
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError, innermost_local, not_weights_only_line, one_line

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from peagle.model.cpu_bf16 import cpu_has_native_bf16
-from peagle.model.target import load_causal_lm
-from peagle.model.target_backend import TargetOutput
+from peagle.model.target.directory import load_causal_lm
+from peagle.model.target.backend import TargetOutput
 from peagle.schemas.errors import UserError
 from peagle.schemas.extract_config import GENERATION_MODES
 

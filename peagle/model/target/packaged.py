@@ -208,7 +208,7 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from peagle.model.target import WEIGHTS_FILE, load_causal_lm, load_tokenizer
+    from peagle.model.target.directory import WEIGHTS_FILE, load_causal_lm, load_tokenizer
 
     tokenizer = load_tokenizer(gguf.parent, gguf_file=gguf.name)
     model = load_causal_lm(gguf.parent, torch.float32, "cpu", gguf_file=gguf.name)

@@ -37,10 +37,10 @@ from typing import Any, Callable
 
 import torch
 
-from peagle.model.target import TargetWeights, text_config_dict
+from peagle.model.target.directory import TargetWeights, text_config_dict
 from peagle.pipeline.progress import library_bars_enabled
 from peagle.schemas.errors import UserError, one_line
-from peagle.model.target_backend import TargetOutput
+from peagle.model.target.backend import TargetOutput
 
 # The staging dir holds the dumps of one engine call at a time; a call is split so that its dumps
 # take at most this share of the staging filesystem's free space.
@@ -222,7 +222,7 @@ class VllmBackend:
         self.max_seq_len = max_seq_len
         # vLLM hands back the dumped layers in ascending order: the aux layers, then N.
         self._dump_ids = [*self.aux_layer_ids, self.num_layers]
-        from peagle.stages.extract.vllm_connector import StagingDir
+        from peagle.model.target.vllm_connector import StagingDir
 
         self._owned_staging = StagingDir() if staging_dir is None else None
         self.staging_dir = self._owned_staging.path if self._owned_staging else Path(staging_dir)
@@ -318,7 +318,7 @@ class VllmBackend:
             return self._llm
         self._shutdown_engine()
         kwargs = self.engine_kwargs(kind)
-        from peagle.stages.extract.vllm_reaper import EngineReaper
+        from peagle.model.target.vllm_reaper import EngineReaper
 
         self._reaper = EngineReaper()  # before the engine starts: a kill mid-start must not orphan it
         if self._on_cpu:  # read by the engine's processes; os.environ is restored after run/generate
@@ -334,7 +334,7 @@ class VllmBackend:
         """``vllm.LLM``'s keyword arguments for the engine of ``kind`` ("extract" or "generate")."""
         kwargs = dict(self._common_kwargs)
         if kind == "extract":
-            from peagle.stages.extract import vllm_connector
+            from peagle.model.target import vllm_connector
 
             kwargs["speculative_config"] = {
                 "method": "extract_hidden_states",
@@ -389,7 +389,7 @@ class VllmBackend:
     def _run_group(self, token_ids: list[list[int]]) -> list[TargetOutput]:
         from vllm.inputs import TokensPrompt
 
-        from peagle.stages.extract.vllm_connector import read_hidden_states
+        from peagle.model.target.vllm_connector import read_hidden_states
 
         assert self._head is not None and self._llm_kind == "extract"
         params = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)

@@ -12,7 +12,7 @@ The staging dir the dumps go to lives here too: it is RAM (``/dev/shm``) when th
 dir left by a killed run is found and removed by the next one (``StagingDir``).
 
 vLLM imports this module by name in its engine process (``kv_connector_module_path``), so it must
-stay importable on its own and must not import the rest of peagle's extract stage.
+stay importable on its own and must not import the rest of peagle.
 
 Shape legend: T tokens of one request, L dumped layers, H hidden size.
 """

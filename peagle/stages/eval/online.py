@@ -40,7 +40,7 @@ from torch import Tensor
 
 from peagle.model.draft import PEagleDraft
 from peagle.model.gqa_attention import use_gqa_sdpa
-from peagle.model.target import load_causal_lm
+from peagle.model.target.directory import load_causal_lm
 from peagle.model.proposer import CachedProposer
 from peagle.pipeline.progress import track
 from peagle.stages.eval.acceptance import AcceptanceHistogram

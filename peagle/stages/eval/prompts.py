@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
-from peagle.model.target import read_generation_config
+from peagle.model.target.directory import read_generation_config
 from peagle.pipeline.store_reader import TrainingSample
 from peagle.schemas.errors import UserError
 

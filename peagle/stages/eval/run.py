@@ -27,7 +27,7 @@ from peagle.model.speculators_config import recorded_schedule
 from peagle.model.export_provenance import recorded_path
 from peagle.model.speculators_format import (PROVENANCE_KEY, ExportedDraft, load_export, looks_like_export,
                                               read_export_config)
-from peagle.model.target import CONFIG_FILE, check_store_matches_target, load_tokenizer, open_target
+from peagle.model.target.directory import CONFIG_FILE, check_store_matches_target, load_tokenizer, open_target
 from peagle.pipeline.store import Store, open_store
 from peagle.pipeline.store_reader import iter_training_samples
 from peagle.pipeline.tracking.tracker import eval_plan, log_eval_report

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from peagle.model.target import TargetDirectory, open_target, read_generation_config
+from peagle.model.target.directory import TargetDirectory, open_target, read_generation_config
 from peagle.pipeline.atomic import atomic_write_bytes
 from peagle.schemas.errors import UserError, one_line
 from peagle.schemas.prompts_config import PromptsConfig
@@ -356,12 +356,12 @@ def eos_token_ids(target: TargetDirectory) -> list[int]:
 def open_generator(config: PromptsConfig, target: TargetDirectory, prefix: MagpiePrefix) -> Any:
     """The backend ``config`` asks for, loaded only to generate."""
     if resolve_backend_name(config.backend) == "vllm":
-        from peagle.stages.extract.backend_vllm import VllmBackend  # imports vllm: only when asked for
+        from peagle.model.target.vllm_backend import VllmBackend  # imports vllm: only when asked for
 
         # Only its plain generation engine starts: the aux layer id and top-k are checked, never used.
         return VllmBackend(target.path, aux_layer_ids=[1], topk=1, dtype=config.dtype, seed=config.seed,
                            max_seq_len=len(prefix.token_ids) + config.max_new_tokens)
-    from peagle.model.target_backend_hf import HFBackend
+    from peagle.model.target.hf_backend import HFBackend
 
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     # `auto` samples from a bf16 copy on a CPU with native bf16 (extract's --generation-dtype auto);

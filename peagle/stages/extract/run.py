@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Callable
 
-from peagle.model.target import TargetDirectory, open_target
-from peagle.model.target_backend import TargetBackend, TargetOutput
+from peagle.model.target.directory import TargetDirectory, open_target
+from peagle.model.target.backend import TargetBackend, TargetOutput
 from peagle.pipeline import plan as P
 from peagle.pipeline.failpoints import failpoint
 from peagle.pipeline.prefetch import prefetch
@@ -88,7 +88,7 @@ def open_backend(name: str, config: ExtractConfig, settings: S.StoreSettings,
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     answers_dtype = generation_dtype(config)  # resolved once, as the store's settings record it
     if name == "vllm":
-        from peagle.stages.extract.backend_vllm import VllmBackend  # imports vllm: only when asked for
+        from peagle.model.target.vllm_backend import VllmBackend  # imports vllm: only when asked for
 
         return VllmBackend(target.path, aux_layer_ids=list(settings.aux_layer_ids), topk=settings.topk,
                            dtype=settings.target.dtype, generation_dtype=answers_dtype,
@@ -96,7 +96,7 @@ def open_backend(name: str, config: ExtractConfig, settings: S.StoreSettings,
                            tensor_parallel_size=config.tensor_parallel_size,
                            gpu_memory_utilization=config.gpu_memory_utilization or None,
                            engine_kwargs=config.vllm_engine_kwargs())
-    from peagle.model.target_backend_hf import HFBackend
+    from peagle.model.target.hf_backend import HFBackend
 
     return HFBackend(target.path, aux_layer_ids=settings.aux_layer_ids, topk=settings.topk,
                      dtype=settings.target.dtype, device=config.device, pad_token_id=pad,

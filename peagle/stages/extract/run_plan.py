@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from peagle.model.target import TargetDirectory
+from peagle.model.target.directory import TargetDirectory
 from peagle.pipeline import plan as P
 from peagle.pipeline.store import list_commits, read_settings, settings_difference, sha256_file
 from peagle.pipeline.shard_tensors import raw_bytes_per_token

@@ -1,5 +1,5 @@
 """The settings an extraction writes with (``StoreSettings``, docs/store.md), from its config and the
-opened target (``peagle.model.target.TargetDirectory``: config, tokenizer, identity): the target's
+opened target (``peagle.model.target.directory.TargetDirectory``: config, tokenizer, identity): the target's
 identity, tokenizer fingerprint and chat-template hash, the aux layers and the mask token; and the
 backend and compute dtype a run resolves to."""
 
@@ -10,7 +10,7 @@ import importlib.util
 import json
 from typing import Any
 
-from peagle.model.target import TargetDirectory
+from peagle.model.target.directory import TargetDirectory
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 from peagle.schemas.extract_config import ExtractConfig, resolve_aux_layer_ids
@@ -90,10 +90,10 @@ def regeneration_settings(config: ExtractConfig) -> dict[str, Any]:
 def generation_dtype(config: ExtractConfig) -> str:
     """The dtype the target writes ``--regenerate``'s answers in, either backend (``auto``: bfloat16
     for a float32 target on a CPU with native bf16, else the compute dtype:
-    :func:`peagle.model.target_backend_hf.resolve_generation_dtype`)."""
+    :func:`peagle.model.target.hf_backend.resolve_generation_dtype`)."""
     import torch
 
-    from peagle.model.target_backend_hf import resolve_generation_dtype
+    from peagle.model.target.hf_backend import resolve_generation_dtype
 
     compute = getattr(torch, compute_dtype(config))
     device = torch.device("cuda" if on_gpu(config) else "cpu")

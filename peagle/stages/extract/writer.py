@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from peagle.model.target_backend import TargetOutput
+from peagle.model.target.backend import TargetOutput
 from peagle.pipeline.raw_reader import raw_sample
 from peagle.pipeline.shard_commit import write_and_commit_shard
 from peagle.pipeline.shard_parquet import parquet_table, write_parquet

@@ -1,5 +1,5 @@
 """`peagle store check --store STORE --target MODEL_DIR`: recompute random samples with the Hugging Face target
-(the HF backend extract uses, ``peagle.model.target_backend_hf``) and compare them with what the store holds.
+(the HF backend extract uses, ``peagle.model.target.hf_backend``) and compare them with what the store holds.
 
 Per recomputed sample: the relative error ``||stored − recomputed|| / ||recomputed||`` of each aux
 layer's rows, and the share of rows whose stored top-1 id is the recomputed one. A sample fails when
@@ -19,7 +19,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from peagle.model.target import open_target
+from peagle.model.target.directory import open_target
 from peagle.pipeline.raw_reader import RawShard, open_raw_shard
 from peagle.pipeline.store import Store
 from peagle.schemas import store as S
@@ -56,7 +56,7 @@ def _shape_mismatch(settings: S.StoreSettings, config: Any) -> str | None:
 def check_target(store: Store, config: CheckConfig, *,
                  echo: Callable[[str], None] = print) -> tuple[Finding, dict[str, Any]]:
     """Recompute ``config.samples`` samples with ``config.target`` and judge them (module docstring)."""
-    from peagle.model.target_backend_hf import HFBackend
+    from peagle.model.target.hf_backend import HFBackend
 
     settings = store.settings
     target = open_target(config.target)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from peagle.model.draft import PEagleDraft, build_draft_from_target
 from peagle.model.finite import refuse_non_finite_export
 from peagle.model.speculators_format import load_weights_into
-from peagle.model.target import check_store_matches_target, open_target
+from peagle.model.target.directory import check_store_matches_target, open_target
 from peagle.pipeline.atomic import atomic_write_json
 from peagle.pipeline.failpoints import failpoint
 from peagle.pipeline.progress import Progress

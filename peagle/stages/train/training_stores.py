@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 def open_training_stores(config: LoaderConfig, *, growing: bool = False) -> list[Store]:
     """Open every store, check its aux layers against what the draft reads, every store against the
-    first (whether a store fits the target is ``peagle.model.target.check_store_matches_target``), and
+    first (whether a store fits the target is ``peagle.model.target.directory.check_store_matches_target``), and
     that each is complete (unless ``allow_incomplete``, or ``growing``: a store followed as it grows).
 
     Raises:

@@ -1,4 +1,4 @@
-"""The target directory (model/target.py): config of plain and multimodal targets, weights by name and
+"""The target directory (model/target/directory.py): config of plain and multimodal targets, weights by name and
 suffix, the tokenizer and the transformers model, the content hash, and the one store-vs-target check."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 
-from peagle.model import target as T
-from peagle.model.target import SAMPLE_BYTES
-from peagle.model.target import content_hash as target_content_hash
+from peagle.model.target import directory as T
+from peagle.model.target.directory import SAMPLE_BYTES
+from peagle.model.target.directory import content_hash as target_content_hash
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 from peagle.testing.tiny_target import TinyTargetSpec, build_tiny_target
@@ -131,7 +131,7 @@ def test_the_full_weights_hash_sees_a_change_the_samples_miss_and_is_cached(tiny
     ``weights_sha256``; a store recording the full hash refuses such a target, one recording only the
     sampled hash (an older store) is matched by it alone. Each file's sha256 is read once per version
     of the file (by path, size, mtime and ctime): a second call takes it from the cache."""
-    from peagle.model import weights_hash as W
+    from peagle.model.target import weights_hash as W
     from peagle.testing.target_faults import flip_an_unsampled_byte
 
     monkeypatch.setenv("PEAGLE_CACHE_DIR", str(tmp_path / "cache"))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from peagle.schemas.errors import UserError
-from peagle.model.target_backend_hf import HFBackend, resolve_generation_dtype, topk_logprobs
+from peagle.model.target.hf_backend import HFBackend, resolve_generation_dtype, topk_logprobs
 
 AUX = (2, 4, 5)
 TOPK = 16

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from peagle.model import packaged_target as P
-from peagle.model.packaged_target import (
+from peagle.model.target import packaged as P
+from peagle.model.target.packaged import (
     PACKAGED_TARGETS, build_lock_path, cached_target_dir, check_wheel, fetch_target, sha256_file)
 from peagle.pipeline.atomic import file_lock
 from peagle.schemas import store as S

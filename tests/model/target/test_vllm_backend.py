@@ -28,7 +28,7 @@ finally:  # importing vllm sets TORCHINDUCTOR_* and more: keep them out of the r
 
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from peagle.stages.extract.backend_vllm import VllmBackend  # noqa: E402
+from peagle.model.target.vllm_backend import VllmBackend  # noqa: E402
 
 TOPK = 8
 AUX_LAYER_IDS = {"llama": [2, 4, 5], "qwen3": [1, 4, 7]}
@@ -113,7 +113,7 @@ def test_does_not_depend_on_batch_composition(target):
 
 def test_agrees_with_hf_backend(target):
     """Both backends of `peagle extract` give the same store values (HF's aux are bf16)."""
-    from peagle.model.target_backend_hf import HFBackend
+    from peagle.model.target.hf_backend import HFBackend
 
     arch, path, backend, _ = target
     samples = sample_ids(2, (5, 90, 33))
@@ -214,7 +214,7 @@ def test_answers_may_be_written_in_another_dtype(tiny_llama):
 
 def test_staging_dirs_of_dead_runs_are_removed():
     """A killed run's dumps (in RAM, on /dev/shm) do not outlive it past the next run's start."""
-    from peagle.stages.extract.vllm_connector import STAGING_PREFIX, StagingDir
+    from peagle.model.target.vllm_connector import STAGING_PREFIX, StagingDir
 
     live = StagingDir()
     dead = live.path.parent / f"{STAGING_PREFIX}test-dead-{os.getpid()}"
@@ -233,7 +233,7 @@ def test_staging_dirs_of_dead_runs_are_removed():
 
 KILLED_DRIVER = """
 import sys
-from peagle.stages.extract.backend_vllm import VllmBackend
+from peagle.model.target.vllm_backend import VllmBackend
 if __name__ == "__main__":
     backend = VllmBackend(sys.argv[1], aux_layer_ids=[2, 4, 5], topk=4, dtype="float32", max_seq_len=64)
     backend.run([[5, 6, 7]])
@@ -252,7 +252,7 @@ def test_kill_9_leaves_no_engine_and_no_dumps_behind(tiny_llama, tmp_path):
 
     import psutil
 
-    from peagle.stages.extract.vllm_connector import StagingDir
+    from peagle.model.target.vllm_connector import StagingDir
 
     script = tmp_path / "driver.py"
     script.write_text(KILLED_DRIVER)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from peagle.model.target import open_target
+from peagle.model.target.directory import open_target
 from peagle.schemas.errors import UserError
 from peagle.schemas.prompts_config import PromptsConfig
 from peagle.stages.extract import prompts as M

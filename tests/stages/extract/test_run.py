@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from peagle.pipeline.shard_parquet import read_shard_rows
 from peagle.pipeline.store import open_store
 from peagle.pipeline.shard_tensors import open_shard_tensors
-from peagle.model.target import open_target
+from peagle.model.target.directory import open_target
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
 from peagle.schemas.extract_config import ExtractConfig

@@ -17,7 +17,7 @@ from peagle.pipeline.store import init_store, list_commits, open_store, sha256_f
 from peagle.pipeline.shard_tensors import open_shard_tensors
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
-from peagle.model.target_backend import TargetOutput
+from peagle.model.target.backend import TargetOutput
 from peagle.stages.extract.template import TokenizedSample
 from peagle.stages.extract.writer import (
     ShardContent,

@@ -20,7 +20,7 @@ from peagle.schemas.check_config import CheckConfig
 from peagle.schemas.errors import UserError
 from peagle.schemas.extract_config import ExtractConfig
 from peagle.schemas.train_config import StoreSpec
-from peagle.model.target_backend import TargetOutput
+from peagle.model.target.backend import TargetOutput
 from peagle.stages.store.check import check_store, prefix_keys
 from peagle.stages.store.check_report import format_report
 from peagle.stages.store.convert import convert_store

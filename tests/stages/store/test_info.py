@@ -8,7 +8,7 @@ import torch
 from peagle.pipeline.store import init_store
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
-from peagle.model.target_backend import TargetOutput
+from peagle.model.target.backend import TargetOutput
 from peagle.stages.store.info import format_info, store_info, verify_store
 from peagle.stages.extract.template import TokenizedSample
 from peagle.stages.extract.writer import ShardContent, write_and_commit

@@ -115,7 +115,7 @@ def test_train_uses_the_one_built_vocab_and_asks_when_there_are_several(tiny_sto
 
 def _written_store(root, token_rows: list[list[int]], fingerprint: str = "t"):
     """A store written by the real shard writer with exactly these token rows (every token supervised)."""
-    from peagle.model.target_backend import TargetOutput
+    from peagle.model.target.backend import TargetOutput
     from peagle.pipeline.store import init_store
     from peagle.schemas import store as S
     from peagle.stages.extract.template import TokenizedSample
