@@ -1,4 +1,8 @@
-"""What a target backend (hf, vllm) owes the extract driver: per-sample aux states and top-k log-probs.
+"""What a target backend (hf, vllm) owes its callers: per-sample aux states and top-k log-probs for
+``peagle extract``, the target's own continuations for ``--regenerate`` and ``peagle prompts``.
+
+Both backends satisfy :class:`TargetBackend` structurally (neither inherits from it); one function
+opens either (:func:`peagle.model.target.backend_choice.open_backend`).
 
 Shape legend: T tokens of one sample, A aux layers, H hidden size, K top-k.
 """
@@ -25,14 +29,26 @@ class TargetOutput:
     topk_logprobs_TK: torch.Tensor  # float32
 
 
-class TargetBackend(Protocol):
-    """A loaded target model that turns token-id sequences into ``TargetOutput``s.
+class Generator(Protocol):
+    """What a backend offers for generation (``--regenerate``, ``peagle prompts``).
 
-    ``run`` is called with a fixed batch of samples (the driver decides batching so that results do
-    not depend on timing); it returns one output per input, in order. Backends must not reorder.
+    ``generate`` returns each prompt's continuation, in order, without the stop token; the same
+    prompts, settings and seed give the same continuations.
     """
 
     name: str
+
+    def generate(self, prompts_token_ids: list[list[int]], *, max_new_tokens: int, temperature: float,
+                 top_p: float, seed: int) -> list[list[int]]: ...
+
+
+class TargetBackend(Generator, Protocol):
+    """A loaded target model that turns token-id sequences into ``TargetOutput``s, and generates.
+
+    ``run`` is called with a fixed batch of samples (the driver decides batching so that results do
+    not depend on timing); it returns one output per input, in order. Backends must not reorder.
+    ``close`` frees the model (and a vLLM engine's processes).
+    """
 
     def run(self, token_ids: list[list[int]]) -> list[TargetOutput]: ...
 

@@ -29,14 +29,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from peagle.model.target.backend import Generator
+from peagle.model.target.backend_choice import open_backend
 from peagle.model.target.directory import TargetDirectory, open_target, read_generation_config
 from peagle.pipeline.atomic import atomic_write_bytes
 from peagle.schemas.errors import UserError, one_line
 from peagle.schemas.prompts_config import PromptsConfig
 from peagle.stages.extract.conversation import SkipRecord, normalise_record
 from peagle.stages.extract.readers import iter_file_records
-from peagle.stages.extract.regenerate import Generator, SamplingSettings, derived_seed
-from peagle.stages.extract.store_settings import resolve_backend_name
+from peagle.stages.extract.regenerate import SamplingSettings, derived_seed
 
 PLACEHOLDER = "PeagleUserText7f3a9c"
 """The user text of the rendered probe conversation: letters and digits, so templates that trim or
@@ -353,23 +354,6 @@ def eos_token_ids(target: TargetDirectory) -> list[int]:
     return list(dict.fromkeys(int(i) for i in ids))
 
 
-def open_generator(config: PromptsConfig, target: TargetDirectory, prefix: MagpiePrefix) -> Any:
-    """The backend ``config`` asks for, loaded only to generate."""
-    if resolve_backend_name(config.backend) == "vllm":
-        from peagle.model.target.vllm_backend import VllmBackend  # imports vllm: only when asked for
-
-        # Only its plain generation engine starts: the aux layer id and top-k are checked, never used.
-        return VllmBackend(target.path, aux_layer_ids=[1], topk=1, dtype=config.dtype, seed=config.seed,
-                           max_seq_len=len(prefix.token_ids) + config.max_new_tokens)
-    from peagle.model.target.hf_backend import HFBackend
-
-    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-    # `auto` samples from a bf16 copy on a CPU with native bf16 (extract's --generation-dtype auto);
-    # a dtype asked for is the one that samples.
-    return HFBackend(target.path, aux_layer_ids=(), topk=1, dtype=config.dtype, device=config.device,
-                     pad_token_id=pad, generation_dtype=config.dtype)
-
-
 def prompt_records(prompts: list[str]) -> bytes:
     """JSONL of prompt-only chat records, one per prompt."""
     return "".join(json.dumps({"messages": [{"role": "user", "content": p}]}, ensure_ascii=False) + "\n"
@@ -400,7 +384,10 @@ def run_prompts(config: PromptsConfig, *, echo: Callable[[str], None] = print) -
         torch.set_num_threads(config.threads)
     sampling = SamplingSettings(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                                 top_p=config.top_p, seed=config.seed)
-    backend = open_generator(config, target, prefix)
+    # Loaded only to generate (no aux layers). `--dtype auto` samples from a bf16 copy on a CPU with
+    # native bf16 (extract's --generation-dtype auto); a dtype asked for is the one that samples.
+    backend = open_backend(config.backend, target, max_seq_len=len(prefix.token_ids) + config.max_new_tokens,
+                           dtype=config.dtype, seed=config.seed, device=config.device)
     try:
         summary = sample_prompts(backend, target.tokenizer, prefix, filters, num_prompts=config.num_prompts,
                                  batch_size=config.batch_size, sampling=sampling,

@@ -17,8 +17,9 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
+from peagle.model.target.backend import Generator
 from peagle.stages.extract.conversation import SkipRecord, normalise_record
 from peagle.stages.extract.readers import SourceRecord
 
@@ -29,15 +30,6 @@ class SamplingSettings:
     temperature: float
     top_p: float
     seed: int
-
-
-class Generator(Protocol):
-    """What a backend offers for regeneration (HFBackend.generate, the vLLM backend's generate)."""
-
-    name: str
-
-    def generate(self, prompts_token_ids: list[list[int]], *, max_new_tokens: int, temperature: float,
-                 top_p: float, seed: int) -> list[list[int]]: ...
 
 
 def derived_seed(*parts: int) -> int:

@@ -17,6 +17,7 @@ from typing import Callable
 
 from peagle.model.target.directory import TargetDirectory, open_target
 from peagle.model.target.backend import TargetBackend, TargetOutput
+from peagle.model.target.backend_choice import open_backend, resolve_backend_name
 from peagle.pipeline import plan as P
 from peagle.pipeline.failpoints import failpoint
 from peagle.pipeline.prefetch import prefetch
@@ -31,7 +32,7 @@ from peagle.stages.extract.conversation import BLANK_LINE, CONTAINS_MASK_TOKEN
 from peagle.stages.extract.input_check import NUM_EXAMPLES, BadRecord, check_input, words
 from peagle.stages.extract.run_plan import ExtractPlan, check_fits, format_plan, make_plan
 from peagle.stages.extract.template import TokenizedSample, prepare_record
-from peagle.stages.extract.store_settings import generation_dtype, resolve_backend_name, store_settings
+from peagle.stages.extract.store_settings import generation_dtype, store_settings
 from peagle.stages.extract.writer import ShardContent, ShardWriter
 
 WRITER_THREADS = 2  # shards written at once: sha256 and file writes release the GIL
@@ -81,26 +82,6 @@ def make_batches(lengths: list[int], batch_size: int, max_batch_tokens: int) -> 
                 continue
         batches.append([i])
     return batches
-
-
-def open_backend(name: str, config: ExtractConfig, settings: S.StoreSettings,
-                 target: TargetDirectory) -> TargetBackend:
-    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-    answers_dtype = generation_dtype(config)  # resolved once, as the store's settings record it
-    if name == "vllm":
-        from peagle.model.target.vllm_backend import VllmBackend  # imports vllm: only when asked for
-
-        return VllmBackend(target.path, aux_layer_ids=list(settings.aux_layer_ids), topk=settings.topk,
-                           dtype=settings.target.dtype, generation_dtype=answers_dtype,
-                           max_seq_len=settings.max_seq_len, seed=config.seed,
-                           tensor_parallel_size=config.tensor_parallel_size,
-                           gpu_memory_utilization=config.gpu_memory_utilization or None,
-                           engine_kwargs=config.vllm_engine_kwargs())
-    from peagle.model.target.hf_backend import HFBackend
-
-    return HFBackend(target.path, aux_layer_ids=settings.aux_layer_ids, topk=settings.topk,
-                     dtype=settings.target.dtype, device=config.device, pad_token_id=pad,
-                     generation=config.generation, generation_dtype=answers_dtype)
 
 
 def run_forward(backend: TargetBackend, samples: list[TokenizedSample], config: ExtractConfig) -> list[TargetOutput]:
@@ -263,7 +244,13 @@ def extract_pending(config: ExtractConfig, plan: ExtractPlan, target: TargetDire
         check_worker_input(root, mine, [], config)  # as loud as the run that committed them
         return summary
 
-    backend = open_backend(backend_name, config, settings, target)
+    backend = open_backend(backend_name, target, max_seq_len=settings.max_seq_len,
+                           aux_layer_ids=settings.aux_layer_ids, topk=settings.topk, dtype=settings.target.dtype,
+                           generation_dtype=generation_dtype(config),  # resolved once, as the settings record it
+                           seed=config.seed, device=config.device, generation=config.generation,
+                           tensor_parallel_size=config.tensor_parallel_size,
+                           gpu_memory_utilization=config.gpu_memory_utilization or None,
+                           engine_kwargs=config.vllm_engine_kwargs())
     started = time.perf_counter()
     bar = Progress(sum(s.num_records for s in pending), desc="extract", unit="rec", enabled=progress)
     writer = ShardWriter(root, settings, num_threads=WRITER_THREADS,

@@ -1,15 +1,15 @@
 """The settings an extraction writes with (``StoreSettings``, docs/store.md), from its config and the
 opened target (``peagle.model.target.directory.TargetDirectory``: config, tokenizer, identity): the target's
 identity, tokenizer fingerprint and chat-template hash, the aux layers and the mask token; and the
-backend and compute dtype a run resolves to."""
+compute dtype a run resolves to (which backend it runs: ``peagle.model.target.backend_choice``)."""
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 from typing import Any
 
+from peagle.model.target.backend_choice import resolve_backend_name
 from peagle.model.target.directory import TargetDirectory
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
@@ -21,22 +21,6 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     if getattr(tokenizer, "is_fast", False):
         return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
     return hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
-
-
-def resolve_backend_name(backend: str) -> str:
-    """``auto`` is vllm when ``import vllm`` works (a broken install falls back to hf), else hf."""
-    if backend == "auto":
-        if importlib.util.find_spec("vllm") is None:
-            return "hf"
-        try:
-            import vllm  # noqa: F401  (a CPU box with a half-installed vllm must still extract)
-        except Exception:
-            return "hf"
-        return "vllm"
-    if backend == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise UserError("--backend vllm was asked for, but vllm is not installed (pip install peagle[vllm]; "
-                        "or use --backend hf)")
-    return backend
 
 
 def on_gpu(config: ExtractConfig) -> bool:
