@@ -45,9 +45,9 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-
 status=0
 vllm_log=$(mktemp /tmp/peagle-vllm-tests.XXXXXX.log)
 # The Slurm tests join the vLLM phase: mostly waiting on daemons and subprocess start-ups, they fill the
-# shorter phase's slack instead of lengthening the main one. Measured on a clean clone, 2 cores of an AMD
-# EPYC without AMX (2026-12-02): set-up ~3 min, main phase 1,511 s, vLLM + Slurm phase ~1,400 s, 31 min in
-# all at 135 % CPU: over CI's 20-minute goal (what to cut: the --durations lists at the end of each phase).
+# shorter phase's slack instead of lengthening the main one. Measured on a clean clone, 2 quiet cores of an
+# AMD EPYC without AMX (2026-12-02): set-up ~3 min, main phase 1,190 s, vLLM + Slurm phase 1,139 s, 22:54 in
+# all at 166 % CPU: over CI's 20-minute goal (what to cut: the --durations lists at the end of each phase).
 run_vllm_phase() {  # exit 5 (nothing collected: e.g. -k matched no vLLM test) is not a failure
   .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 -m "vllm or slurm" "$@" || { rc=$?; [ "$rc" = 5 ] || return $rc; }
 }
