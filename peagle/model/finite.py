@@ -18,7 +18,7 @@ from typing import Mapping
 import torch
 from torch import Tensor
 
-from peagle.pipeline.weight_files import WEIGHTS_FILE, WEIGHTS_INDEX_FILE, has_weights, iter_tensors
+from peagle.pipeline.weight_files import has_weights, iter_tensors, weights_entry
 from peagle.schemas.checkpoint import METADATA_FILE, WEIGHTS_FINITE_KEY
 from peagle.schemas.errors import UserError
 
@@ -62,9 +62,7 @@ def refuse_non_finite_export(export_dir: str | os.PathLike, *, flag: str = "--in
     except Exception:  # noqa: BLE001 - a damaged file: the loader refuses it in its own words
         return
     if names:
-        sharded = (Path(export_dir) / WEIGHTS_INDEX_FILE).is_file()
-        held_in = f"the shards of {WEIGHTS_INDEX_FILE}" if sharded else WEIGHTS_FILE
-        raise UserError(f"{flag} {export_dir}: {held_in} holds non-finite values (NaN or inf) in "
+        raise UserError(f"{flag} {export_dir}: {weights_entry(export_dir)} holds non-finite values (NaN or inf) in "
                         f"{describe(names)}; warm-start from an export of a checkpoint with finite weights")
 
 

@@ -40,7 +40,8 @@ from peagle.model.speculators_config import (ARCHITECTURE, CONFIG_JSON, PROVENAN
                                              draft_config_from_speculators, read_config_file, variant_of)
 from peagle.pipeline.atomic import atomic_dir, canonical_json
 from peagle.pipeline.failpoints import failpoint
-from peagle.pipeline.weight_files import WEIGHTS_FILE, WEIGHTS_INDEX_FILE, has_weights, load_tensors, save_tensors
+from peagle.pipeline.weight_files import (WEIGHTS_FILE, WEIGHTS_INDEX_FILE, has_weights, is_weights_file_name,
+                                          load_tensors, save_tensors, weights_entry)
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.errors import UserError
 
@@ -219,13 +220,10 @@ def is_export_dir(path: str | os.PathLike) -> bool:
     return False
 
 
-SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-
-
 def holds_only_export_files(path: str | os.PathLike) -> bool:
     """Whether every entry of ``path`` is a file an export has (a damaged export, which a new one may replace)."""
-    names = (CONFIG_FILE, WEIGHTS_FILE, WEIGHTS_INDEX_FILE, EMBEDDING_RECORD)
-    return all(p.is_file() and (p.name in names or SHARD_FILE.fullmatch(p.name)) for p in Path(path).iterdir())
+    return all(p.is_file() and (p.name in (CONFIG_FILE, EMBEDDING_RECORD) or is_weights_file_name(p.name))
+               for p in Path(path).iterdir())
 
 
 def looks_like_export(path: str | os.PathLike) -> bool:
@@ -250,16 +248,6 @@ def read_export_config(path: str | os.PathLike) -> dict[str, Any]:
     config_json = read_config_file(path / CONFIG_FILE)
     draft_config_from_speculators(config_json, str(path / CONFIG_FILE))  # checks every field the readers use
     return config_json
-
-
-def _read_tensors(path: Path) -> dict[str, Tensor]:
-    return load_tensors(path)
-
-
-def weights_name(path: str | os.PathLike) -> str:
-    """How messages name an export's weights: its one file, or its index (for shards)."""
-    path = Path(path)
-    return str(path / (WEIGHTS_INDEX_FILE if (path / WEIGHTS_INDEX_FILE).is_file() else WEIGHTS_FILE))
 
 
 @dataclass(kw_only=True)
@@ -299,10 +287,10 @@ def load_export(path: str | os.PathLike) -> ExportedDraft:
     path = Path(path)
     config_json = read_export_config(path)
     config = draft_config_from_speculators(config_json, str(path / CONFIG_FILE))
-    tensors = _read_tensors(path)
+    tensors = load_tensors(path)
     provenance = config_json.get(PROVENANCE_KEY) or {}
     check_recorded_draft_config(provenance, config, path / CONFIG_FILE)
-    check_tensors(tensors, config, weights_name(path))
+    check_tensors(tensors, config, str(path / weights_entry(path)))
     draft = PEagleDraft(config)
     own = draft.state_dict()
     by_key = {export_key(name): name for name in own}
@@ -327,9 +315,9 @@ def load_weights_into(draft: PEagleDraft, export_dir: str | os.PathLike) -> str:
         UserError: missing files, another variant, a shape that differs, or another draft vocab.
     """
     if not has_weights(export_dir):
-        raise UserError(f"--init-from {export_dir}: no {WEIGHTS_FILE} (or {WEIGHTS_INDEX_FILE}) there (expected a `peagle export` "
-                        "or speculators draft directory)")
-    tensors = _read_tensors(Path(export_dir))
+        raise UserError(f"--init-from {export_dir}: no {WEIGHTS_FILE} (or {WEIGHTS_INDEX_FILE}) there (expected a "
+                        "`peagle export` or speculators draft directory)")
+    tensors = load_tensors(Path(export_dir))
     check_same_variant(draft.config, export_dir, tensors)
     own = draft.state_dict()
     if "d2t" in tensors and "d2t" in own and not torch.equal(tensors["d2t"].long(), own["d2t"].long().cpu()):
@@ -410,7 +398,7 @@ def without_target_embedding(export_dir: str | os.PathLike, out: str | os.PathLi
         UserError: ``export_dir`` is not an export.
     """
     config_json = moved_config(read_export_config(export_dir), export_dir, out)
-    tensors = _read_tensors(Path(export_dir))
+    tensors = load_tensors(Path(export_dir))
     embedding = tensors.pop(TARGET_EMBEDDING_KEY)
     record = {"key": TARGET_EMBEDDING_KEY, "shape": list(embedding.shape), "dtype": str(embedding.dtype).removeprefix("torch."),
               "sha256": _tensor_sha256(embedding)}
@@ -461,7 +449,7 @@ def with_target_embedding(stripped_dir: str | os.PathLike, target_dir: str | os.
                         "an export written without its embedding")
     record = read_embedding_record(stripped / EMBEDDING_RECORD)
     config_json = moved_config(read_export_config(stripped), stripped, out)
-    tensors = _read_tensors(stripped)
+    tensors = load_tensors(stripped)
     weights = TargetWeights(target_dir)
     key = weights.find(TARGET_EMBEDDING_KEY)
     if key is None:
@@ -476,7 +464,7 @@ def with_target_embedding(stripped_dir: str | os.PathLike, target_dir: str | os.
         config_json = {**config_json, "speculators_config": {
             **spec, "verifier": {**spec["verifier"], "name_or_path": os.path.abspath(target_dir)}}}
     check_tensors(tensors, draft_config_from_speculators(config_json, str(stripped / CONFIG_FILE)),
-                  weights_name(stripped))
+                  str(stripped / weights_entry(stripped)))
     with atomic_dir(Path(out)) as tmp:
         save_tensors(tensors, tmp, metadata={"format": "pt"})  # made whole here, to serve: one file
         (tmp / CONFIG_FILE).write_bytes(canonical_json(config_json))

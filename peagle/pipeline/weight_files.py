@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
@@ -29,9 +30,23 @@ WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 
 
+SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+"""What :func:`shard_name` writes."""
+
+
 def shard_name(i: int, n: int) -> str:
     """The ``i``-th (0-based) of ``n`` shard files, named as transformers names them."""
     return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def is_weights_file_name(name: str) -> bool:
+    """Whether ``name`` is one of the files that hold a directory's weights (one file, an index, a shard)."""
+    return name in (WEIGHTS_FILE, WEIGHTS_INDEX_FILE) or SHARD_NAME.fullmatch(name) is not None
+
+
+def weights_entry(root: str | os.PathLike) -> str:
+    """The file that stands for ``root``'s weights in a message: the index of shards, else the one file."""
+    return WEIGHTS_INDEX_FILE if (Path(root) / WEIGHTS_INDEX_FILE).is_file() else WEIGHTS_FILE
 
 
 def has_weights(root: str | os.PathLike) -> bool:
