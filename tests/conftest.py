@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 from hypothesis import settings
 
 from peagle.testing.family_targets import build_family_target
 from peagle.testing.tiny_target import TinyTargetSpec, build_tiny_target
+from peagle.testing.warm_cli import Runner
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -68,21 +69,31 @@ def family_target(tmp_path_factory):
     return lambda family: build_family_target(root / family, family)
 
 
-def peagle_bin() -> list[str]:
-    """The real `peagle` console script of this interpreter's environment."""
-    exe = Path(sys.executable).with_name("peagle")
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "peagle"]
+@pytest.fixture(scope="session")
+def cli_runner(tmp_path_factory) -> Iterator[Runner]:
+    """The session's one runner of `peagle` commands (peagle/testing/warm_cli.py): warm (forked from a
+    server that imported torch and transformers once: ~4-6 s of CPU less per command) unless
+    ``PEAGLE_TESTS_COLD=1``."""
+    runner = Runner(tmp_path_factory.mktemp("cli-logs"), cold=os.environ.get("PEAGLE_TESTS_COLD") == "1")
+    yield runner
+    runner.close()
+
+
+def starts_vllm(args: tuple) -> bool:
+    """A command line that starts vLLM (``--backend vllm``, ``--mode vllm``, ``--eval-modes ...vllm``)."""
+    return any("vllm" in str(a) for a in args)
 
 
 @pytest.fixture(scope="session")
-def run_peagle():
-    """Run the real CLI in a subprocess; returns CompletedProcess (text). No check: tests assert rc.
-    Session-scoped (it holds no state) so that module fixtures can run the CLI too."""
+def run_peagle(cli_runner):
+    """Run the real CLI in a process of its own; returns CompletedProcess (text). No check: tests
+    assert rc. Commands that start vLLM run cold (see warm_cli). Session-scoped so that module fixtures
+    can run the CLI too."""
 
-    def run(*args: str, env: dict[str, str] | None = None, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-        return subprocess.run([*peagle_bin(), *map(str, args)], capture_output=True, text=True,
-                              env=full_env, timeout=timeout, **kw)
+    def run(*args, env: dict[str, str] | None = None, timeout: float = 600,
+            cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+        return cli_runner.completed(*args, env=env, timeout=timeout, cwd=Path(cwd or os.getcwd()),
+                                    cold=True if starts_vllm(args) else None)
 
     return run
 

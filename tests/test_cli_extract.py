@@ -2,9 +2,9 @@
 the store layout of docs/store.md, n workers == 1 worker byte for byte, refused re-runs, one-line
 errors, appending.
 
-The baseline extraction and `extract --help` run the `peagle` console script in a fresh interpreter;
-the other commands are children of the fault suite's warm fork server (tests/faults/faultkit.py): each
-a real process running the real entry point, without paying ~4 s of imports per command.
+The baseline extraction runs the `peagle` console script in a fresh interpreter; the other commands
+are children of the session's warm fork server (peagle/testing/warm_cli.py): each a real process
+running the real entry point, without paying ~4 s of imports per command.
 
 Kills, disk full, bad input and damage are the fault suite's (tests/faults, docs/reliability.md): resume after
 kill -9 at every named failpoint, in turn and alone, and at random moments (test_fault_extract.py), a
@@ -14,17 +14,14 @@ file-size limit mid-run (test_fault_diskfull.py), --strict and an input of only 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "faults"))  # the fault suite's runner, any import mode
-from faultkit import Result, Runner  # noqa: E402
+from peagle.testing.warm_cli import Result
 from peagle.schemas import extract_config as X
 from peagle.schemas import store as S
 from peagle.schemas.fields import field_docs
@@ -40,24 +37,10 @@ def data(tmp_path_factory) -> dict[str, Path]:
             "b": write_chat_jsonl(d / "b.jsonl", 6, seed=1)}
 
 
-def peagle_bin() -> list[str]:
-    exe = Path(sys.executable).with_name("peagle")
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "peagle"]
-
-
-def run_peagle(*args, env: dict[str, str] | None = None, **kw) -> subprocess.CompletedProcess:
-    """The real CLI in a subprocess, one torch thread (as the conftest fixture; usable at module scope)."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([*peagle_bin(), *map(str, args)], capture_output=True, text=True, env=full_env,
-                          timeout=600, **kw)
-
-
 @pytest.fixture(scope="module")
-def runner(tmp_path_factory) -> Runner:
-    """Starts `peagle ...` commands as children of a warm fork server (torch and peagle imported once)."""
-    r = Runner(tmp_path_factory.mktemp("cli-extract-logs"))
-    yield r
-    r.close()
+def runner(cli_runner):
+    """Starts `peagle ...` commands as children of the session's warm fork server (peagle/testing/warm_cli.py)."""
+    return cli_runner
 
 
 def _args(data: dict[str, Path], target: Path, out: Path, *extra: str, files=("a",)) -> list[str]:
@@ -88,14 +71,14 @@ def _snapshot(root: Path) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def baseline(data, tiny_llama, tmp_path_factory) -> Path:
+def baseline(data, tiny_llama, tmp_path_factory, cli_runner) -> Path:
     out = tmp_path_factory.mktemp("stores") / "base"
-    proc = _ok(run_peagle(*_args(data, tiny_llama, out)))
+    proc = _ok(cli_runner.run(*_args(data, tiny_llama, out), cold=True))
     assert "peagle extract plan" in proc.stdout and "22 records -> 5 shards" in proc.stdout
     return out
 
 
-def test_help_explains_every_config_field():
+def test_help_explains_every_config_field(run_peagle):
     import typer.main
 
     from peagle.cli import _register, app

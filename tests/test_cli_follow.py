@@ -1,4 +1,5 @@
-"""`peagle train --follow` beside a real `peagle extract` (issue 22), through the real console script.
+"""`peagle train --follow` beside a real `peagle extract` (issue 22), through the real CLI (each command
+a process of its own, forked from the session's warm runner: peagle/testing/warm_cli.py).
 
 Extract worker 0 of 2 commits its half of the store; a vocab is built from it (--allow-incomplete) and a
 --follow training process starts on it; then extract worker 1 starts and commits the other half while
@@ -12,10 +13,7 @@ and the same weights.
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,31 +21,23 @@ import pytest
 import torch
 
 from peagle.testing.chat_data import write_chat_jsonl
+from peagle.testing.warm_cli import Result
 
 EXTRACT = ("--samples-per-shard", "6", "--topk", "8", "--backend", "hf", "--device", "cpu", "--max-seq-len", "256")
 STEPS = 40  # > 2 partial epochs (2, 3 of 4 shards) x 30 samples at most: the run sees the whole store
 TIMING = ("tokens_per_s", "data_wait_share", "step_time_s")
 
 
-def _cmd(*args) -> list[str]:
-    exe = Path(sys.executable).with_name("peagle")
-    return [*([str(exe)] if exe.exists() else [sys.executable, "-m", "peagle"]), *map(str, args)]
-
-
-def _env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
-
-
-def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+def _ok(proc: Result) -> Result:
+    assert proc.returncode == 0, proc.describe()
     return proc
 
 
-def _train(store: Path, target: Path, out: Path, *extra) -> list[str]:
-    return _cmd("train", "--store", store, "--target", target, "--out", out, "--max-steps", STEPS, "--num-layers", 1,
-                "--num-depths", 3, "--token-budget", 512, "--draft-vocab-size", 200, "--lr", "2e-3", "--warmup-steps",
-                2, "--log-every", 5, "--save-every", 10, "--eval-every", 25, "--heldout-fraction", "0.2",
-                "--num-workers", 1, *extra)
+def _train(store: Path, target: Path, out: Path, *extra) -> list:
+    return ["train", "--store", store, "--target", target, "--out", out, "--max-steps", STEPS, "--num-layers", 1,
+            "--num-depths", 3, "--token-budget", 512, "--draft-vocab-size", 200, "--lr", "2e-3", "--warmup-steps",
+            2, "--log-every", 5, "--save-every", 10, "--eval-every", 25, "--heldout-fraction", "0.2",
+            "--num-workers", 1, *extra]
 
 
 def _metrics(out: Path) -> list[dict]:
@@ -56,26 +46,25 @@ def _metrics(out: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_follow_trains_beside_a_real_extraction_resumes_after_a_kill_and_equals_its_replay(tiny_llama, tmp_path):
+def test_follow_trains_beside_a_real_extraction_resumes_after_a_kill_and_equals_its_replay(tiny_llama, tmp_path,
+                                                                                           cli_runner):
     data = write_chat_jsonl(tmp_path / "chat.jsonl", 24, seed=6)
     store, run, replay = tmp_path / "store", tmp_path / "run", tmp_path / "replay"
-    worker = [*_cmd("extract", "--data", data, "--target", tiny_llama, "--out", store), *EXTRACT, "--num-shards", "2"]
-    _ok(subprocess.run([*worker, "--shard-index", "0"], capture_output=True, text=True, env=_env(), timeout=600))
-    _ok(subprocess.run(_cmd("vocab", "--store", store, "--draft-vocab-size", 200, "--allow-incomplete", "--quiet"),
-                       capture_output=True, text=True, env=_env(), timeout=600))
+    worker = ["extract", "--data", data, "--target", tiny_llama, "--out", store, *EXTRACT, "--num-shards", "2"]
+    _ok(cli_runner.run(*worker, "--shard-index", "0", timeout=600))
+    _ok(cli_runner.run("vocab", "--store", store, "--draft-vocab-size", 200, "--allow-incomplete", "--quiet"))
 
     follow = _train(store, tiny_llama, run, "--follow", "--follow-timeout", 600)
-    killed = subprocess.Popen(follow, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                              env=_env(PEAGLE_FAILPOINT="train.step:15"))
+    killed = cli_runner.start(*follow, env={"PEAGLE_FAILPOINT": "train.step:15"})
     deadline = time.monotonic() + 600
     while not (run / "epochs.json").exists():  # training has begun on the half store
-        assert killed.poll() is None and time.monotonic() < deadline, killed.stderr.read()
+        assert killed.running and time.monotonic() < deadline, killed.wait(1).describe()
         time.sleep(0.1)
-    second = subprocess.Popen([*worker, "--shard-index", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=_env())
-    assert killed.wait(timeout=600) == -signal.SIGKILL, killed.stderr.read()
-    resumed = subprocess.run(follow, capture_output=True, text=True, env=_env(), timeout=900)
-    assert second.wait(timeout=600) == 0, second.stderr.read()
+    second = cli_runner.start(*worker, "--shard-index", "1")
+    killed_result = killed.wait(600)
+    assert killed_result.returncode == -signal.SIGKILL, killed_result.describe()
+    resumed = cli_runner.run(*follow, timeout=900)
+    _ok(second.wait(600))
     _ok(resumed)
     assert "resumed from" in resumed.stderr and "frozen for this run" in resumed.stderr
     assert "warning" not in resumed.stderr.replace("warning: the evaluation", ""), resumed.stderr
@@ -86,8 +75,7 @@ def test_follow_trains_beside_a_real_extraction_resumes_after_a_kill_and_equals_
     assert all(len(a["shards"][0]) <= len(b["shards"][0]) for a, b in zip(record, record[1:]))
     assert [e["epoch"] for e in record] == list(range(len(record)))
 
-    _ok(subprocess.run(_train(store, tiny_llama, replay, "--epoch-shards", run / "epochs.json"), capture_output=True,
-                       text=True, env=_env(), timeout=900))
+    _ok(cli_runner.run(*_train(store, tiny_llama, replay, "--epoch-shards", run / "epochs.json"), timeout=900))
     assert json.loads((replay / "epochs.json").read_text())["epochs"] == record
     assert _metrics(replay) == _metrics(run)
     final = f"checkpoints/step-{STEPS:08d}/model.pt"

@@ -15,13 +15,9 @@ import importlib.util
 import json
 import signal
 import socket
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent / "faults"))  # the fault suite's runner, any import mode
-from faultkit import Runner  # noqa: E402
 
 from peagle.pipeline.tracking.scalars import record_scalars  # noqa: E402
 from peagle.pipeline.tracking.tracker import read_state  # noqa: E402
@@ -45,10 +41,8 @@ def env(tmp: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def peagle(tmp_path_factory):
-    runner = Runner(tmp_path_factory.mktemp("cli-loggers-logs"))
-    yield lambda *args, env=None: runner.run(*args, env=env, timeout=600)
-    runner.close()
+def peagle(cli_runner):
+    return lambda *args, env=None: cli_runner.run(*args, env=env, timeout=600)
 
 
 @pytest.fixture(scope="module")

@@ -2,17 +2,15 @@
 `store info` shows `1 of 2`, the missing shard and the command that finishes it, `store verify` fails,
 `vocab` and `train` refuse in one line naming the missing shard (unless --allow-incomplete, which says how
 much is missing); the printed command completes the store; a second extract of new inputs extends the plan.
-All through the real console script on the tiny Llama target."""
+All through the real CLI (the session's warm runner, peagle/testing/warm_cli.py) on the tiny Llama target."""
 
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,14 +20,10 @@ from peagle.testing.chat_data import write_chat_jsonl
 FLAGS = ("--samples-per-shard", "10", "--topk", "8", "--backend", "hf", "--device", "cpu", "--max-seq-len", "256")
 
 
-def _peagle_cmd() -> list[str]:
-    exe = Path(sys.executable).with_name("peagle")
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "peagle"]
-
-
-def peagle(*args, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([*_peagle_cmd(), *map(str, args)], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+@pytest.fixture(scope="module")
+def peagle(run_peagle):
+    """``peagle(*args, env=...)``: the command's CompletedProcess."""
+    return run_peagle
 
 
 def _one_line(proc: subprocess.CompletedProcess, *needles: str) -> str:
@@ -43,26 +37,23 @@ def _one_line(proc: subprocess.CompletedProcess, *needles: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def half_store(tmp_path_factory, tiny_llama) -> tuple[Path, Path]:
+def half_store(tmp_path_factory, tiny_llama, cli_runner) -> tuple[Path, Path]:
     """Workers 0 and 1 of 2 start at once; worker 1 is killed at its first forward (after registering
     the inputs, before any commit): the store holds worker 0's shard 0 of the planned 0 and 1."""
     root = tmp_path_factory.mktemp("plan")
     data = write_chat_jsonl(root / "a.jsonl", 20, seed=4)
     store = root / "store"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([*_peagle_cmd(), "extract", "--data", str(data), "--target", str(tiny_llama), "--out",
-                               str(store), *FLAGS, "--shard-index", str(i), "--num-shards", "2"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**env, **({"PEAGLE_FAILPOINT": "extract.forward"} if i else {})})
-             for i in (0, 1)]
-    results = [p.communicate(timeout=600) for p in procs]
-    assert procs[0].returncode == 0, results[0][1]
-    assert procs[1].returncode == -signal.SIGKILL, results[1][1]
+    jobs = [cli_runner.start("extract", "--data", data, "--target", tiny_llama, "--out", store, *FLAGS,
+                             "--shard-index", str(i), "--num-shards", "2",
+                             env={"PEAGLE_FAILPOINT": "extract.forward"} if i else None) for i in (0, 1)]
+    results = [job.wait(600) for job in jobs]
+    assert results[0].returncode == 0, results[0].stderr
+    assert results[1].returncode == -signal.SIGKILL, results[1].stderr
     assert sorted(p.name for p in (store / "commits").glob("*.json")) == ["00000.json"]
     return store, data
 
 
-def test_vocab_and_train_refuse_a_half_store_unless_allowed(half_store, tiny_llama, tmp_path):
+def test_vocab_and_train_refuse_a_half_store_unless_allowed(half_store, tiny_llama, tmp_path, peagle):
     store, _ = half_store
     _one_line(peagle("vocab", "--store", store, "--draft-vocab-size", "100"),
               "is incomplete: 1 of 2 shards committed (missing: shard 1", "--allow-incomplete")
@@ -81,7 +72,7 @@ def test_vocab_and_train_refuse_a_half_store_unless_allowed(half_store, tiny_lla
 
 
 def test_store_info_shows_one_of_two_the_missing_shard_and_the_command_that_finishes_it(half_store, tiny_llama,
-                                                                                          tmp_path):
+                                                                                          tmp_path, peagle):
     """`store info` of the half store (a copy: this test finishes it) shows `1 of 2`, the missing shard and
     the command; `store verify` fails; the printed command completes the store; a second extract of new
     inputs extends its plan."""

@@ -14,27 +14,22 @@ from __future__ import annotations
 
 import json
 import signal
-import sys
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "faults"))  # the fault suite's runner, any import mode
-from faultkit import Result, Runner  # noqa: E402
+from peagle.testing.warm_cli import Result
 
 TIMING = ("tokens_per_s", "data_wait_share", "step_time_s")
 
 
 @pytest.fixture(scope="module")
-def peagle(tmp_path_factory) -> Iterator[Callable[..., Result]]:
-    """``peagle(*args, env=...)`` runs `peagle ARGS` to its end as a child of the fault suite's warm fork
-    server (tests/faults/faultkit.py): the real entry point in a process of its own, which a failpoint
+def peagle(cli_runner) -> Callable[..., Result]:
+    """``peagle(*args, env=...)`` runs `peagle ARGS` to its end as a child of the session's warm fork
+    server (peagle/testing/warm_cli.py): the real entry point in a process of its own, which a failpoint
     kills as it would the console script, without ~4 s of imports per command."""
-    runner = Runner(tmp_path_factory.mktemp("cli-train-logs"))
-    yield lambda *args, env=None: runner.run(*args, env=env, timeout=600)
-    runner.close()
+    return lambda *args, env=None: cli_runner.run(*args, env=env, timeout=600)
 
 
 @pytest.fixture(scope="module")

@@ -130,11 +130,10 @@ def store(tmp_path_factory, tiny_llama) -> Path:
 
 
 @pytest.mark.slow
-def test_every_help_example_runs(store, tiny_llama, tmp_path):
-    """Placeholders are filled with a tiny store, target and budget; anything else in them runs as written."""
+def test_every_help_example_runs(store, tiny_llama, tmp_path, run_peagle):
+    """Placeholders are filled with a tiny store, target and budget; anything else in them runs as written
+    (`peagle ...` through the session's runner, `torchrun ...` as the console script)."""
     values = {"STORE": str(store), "MODEL_DIR": str(tiny_llama), "SIZE": "200", "STEPS": "1", "GPUS": "1"}
-    bins = {"peagle": [str(Path(sys.executable).with_name("peagle"))],
-            "torchrun": [str(Path(sys.executable).with_name("torchrun"))]}
     ran = 0
     for i, (path, line) in enumerate(examples()):
         words = shlex.split(line)
@@ -149,7 +148,11 @@ def test_every_help_example_runs(store, tiny_llama, tmp_path):
             args.append(word)
         if path in EXAMPLES_NOT_RUN:
             continue
-        proc = subprocess.run([*bins[words[0]], *args], capture_output=True, text=True, timeout=900)
+        if words[0] == "peagle":
+            proc = run_peagle(*args, timeout=900)
+        else:
+            proc = subprocess.run([str(Path(sys.executable).with_name("torchrun")), *args], capture_output=True,
+                                  text=True, timeout=900)
         assert proc.returncode == 0, f"{line}\n{proc.stdout}\n{proc.stderr}"
         ran += 1
     assert ran >= 4

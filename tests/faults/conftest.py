@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -25,7 +26,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from faultkit import (  # noqa: E402
-    BAD_LINES, EXTRACT_FLAGS, NUM_RECORDS, TRAIN_FLAGS, TRAIN_STEPS, Figures, Runner, ok, snapshot, train_steps)
+    BAD_LINES, EXTRACT_FLAGS, NUM_RECORDS, TRAIN_FLAGS, TRAIN_STEPS, Figures, ok, snapshot, train_steps)
+from peagle.testing.warm_cli import Runner  # noqa: E402
 from peagle.testing.chat_data import write_chat_jsonl
 
 _collected: list[dict] = []  # one entry per test that used ``figures``
@@ -102,8 +104,12 @@ def figures(request, _reliability_session) -> Figures:
 
 
 @pytest.fixture(scope="session")
-def runner(tmp_path_factory) -> Runner:
-    r = Runner(tmp_path_factory.mktemp("fault-logs"), cold=os.environ.get("PEAGLE_FAULTS_COLD") == "1")
+def runner(cli_runner, tmp_path_factory) -> Iterator[Runner]:
+    """The session's warm runner (tests/conftest.py), or with ``PEAGLE_FAULTS_COLD=1`` a cold one."""
+    if os.environ.get("PEAGLE_FAULTS_COLD") != "1":
+        yield cli_runner
+        return
+    r = Runner(tmp_path_factory.mktemp("fault-logs"), cold=True)
     yield r
     r.close()
 

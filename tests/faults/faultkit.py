@@ -1,29 +1,24 @@
-"""Shared machinery of the fault suite: running the CLI (warm fork server or cold subprocess), killing
-it, and comparing what it left on disk.
+"""Shared machinery of the fault suite: the trials' settings, running them side by side, and
+comparing what a killed-and-resumed command left on disk with an uninterrupted one's.
 
-``Runner.start(args)`` starts one ``peagle`` command and returns a ``Job`` (pid, ``kill()``,
-``wait()``); ``Runner.run(args)`` runs one to the end. The warm runner forks children from
-``warm_cli_server.py`` (peagle, torch and transformers imported once); the cold runner starts the
-``peagle`` console script. Both give the same processes to kill: a child of either is the real CLI
-in its own process. ``PEAGLE_FAULTS_COLD=1`` runs the whole suite cold (slower; a fidelity check).
+Commands run through :mod:`peagle.testing.warm_cli` (``Runner``, ``Job``, ``Result``: the warm fork
+server or a cold subprocess; both give the same processes to kill). ``PEAGLE_FAULTS_COLD=1`` runs the
+whole suite cold (slower; a fidelity check).
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import os
-import resource
 import signal
-import subprocess
-import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
+
+from peagle.testing.warm_cli import Result
 
 # Extraction settings of every extract trial: 8 shards of <= 4 records, 2 forward batches per shard.
 NUM_RECORDS = 30
@@ -38,9 +33,7 @@ TRAIN_FLAGS = ("--num-layers", "1", "--num-depths", "3", "--max-steps", str(TRAI
                "--num-workers", "0", "--save-every", str(SAVE_EVERY), "--keep-checkpoints", "2", "--log-every", "1",
                "--eval-every", "0", "--heldout-fraction", "0", "--warmup-steps", "2", "--seed", "3")
 
-SERVER = Path(__file__).with_name("warm_cli_server.py")
 KILLED = -signal.SIGKILL
-BASE_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PEAGLE_FAILPOINT": None}
 
 
 def jobs() -> int:
@@ -53,175 +46,6 @@ def parallel_map(fn: Callable, items: Iterable) -> list:
     items = list(items)
     with ThreadPoolExecutor(max_workers=jobs()) as pool:
         return list(pool.map(fn, items))
-
-
-def peagle_bin() -> list[str]:
-    exe = Path(sys.executable).with_name("peagle")
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "peagle"]
-
-
-@dataclass
-class Result:
-    args: list[str]
-    returncode: int
-    stdout: str
-    stderr: str
-    wall_s: float
-
-    def describe(self) -> str:
-        return (f"peagle {' '.join(self.args)}\nrc {self.returncode} after {self.wall_s:.1f}s\n"
-                f"--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-6000:]}")
-
-
-class Job:
-    """One running command."""
-
-    def __init__(self, runner: "Runner", args: list[str], stdout: Path, stderr: Path):
-        self.runner, self.args, self.stdout, self.stderr = runner, args, stdout, stderr
-        self.started = time.monotonic()
-        self.pid: int = -1
-        self._done = threading.Event()
-        self._returncode: int | None = None
-        self._popen: subprocess.Popen | None = None
-
-    def _finish(self, returncode: int) -> None:
-        self._returncode = returncode
-        self._done.set()
-
-    @property
-    def running(self) -> bool:
-        if self._popen is not None:
-            return self._popen.poll() is None
-        return not self._done.is_set()
-
-    def kill(self) -> bool:
-        """SIGKILL the command if it still runs; True if the signal was sent."""
-        if not self.running:
-            return False
-        try:
-            os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            return False
-        return True
-
-    def wait(self, timeout: float) -> Result:
-        if self._popen is not None:
-            try:
-                self._popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-                self._popen.wait()
-                raise TimeoutError(f"peagle {' '.join(self.args)} ran over {timeout}s")
-            self._returncode = self._popen.returncode
-        elif not self._done.wait(timeout):
-            self.kill()
-            self._done.wait(30)
-            raise TimeoutError(f"peagle {' '.join(self.args)} ran over {timeout}s")
-        assert self._returncode is not None
-        return Result(self.args, self._returncode, self.stdout.read_text(errors="replace"),
-                      self.stderr.read_text(errors="replace"), time.monotonic() - self.started)
-
-
-class Runner:
-    """Starts ``peagle`` commands; ``cold`` ones as fresh interpreters, else from the fork server."""
-
-    def __init__(self, logs: Path, *, cold: bool = False):
-        self.logs, self.cold = logs, cold
-        self.logs.mkdir(parents=True, exist_ok=True)
-        self._ids = itertools.count()
-        self._lock = threading.Lock()
-        self._jobs_by_id: dict[int, Job] = {}
-        self._jobs_by_pid: dict[int, Job] = {}
-        self._exits: dict[int, int] = {}
-        self._pid_events: dict[int, threading.Event] = {}
-        self._server: subprocess.Popen | None = None
-        if not cold:
-            self._start_server()
-
-    # ------------------------------------------------------------------------------ fork server
-
-    def _start_server(self) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-        env.pop("PEAGLE_FAILPOINT", None)
-        self._server = subprocess.Popen([sys.executable, str(SERVER)], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, env=env)
-        ready = self._server.stdout.readline()
-        if json.loads(ready or b"{}").get("ready") is not True:
-            raise RuntimeError(f"the warm CLI server did not start: {ready!r}")
-        threading.Thread(target=self._read_server, name="warm-cli-reader", daemon=True).start()
-
-    def _read_server(self) -> None:
-        for line in self._server.stdout:
-            msg = json.loads(line)
-            with self._lock:
-                if "id" in msg:
-                    job = self._jobs_by_id.pop(msg["id"])
-                    job.pid = msg["pid"]
-                    self._jobs_by_pid[job.pid] = job
-                    self._pid_events.pop(msg["id"]).set()
-                    if job.pid in self._exits:  # cannot happen (pid is sent before any reap), kept safe
-                        job._finish(self._exits.pop(job.pid))
-                else:
-                    job = self._jobs_by_pid.pop(msg["pid"], None)
-                    if job is None:
-                        self._exits[msg["pid"]] = msg["returncode"]
-                    else:
-                        job._finish(msg["returncode"])
-
-    def close(self) -> None:
-        if self._server is not None:
-            with self._lock:
-                running = list(self._jobs_by_pid.values())
-            for job in running:
-                job.kill()
-            self._server.stdin.close()
-            try:
-                self._server.wait(60)
-            except subprocess.TimeoutExpired:
-                self._server.kill()
-
-    # ------------------------------------------------------------------------------ commands
-
-    def start(self, *args: str | os.PathLike, env: dict[str, str | None] | None = None,
-              fsize: int | None = None, cwd: Path | None = None, cold: bool | None = None) -> Job:
-        """Start ``peagle ARGS``; ``env`` adds to (None: removes from) the environment; ``fsize``
-        sets RLIMIT_FSIZE (writes past it fail with EFBIG, as on a full disk)."""
-        args = [str(a) for a in args]
-        n = next(self._ids)
-        job = Job(self, args, self.logs / f"{n:05d}.out", self.logs / f"{n:05d}.err")
-        full_env = {**BASE_ENV, **(env or {})}
-        cwd = cwd or self.logs
-        if cold or (cold is None and self.cold):
-            environ = {**os.environ, **{k: v for k, v in full_env.items() if v is not None}}
-            for k, v in full_env.items():
-                if v is None:
-                    environ.pop(k, None)
-
-            def limit() -> None:
-                if fsize is not None:
-                    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-                    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-
-            with open(job.stdout, "wb") as out, open(job.stderr, "wb") as err:
-                job._popen = subprocess.Popen([*peagle_bin(), *args], stdout=out, stderr=err,
-                                              stdin=subprocess.DEVNULL, env=environ, cwd=cwd,
-                                              preexec_fn=limit)
-            job.pid = job._popen.pid
-            return job
-        event = threading.Event()
-        req = {"id": n, "args": args, "env": full_env, "cwd": str(cwd), "stdout": str(job.stdout),
-               "stderr": str(job.stderr), "fsize": fsize}
-        with self._lock:
-            self._jobs_by_id[n] = job
-            self._pid_events[n] = event
-            self._server.stdin.write((json.dumps(req) + "\n").encode())
-            self._server.stdin.flush()
-        if not event.wait(60):
-            raise RuntimeError("the warm CLI server did not answer")
-        return job
-
-    def run(self, *args: str | os.PathLike, timeout: float = 300, **kw) -> Result:
-        return self.start(*args, **kw).wait(timeout)
 
 
 # ---------------------------------------------------------------------------------------------------

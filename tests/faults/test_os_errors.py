@@ -28,9 +28,10 @@ from typing import Callable
 
 import pytest
 
-from faultkit import BASE_ENV, Result, ok, parallel_map, peagle_bin, snapshot
+from faultkit import Result, ok, parallel_map, snapshot
 from peagle.cli import _text_file_read
 from peagle.schemas.errors import as_os_error, decode_error_line, os_error_line
+from peagle.testing.warm_cli import BASE_ENV, peagle_bin
 
 AREA = "os errors"
 PR_CAPBSET_DROP = 24

@@ -1,16 +1,20 @@
-"""A fork server for the fault suite: import peagle, torch and transformers once, then fork one child
-per `peagle ...` command line, so that a run costs its work and not ~4 s of imports.
+"""The warm CLI server of :mod:`peagle.testing.warm_cli`: import peagle, torch and transformers once,
+then fork one child per `peagle ...` command line, so that a test's command costs its work and not
+~4-6 s of imports.
 
 Each child is a real process running the real entry point (``peagle.cli.main``, what the ``peagle``
-console script calls) with its own argv, environment, working directory, stdout/stderr files and,
-when asked, a file-size limit; it can be killed with SIGKILL like any other. Nothing in the children
-is mocked: only the interpreter start is shared.
+console script calls) with its own argv, whole environment, working directory, stdout/stderr files
+and, when asked, a file-size limit; it can be killed with SIGKILL like any other. Nothing in the
+children is mocked: only the interpreter start is shared. What a cold start would read from the
+environment at import time is set again in the child: torch's thread count (OpenMP read
+``OMP_NUM_THREADS`` when the server loaded it).
 
 Protocol (JSON lines): the client writes ``{"id", "args", "env", "cwd", "stdout", "stderr",
-"fsize"}`` on our stdin; we answer ``{"id", "pid"}`` once the child exists and ``{"pid",
-"returncode"}`` when it ends (negative signal number when killed, as ``subprocess`` reports it). We
-print ``{"ready": true}`` once the imports are done. The server is single-threaded: forking from a
-process with other threads risks children that inherit a held lock.
+"fsize"}`` on our stdin (``env``: the child's whole environment); we answer ``{"id", "pid"}`` once the
+child exists and ``{"pid", "returncode"}`` when it ends (negative signal number when killed, as
+``subprocess`` reports it). We print ``{"ready": true}`` once the imports are done. The server is
+single-threaded: forking from a process with other threads risks children that inherit a held lock.
+Run as ``python -m peagle.testing.warm_cli_server``.
 """
 
 from __future__ import annotations
@@ -42,6 +46,14 @@ import peagle.model.target.hf_backend  # noqa: E402,F401
 import peagle.stages.store.info  # noqa: E402,F401
 import peagle.stages.extract.run  # noqa: E402,F401
 import peagle.stages.train.loop  # noqa: E402,F401
+import peagle.stages.train.vocab  # noqa: E402,F401
+import peagle.stages.export.run  # noqa: E402,F401
+import peagle.stages.eval.run  # noqa: E402,F401
+import peagle.stages.store.check  # noqa: E402,F401
+import peagle.stages.store.convert  # noqa: E402,F401
+
+if "vllm" in sys.modules:  # a child must start as a cold process would: vLLM not yet imported
+    raise SystemExit("warm_cli_server: preloading imported vllm")
 
 
 def _send(obj: dict) -> None:
@@ -60,11 +72,11 @@ def _child(req: dict) -> None:
             os.dup2(out, fd)
             os.close(out)
         os.chdir(req["cwd"])
-        for key, value in req["env"].items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        os.environ.clear()
+        os.environ.update(req["env"])
+        threads = os.environ.get("OMP_NUM_THREADS", "")
+        if threads.isdigit() and int(threads) > 0:
+            torch.set_num_threads(int(threads))
         if req.get("fsize") is not None:
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
             resource.setrlimit(resource.RLIMIT_FSIZE, (req["fsize"], req["fsize"]))
