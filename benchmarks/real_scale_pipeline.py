@@ -124,7 +124,7 @@ def pipeline(work: Path, deadline: float, scale_name: str, *, wheel: Path | None
                      budget=max(60.0, left))
         if store_facts(stores / name).get("shards"):
             made[name] = stores / name
-    if gen_deadline - time.time() > 30 and "a2" in made:  # the same prompts, answered again by sampling
+    if scale.sampled_store and gen_deadline - time.time() > 30 and "a2" in made:  # a2's prompts, sampled
         steps.peagle("extract-s2", extract_args(parts["a2"], stores / "s2", target, scale, temperature=0.7, seed=1),
                      budget=min(S2_MAX_S, gen_deadline - time.time()))
         if store_facts(stores / "s2").get("shards"):
@@ -150,7 +150,7 @@ def pipeline(work: Path, deadline: float, scale_name: str, *, wheel: Path | None
 
 def train(steps: Steps, scale: Scale, *, target: Path, stores: dict[str, Path], facts: dict, heldout: Path,
           incomplete: list[str], train_deadline: float) -> None:
-    runs = [r for r in RUNS if all(s in stores or s == "s2" for s in r.stores)]
+    runs = [r for r in RUNS if all(s in stores or s == "s2" for s in r.stores) and (r.headline or scale.scaling_row)]
     steps_of = {kind: plan_steps(scale, kind, train_deadline - time.time()) for kind in scale.steps_per_s}
     weights = {name: max(1, facts[name]["samples"]) for name in stores}
     args_of = {}
