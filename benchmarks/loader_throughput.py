@@ -7,7 +7,7 @@
 Builds (once; reused when present) one store per row length L and hidden-state encoding, shaped like
 an 8B target: hidden 4096, 3 aux layers, top-32 float16 log-probs (24,768 bytes/token in bf16,
 12,492 in fp8: float8 codes plus a float32 scale per token and layer), random tensors written
-through the real store writer (``init_store`` + ``write_shard_file`` + ``commit_shard``). Each sample has n = L + 1
+through the real store writer (``init_store`` + ``shard_commit.write_and_commit_shard``). Each sample has n = L + 1
 tokens (one row of L training positions per batch, as the reference harness runs) and supervises
 every position but the first (docs/performance.md), so COD lengths match the reference (~27.6k at L = 8192).
 
@@ -73,7 +73,8 @@ import torch.multiprocessing  # noqa: F401  (registers the shared-memory reducti
 
 from peagle.pipeline import fp8
 from peagle.pipeline.content_check import block_crc32
-from peagle.pipeline.store import commit_shard, init_store, open_store, write_shard_file
+from peagle.pipeline.shard_commit import write_and_commit_shard
+from peagle.pipeline.store import init_store, open_store, rebuild_manifest
 from peagle.pipeline.shard_tensors import raw_bytes_per_token
 from peagle.pipeline.store_reader import ShardReader
 from peagle.schemas import store as S
@@ -109,8 +110,9 @@ def build_store(root: Path, seq_len: int, num_samples: int, samples_per_shard: i
 
     Every sample has ``seq_len + 1`` tokens unless ``sample_tokens`` gives each sample's token count
     (``num_samples`` is then its length). ``settings`` defaults to the 8B shapes (:func:`settings_for`)
-    in ``hidden_dtype``. ``workers`` > 1 generates and writes the shards in that many processes
-    (commits stay in shard order, in this one): seconds instead of minutes for a store of GBs.
+    in ``hidden_dtype``. ``workers`` > 1 generates, writes and commits the shards in that many
+    processes (the manifest is rebuilt once more at the end): seconds instead of minutes for a store
+    of GBs.
     """
     sizes = list(sample_tokens) if sample_tokens is not None else [seq_len + 1] * num_samples
     settings = settings or settings_for(max(sizes), hidden_dtype=hidden_dtype)
@@ -127,17 +129,17 @@ def build_store(root: Path, seq_len: int, num_samples: int, samples_per_shard: i
         from concurrent.futures import ProcessPoolExecutor
 
         with ProcessPoolExecutor(min(workers, num_shards), initializer=torch.set_num_threads, initargs=(1,)) as pool:
-            records = list(pool.map(_write_shard, *zip(*jobs)))
+            list(pool.map(_write_shard, *zip(*jobs)))
     else:
-        records = [_write_shard(*job) for job in jobs]
-    for record in records:
-        commit_shard(root, record)
+        for job in jobs:
+            _write_shard(*job)
+    rebuild_manifest(root)  # commits from several processes: the last manifest lists them all
     return root
 
 
 def _write_shard(root: Path, index: int, shard_sizes: list[int], first: int, seq_len: int,
                  settings: S.StoreSettings) -> S.ShardRecord:
-    """Shard ``index``'s two files, random content seeded by (seq_len, index); its record, uncommitted."""
+    """Shard ``index``'s two files, random content seeded by (seq_len, index), committed; its record."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from safetensors.torch import save
@@ -174,13 +176,11 @@ def _write_shard(root: Path, index: int, shard_sizes: list[int], first: int, seq
     def write_tensors(path):
         Path(path).write_bytes(save(tensors))
 
-    rows = write_shard_file(root, S.parquet_name(index), write_parquet)
-    tensors_file = write_shard_file(root, S.tensors_name(index), write_tensors)
-    return S.ShardRecord(
+    record = S.ShardRecord(
         index=index, parquet=S.parquet_name(index), safetensors=S.tensors_name(index), num_samples=count,
-        num_tokens=tokens, parquet_bytes=rows.size, safetensors_bytes=tensors_file.size, parquet_sha256=rows.sha256,
-        safetensors_sha256=tensors_file.sha256, parquet_crc32=rows.crc32, safetensors_crc32=tensors_file.crc32,
+        num_tokens=tokens, parquet_bytes=0, safetensors_bytes=0, parquet_sha256="", safetensors_sha256="",
         input_file="synthetic", first_record=first, end_record=first + count, num_records=count, backend="synthetic")
+    return write_and_commit_shard(root, record, write_rows=write_parquet, write_tensors=write_tensors)
 
 
 def evict(store_root: Path) -> None:

@@ -5,8 +5,8 @@ into the two files is theirs (:mod:`peagle.pipeline.shard_parquet`, :mod:`peagle
 or a byte copy).
 
 The protocol: the Parquet file, then the tensor file, each written under a temp name, measured (size,
-sha256, crc32 per block) and renamed into place (``store.write_shard_file``); then the commit record
-holding those measures (``store.commit_shard``), from which on the shard exists. When the second file
+sha256, crc32 per block) and renamed into place (``write_shard_file``); then the commit record
+holding those measures (``commit_shard``), from which on the shard exists. When the second file
 cannot be written, the first is removed again, also on an interrupt (``BaseException``: Ctrl-C's
 KeyboardInterrupt, a SystemExit): readers would ignore it (no commit record), but a half shard is
 not even left on disk. A SIGKILL leaves one, and a failure between the second rename
@@ -20,14 +20,58 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
+from peagle.pipeline.atomic import atomic_write_json, publish, raise_if_disk_full, temp_path_for
 from peagle.pipeline.contained import inside
-from peagle.pipeline.store import commit_shard, write_shard_file
+from peagle.pipeline.content_check import file_digests
+from peagle.pipeline.failpoints import failpoint
+from peagle.pipeline.store import rebuild_manifest
 from peagle.schemas import store as S
 
 FileWriter = Callable[[Path], None]
 """``write(tmp_path)``: writes one shard file's whole content at ``tmp_path``."""
+
+
+class ShardFile(NamedTuple):
+    """A published shard file as its commit record describes it."""
+
+    size: int
+    sha256: str
+    crc32: tuple[str, ...]  # per CRC32_BLOCK_BYTES block
+
+
+def write_shard_file(root: Path, rel: str, write) -> ShardFile:
+    """Write one shard file via ``write(tmp_path)``, publish it atomically; returns its size and digests
+    (measured on the temp file, before the rename)."""
+    final = inside(root, rel)
+    tmp = temp_path_for(final)
+    try:
+        write(tmp)
+        failpoint("extract.write")
+        size, (digest, crc) = tmp.stat().st_size, file_digests(tmp)
+        publish(tmp, final)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise_if_disk_full(err, final)
+        raise
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return ShardFile(size, digest, crc)
+
+
+def commit_shard(root: str | os.PathLike, record: S.ShardRecord) -> None:
+    """Make a shard visible: write its commit record atomically, then refresh the manifest.
+
+    The shard's two files must already be in place (``write_shard_file``). A crash before the
+    commit record leaves files that no reader sees; the re-run rewrites them identically.
+    """
+    root = Path(root)
+    failpoint("extract.before_commit")
+    atomic_write_json(root / S.commit_name(record.index), record.to_dict())
+    failpoint("extract.after_commit")
+    rebuild_manifest(root)
 
 
 def write_and_commit_shard(root: str | os.PathLike, record: S.ShardRecord, *, write_rows: FileWriter | None,

@@ -1,8 +1,7 @@
 """Reading and writing the shard store (docs/store.md): settings, shard commits, manifest, checks.
 
-Writers: ``init_store`` (creates or checks ``store.json``), ``write_shard_file`` and ``commit_shard``
-(a shard file; the commit record, then the manifest: the steps of the commit protocol, which
-:mod:`peagle.pipeline.shard_commit` takes in order), all crash-safe. Readers: ``open_store`` sees
+Writers: ``init_store`` (creates or checks ``store.json``) and ``rebuild_manifest``; a shard's files
+and its commit record are written by :mod:`peagle.pipeline.shard_commit` only, all crash-safe. Readers: ``open_store`` sees
 exactly the shards that have a commit record and checks sizes (fast) or sha256 (``verify=True``);
 reading the samples of an opened store is :mod:`peagle.pipeline.raw_reader` (as stored) and
 :mod:`peagle.pipeline.store_reader` (in training coordinates).
@@ -32,7 +31,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Iterable
 
 from peagle.pipeline.atomic import (
     atomic_write_bytes,
@@ -40,10 +39,8 @@ from peagle.pipeline.atomic import (
     canonical_json,
     create_exclusive,
     file_lock,
-    publish,
     raise_if_disk_full,
     remove_stale_temps,
-    temp_path_for,
 )
 from peagle.pipeline.contained import checked_index, contained, inside
 from peagle.pipeline.content_check import ContentChecks, blocks_touched, check_blocks, file_digests
@@ -249,14 +246,6 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-class ShardFile(NamedTuple):
-    """A published shard file as its commit record describes it."""
-
-    size: int
-    sha256: str
-    crc32: tuple[str, ...]  # per CRC32_BLOCK_BYTES block
-
-
 def shard_file(root: str | os.PathLike, record: S.ShardRecord, field: str) -> Path:
     """The path of ``record``'s shard file ``field`` (``"parquet"`` or ``"safetensors"``) in the store at
     ``root``: the only way a name from a commit record becomes a path.
@@ -265,39 +254,6 @@ def shard_file(root: str | os.PathLike, record: S.ShardRecord, field: str) -> Pa
         UserError: the name leads outside the store (one line naming the record and the field).
     """
     return contained(root, getattr(record, field), named_by=Path(root) / S.commit_name(record.index), field=field)
-
-
-def write_shard_file(root: Path, rel: str, write) -> ShardFile:
-    """Write one shard file via ``write(tmp_path)``, publish it atomically; returns its size and digests
-    (measured on the temp file, before the rename)."""
-    final = inside(root, rel)
-    tmp = temp_path_for(final)
-    try:
-        write(tmp)
-        failpoint("extract.write")
-        size, (digest, crc) = tmp.stat().st_size, file_digests(tmp)
-        publish(tmp, final)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise_if_disk_full(err, final)
-        raise
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return ShardFile(size, digest, crc)
-
-
-def commit_shard(root: str | os.PathLike, record: S.ShardRecord) -> None:
-    """Make a shard visible: write its commit record atomically, then refresh the manifest.
-
-    The shard's two files must already be in place (``write_shard_file``). A crash before the
-    commit record leaves files that no reader sees; the re-run rewrites them identically.
-    """
-    root = Path(root)
-    failpoint("extract.before_commit")
-    atomic_write_json(root / S.commit_name(record.index), record.to_dict())
-    failpoint("extract.after_commit")
-    rebuild_manifest(root)
 
 
 def list_commits(root: str | os.PathLike) -> list[S.ShardRecord]:

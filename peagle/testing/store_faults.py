@@ -35,7 +35,8 @@ from peagle.pipeline.raw_reader import RawColumns, RawShard, open_raw_shard, raw
 from peagle.pipeline.shard_commit import write_and_commit_shard
 from peagle.pipeline.shard_stats import sample_rows, shard_stats
 from peagle.pipeline.shard_tensors import encode_sample, stored_aux, write_tensors
-from peagle.pipeline.store import commit_shard, open_store, rebuild_manifest
+from peagle.pipeline.shard_commit import commit_shard
+from peagle.pipeline.store import open_store, rebuild_manifest
 from peagle.schemas import store as S
 
 Edit = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, RawColumns], None]

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from peagle.pipeline import shard_commit as SC
 from peagle.pipeline import store as ST
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
@@ -28,15 +29,15 @@ def _write_shard(root: Path, index: int, num_tokens: int = 5) -> S.ShardRecord:
     tensors = {S.AUX_HIDDEN: torch.full((num_tokens, 3, 16), float(index), dtype=torch.bfloat16),
                S.TOPK_IDS: torch.arange(num_tokens * 4, dtype=torch.int32).view(num_tokens, 4),
                S.TOPK_LOGPROBS: torch.zeros(num_tokens, 4, dtype=torch.float16)}
-    rows = ST.write_shard_file(root, S.parquet_name(index), lambda tmp: Path(tmp).write_bytes(f"rows of {index}".encode()))
-    st = ST.write_shard_file(root, S.tensors_name(index), lambda tmp: save_file(tensors, str(tmp)))
+    rows = SC.write_shard_file(root, S.parquet_name(index), lambda tmp: Path(tmp).write_bytes(f"rows of {index}".encode()))
+    st = SC.write_shard_file(root, S.tensors_name(index), lambda tmp: save_file(tensors, str(tmp)))
     record = S.ShardRecord(index=index, parquet=S.parquet_name(index), safetensors=S.tensors_name(index),
                            num_samples=1, num_tokens=num_tokens, parquet_bytes=rows.size, safetensors_bytes=st.size,
                            parquet_sha256=rows.sha256, safetensors_sha256=st.sha256, parquet_crc32=rows.crc32,
                            safetensors_crc32=st.crc32, input_file="a.jsonl",
                            first_record=index, end_record=index + 1, num_records=1,
                            skipped={"malformed_json": index % 2}, backend="hf")
-    ST.commit_shard(root, record)
+    SC.commit_shard(root, record)
     return record
 
 
@@ -115,8 +116,8 @@ def test_readers_see_only_committed_shards(tmp_path):
     ST.init_store(tmp_path, SETTINGS)
     _write_shard(tmp_path, 0)
     # shard 1's files are in place, but its commit record was never written (a crash)
-    ST.write_shard_file(tmp_path, S.parquet_name(1), lambda tmp: Path(tmp).write_bytes(b"orphan"))
-    ST.write_shard_file(tmp_path, S.tensors_name(1), lambda tmp: Path(tmp).write_bytes(b"orphan"))
+    SC.write_shard_file(tmp_path, S.parquet_name(1), lambda tmp: Path(tmp).write_bytes(b"orphan"))
+    SC.write_shard_file(tmp_path, S.tensors_name(1), lambda tmp: Path(tmp).write_bytes(b"orphan"))
     (tmp_path / S.COMMITS_DIR / ".00001.json.tmp-1-x").write_text("{half")  # a temp commit record
     store = ST.open_store(tmp_path, verify=True)
     assert [r.index for r in store.shards] == [0]
@@ -162,7 +163,7 @@ def test_write_shard_file_discards_its_temp_on_failure(tmp_path):
         raise RuntimeError("writer died")
 
     with pytest.raises(RuntimeError):
-        ST.write_shard_file(tmp_path, S.parquet_name(0), failing)
+        SC.write_shard_file(tmp_path, S.parquet_name(0), failing)
     assert list((tmp_path / S.SHARDS_DIR).iterdir()) == []
 
 
@@ -224,7 +225,7 @@ def _empty_shard(root: Path, index: int) -> S.ShardRecord:
     """A committed shard whose records were all skipped (a chat template failing on each)."""
     record = replace(_write_shard(root, index), num_samples=0, num_tokens=0, skipped={"template_error": 4},
                      num_records=4)
-    ST.commit_shard(root, record)
+    SC.commit_shard(root, record)
     return record
 
 
