@@ -91,7 +91,7 @@ SMOKE = Scale(device="cpu", num_magpie=4, num_templated=20, prompt_chunks=1, min
               prompt_max_new=32, answer_batch=16,
               samples_per_shard=16, max_new_tokens=16, max_seq_len=256, max_batch_tokens=4096, hidden_dtype="bf16",
               heldout_chats=4, serve_prompts=2, vocab=256, token_budget=512, num_workers=0, startup_s=5.0,
-              steps_per_s={"peagle-1l": 1.0, "peagle-4l": 1.0, "eagle3-1l": 1.0}, min_steps=3, max_steps=4,
+              steps_per_s={"peagle-1l": 1.0, "peagle-4l": 1.0, "eagle3-1l": 1.0}, min_steps=2, max_steps=2,
               keep_checkpoints=1, sampled_store=False, scaling_row=False)
 """The real target on 2 CPU cores, every step at toy size (tests/benchmarks/test_gpu_real_scale.py). It
 makes no ``s2`` and trains the headline drafts only: ``s2`` is ``a2``'s extract again at another
