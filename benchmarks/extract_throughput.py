@@ -44,7 +44,7 @@ from peagle.model.target.hf_backend import resolve_device, resolve_dtype
 from peagle.stages.store.info import store_info
 from peagle.stages.extract.run import make_batches, run_extract
 from peagle.testing.chat_data import write_chat_jsonl
-from peagle.testing.tiny_target import TinyTargetSpec, build_tiny_target
+from peagle.demo.tiny_target import TinyTargetSpec, build_tiny_target
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=8192,

@@ -8,7 +8,7 @@ instruct model (SmolLM2-135M-Instruct) answering chat prompts.
     python benchmarks/quality.py --list                            # the variant table
 
 The target (``--target smollm2``, the default) is SmolLM2-135M-Instruct as ``peagle target fetch
-smollm2`` makes it. Prompts come from :mod:`peagle.testing.chat_prompts` (explanations, how-tos,
+smollm2`` makes it. Prompts come from :mod:`peagle.demo.chat_prompts` (explanations, how-tos,
 code, lists, comparisons, stories, facts, arithmetic, rewriting, emails; split by subject): the
 draft store is the ``train`` split's first ``num_draft_chats`` prompts answered by the target itself
 (``--regenerate``, greedily: the evaluation decodes greedily too, so the draft learns exactly the
@@ -189,7 +189,7 @@ def benchmark_rows(budget: Budget, splits: dict[str, list[dict]] | None) -> dict
         return {"draft": [first_exchange(c) for c in splits["draft"][: budget.num_draft_chats]],
                 "heldout": heldout[: budget.num_heldout_chats],
                 "prompts": [{"messages": c["messages"][:1]} for c in heldout[: budget.num_prompts]]}
-    from peagle.testing.chat_prompts import chat_prompts
+    from peagle.demo.chat_prompts import chat_prompts
 
     heldout = [{"messages": p.messages()[:1]} for p in chat_prompts(split="heldout")]
     return {"draft": [{"messages": p.messages()} for p in chat_prompts(split="train")[: budget.num_draft_chats]],

@@ -36,7 +36,7 @@ from pathlib import Path
 from recipe_curves import read_curve  # the trainer's held-out evaluations, one reader for both benchmarks
 
 from peagle.pipeline.atomic import atomic_write_json
-from peagle.testing.chat_prompts import chat_prompts, is_heldout, _subjects
+from peagle.demo.chat_prompts import chat_prompts, is_heldout, _subjects
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from peagle.model.target.directory import open_target  # noqa: E402
 from peagle.model.target.hf_backend import HFBackend  # noqa: E402
 from peagle.pipeline.atomic import atomic_write_json  # noqa: E402
-from peagle.testing.chat_prompts import chat_prompts  # noqa: E402
+from peagle.demo.chat_prompts import chat_prompts  # noqa: E402
 
 
 def prompt_ids(target: Path, num: int) -> list[list[int]]:

@@ -29,8 +29,8 @@ from peagle.schemas import store as S
 from peagle.schemas.check_config import CheckConfig
 from peagle.stages.store.check import check_store
 from peagle.testing import store_faults as F
-from peagle.testing.demo_target import DemoTargetSpec
-from peagle.testing.tiny_target import build_tiny_target
+from peagle.demo.target import DemoTargetSpec
+from peagle.demo.tiny_target import build_tiny_target
 
 
 def run_check(store: Path, target: str | None, samples: int) -> dict:

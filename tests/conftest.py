@@ -11,7 +11,7 @@ import pytest
 from hypothesis import settings
 
 from peagle.testing.family_targets import build_family_target
-from peagle.testing.tiny_target import TinyTargetSpec, build_tiny_target
+from peagle.demo.tiny_target import TinyTargetSpec, build_tiny_target
 from peagle.testing.warm_cli import Runner
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,4 +1,5 @@
-"""peagle's own modules import each other one way: no import cycles, read from the source (ast).
+"""peagle's own modules import each other one way: no import cycles, and no import up a layer or
+across stages, read from the source (ast).
 
 Every import statement counts: module level, inside ``if TYPE_CHECKING:`` and inside functions. A
 cycle hidden behind ``TYPE_CHECKING`` or a function-level import still means two modules each need
@@ -101,6 +102,45 @@ def test_peagle_has_no_import_cycles():
     assert len(graph) > 50 and "peagle.stages.train.batch" in graph
     cycles = find_cycles(graph)
     assert not cycles, "import cycles among peagle's modules:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+LAYERS = ("schemas", "pipeline", "model", "stages", "demo", "cli", "testing")
+"""peagle's layers, lowest first (docs/README.md): a module imports its own layer and those below it.
+``testing`` is the top: fixtures and fault helpers that only tests use, so no product module imports it."""
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports up a layer, and imports between two stages (stages never import each other)."""
+    def layer(name: str) -> str | None:
+        parts = name.split(".")
+        return parts[1] if len(parts) > 1 and parts[1] in LAYERS else None
+
+    found = []
+    for module, imported in sorted(graph.items()):
+        for other in sorted(imported):
+            mine, theirs = layer(module), layer(other)
+            if mine is None or theirs is None:
+                continue
+            if LAYERS.index(theirs) > LAYERS.index(mine):
+                found.append(f"{module} imports {other}: up from {mine} to {theirs}")
+            elif mine == theirs == "stages" and module.split(".")[2] != other.split(".")[2]:
+                found.append(f"{module} imports {other}: one stage imports another")
+    return found
+
+
+def test_no_module_imports_up_a_layer_or_another_stage():
+    graph = import_graph(PACKAGE, ROOT)
+    assert {name.split(".")[1] for name in graph if name.count(".")} - {"__main__"} == set(LAYERS)
+    assert not layer_violations(graph), "\n".join(layer_violations(graph))
+
+
+def test_the_layer_check_sees_an_upward_import_and_one_between_stages():
+    graph = {"peagle.pipeline.store": {"peagle.testing.store_faults", "peagle.schemas.store"},
+             "peagle.stages.eval.run": {"peagle.stages.train.loop", "peagle.stages.eval.report", "peagle.model.draft"},
+             "peagle.cli.demo": {"peagle.demo.target"}}
+    assert layer_violations(graph) == [
+        "peagle.pipeline.store imports peagle.testing.store_faults: up from pipeline to testing",
+        "peagle.stages.eval.run imports peagle.stages.train.loop: one stage imports another"]
 
 
 def test_the_finder_sees_cycles_behind_type_checking_and_in_functions(tmp_path):

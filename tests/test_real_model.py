@@ -28,7 +28,7 @@ import pytest
 
 from peagle.pipeline.store import open_store
 from peagle.stages.eval.vllm_eval import vllm_available
-from peagle.testing.chat_prompts import chat_prompts
+from peagle.demo.chat_prompts import chat_prompts
 
 K = 5
 

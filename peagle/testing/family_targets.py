@@ -40,7 +40,7 @@ from pathlib import Path
 
 from peagle.testing.chat_templates import (GPT2_CHAT_TEMPLATE, LLAMA3_TEMPLATE, MISTRAL_TEMPLATE, QWEN3_TEMPLATE,
                                            SMOLLM2_TEMPLATE)
-from peagle.testing.tiny_target import tokenizer_corpus
+from peagle.demo.tiny_target import tokenizer_corpus
 
 FAMILIES = ("llama3", "qwen3", "mistral", "smollm2", "gpt2")
 

@@ -1,6 +1,6 @@
 """The quality benchmark's target: a tiny Llama that writes varied code and prose, cached.
 
-The demo's target (:mod:`peagle.testing.demo_target`) answers "what does X do?" with stdlib
+The demo's target (:mod:`peagle.demo.target`) answers "what does X do?" with stdlib
 docstrings; its greedy text is so formulaic that once a draft gets two tokens right it gets the
 rest, and every draft looks the same. To tell drafts apart, this target learns a richer corpus,
 all of it shipped with Python (nothing to download, the same on every machine with the same
@@ -37,8 +37,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from peagle.pipeline.atomic import atomic_write_json
-from peagle.testing.target_training import LmTraining, cached_model_dir, chat_token_windows, train_lm
-from peagle.testing.tiny_target import TinyTargetSpec, build_tiny_target
+from peagle.demo.target_training import LmTraining, cached_model_dir, chat_token_windows, train_lm
+from peagle.demo.tiny_target import TinyTargetSpec, build_tiny_target
 
 SPLITS = (("target", 0.85), ("draft", 0.97), ("heldout", 1.0))
 """(name, upper bound of the object-key hash fraction): which split a chat's object falls into."""

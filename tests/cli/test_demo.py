@@ -74,7 +74,7 @@ def test_demo_data_keeps_every_heldout_subject_out_of_training(tmp_path):
     """The held-out prompts (which eval decodes and the held-out store answers) share no subject
     with a training chat, so the held-out curve and the measured acceptance are on unseen subjects."""
     from peagle.cli.demo import write_demo_data
-    from peagle.testing.chat_prompts import chat_prompts
+    from peagle.demo.chat_prompts import chat_prompts
 
     train_path, prompts_path, num_train = write_demo_data(tmp_path, "smollm2", num_train=80, num_heldout=16, seed=0)
     subject_of = {p.text: p.subject for split in ("train", "heldout") for p in chat_prompts(split=split, seed=0)}

@@ -20,7 +20,7 @@ from peagle.model.mask import dense_peagle_mask
 from peagle.schemas.draft_config import DraftConfig
 from peagle.schemas.errors import UserError
 from peagle.testing.tiny_draft import LLAMA3_ROPE, cod_row, hf_llama_config, random_draft, small_config
-from peagle.testing.tiny_target import MASK_TOKEN, TinyTargetSpec, build_tiny_target
+from peagle.demo.tiny_target import MASK_TOKEN, TinyTargetSpec, build_tiny_target
 
 def hf_modules(config: DraftConfig):
     """transformers' config, attention, decoder layer and rotary classes of the draft's architecture."""

@@ -9,7 +9,7 @@ from transformers import AutoConfig, LlamaConfig
 
 from peagle.schemas.draft_config import DraftConfig, default_aux_layer_ids
 from peagle.schemas.errors import UserError
-from peagle.testing.tiny_target import TinyTargetSpec, build_config, build_tokenizer
+from peagle.demo.tiny_target import TinyTargetSpec, build_config, build_tokenizer
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from peagle.testing.quality_target import QualityTargetSpec, build_quality_target, chats_hash, quality_chats, split_of
-from peagle.testing.tiny_target import TinyTargetSpec
+from peagle.demo.tiny_target import TinyTargetSpec
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from peagle.model.target.directory import SAMPLE_BYTES
 from peagle.model.target.directory import content_hash as target_content_hash
 from peagle.schemas import store as S
 from peagle.schemas.errors import UserError
-from peagle.testing.tiny_target import TinyTargetSpec, build_tiny_target
+from peagle.demo.tiny_target import TinyTargetSpec, build_tiny_target
 
 
 def test_a_copy_hashes_equal_and_other_weights_of_the_same_shape_do_not(tiny_llama, tmp_path):

@@ -136,7 +136,7 @@ def test_a_compiled_target_decodes_the_same_tokens_without_recompiling_per_step(
     (a 2-layer target: the compile is the test's cost)."""
     import torch._dynamo
 
-    from peagle.testing.tiny_target import TinyTargetSpec, build_tiny_target
+    from peagle.demo.tiny_target import TinyTargetSpec, build_tiny_target
 
     path = str(build_tiny_target(tmp_path / "two-layers", TinyTargetSpec(num_layers=2)))
     torch._dynamo.reset()

@@ -17,7 +17,7 @@ import json
 import pytest
 
 from peagle.stages.eval.vllm_eval import vllm_available
-from peagle.testing.chat_prompts import chat_prompts
+from peagle.demo.chat_prompts import chat_prompts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason="vllm is not importable here")]
 

@@ -16,7 +16,7 @@ from peagle.schemas.errors import UserError
 from peagle.stages.extract.conversation import SKIP_REASONS
 from peagle.stages.extract.readers import SourceRecord, decode_jsonl_line, iter_file_records
 from peagle.stages.extract.template import make_sample_id, prepare_record
-from peagle.testing.tiny_target import MASK_TOKEN, TinyTargetSpec, build_tiny_target
+from peagle.demo.tiny_target import MASK_TOKEN, TinyTargetSpec, build_tiny_target
 
 ARCHS = ("llama", "qwen3")
 END_OF_TURN = {"llama": "<|eot_id|>", "qwen3": "<|im_end|>"}

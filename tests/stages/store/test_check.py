@@ -32,7 +32,7 @@ from peagle.stages.train.loader import LoaderConfig
 from peagle.stages.train.training_stores import open_training_stores
 from peagle.testing import store_faults as F
 from peagle.testing.chat_data import write_chat_jsonl
-from peagle.testing.tiny_target import TinyTargetSpec, build_tiny_target
+from peagle.demo.tiny_target import TinyTargetSpec, build_tiny_target
 
 
 def extract(data: Path, target: Path, out: Path) -> Path:

@@ -208,7 +208,7 @@ def test_store_and_vocab_errors_are_one_line(tiny_store, tmp_path):
 
 
 def test_a_same_shaped_target_with_other_weights_is_refused(tiny_store, tmp_path):
-    from peagle.testing.tiny_target import TinyTargetSpec, build_tiny_target
+    from peagle.demo.tiny_target import TinyTargetSpec, build_tiny_target
 
     other = build_tiny_target(tmp_path / "other", TinyTargetSpec(arch="llama", seed=7))
     with pytest.raises(UserError) as err:

@@ -1,4 +1,4 @@
-"""The shared target-training helpers (peagle.testing.target_training): the cache entry is
+"""The shared target-training helpers (peagle.demo.target_training): the cache entry is
 published whole or not at all, and the step-only schedule ignores the clock."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from peagle.testing.target_training import LmTraining, cached_model_dir, train_lm
+from peagle.demo.target_training import LmTraining, cached_model_dir, train_lm
 
 
 def test_cache_entry_is_published_whole_or_not_at_all(tmp_path) -> None:

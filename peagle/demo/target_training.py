@@ -1,7 +1,7 @@
 """Training a tiny target on chat text, cached by its settings: shared by the demo and quality targets.
 
 A draft is only as informative as the target it learns from: a random-weight target predicts
-noise. Both trained targets here (the demo's, :mod:`peagle.testing.demo_target`, and the quality
+noise. Both trained targets here (the demo's, :mod:`peagle.demo.target`, and the quality
 benchmark's, :mod:`peagle.testing.quality_target`) are tiny Llamas trained from scratch on chats
 made from text that ships with Python, so nothing is downloaded. This module holds what they
 share: the token stream, the training loop and the atomic cache entry.

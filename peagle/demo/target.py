@@ -15,9 +15,9 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from peagle.testing.stdlib_docs import stdlib_docs
-from peagle.testing.target_training import LmTraining, cached_model_dir, chat_token_windows, train_lm
-from peagle.testing.tiny_target import TinyTargetSpec, build_tiny_target
+from peagle.demo.stdlib_docs import stdlib_docs
+from peagle.demo.target_training import LmTraining, cached_model_dir, chat_token_windows, train_lm
+from peagle.demo.tiny_target import TinyTargetSpec, build_tiny_target
 
 DEMO_MODULES = (
     "argparse", "asyncio", "base64", "bisect", "calendar", "collections", "configparser", "contextlib",
@@ -58,7 +58,7 @@ class DemoTargetSpec:
 
 def demo_chats(max_answer_chars: int = 700, seed: int = 0) -> list[dict]:
     """Chat records (OpenAI messages) from stdlib docstrings: question about a name -> its docstring,
-    the same in every process (peagle.testing.stdlib_docs)."""
+    the same in every process (peagle.demo.stdlib_docs)."""
     rng = random.Random(seed)
     chats = []
     for mod_name, attr, doc in stdlib_docs(DEMO_MODULES):

@@ -1,11 +1,11 @@
-"""peagle/testing/tiny_target.py: the test targets' tokenizer corpus is a function of the code alone."""
+"""peagle/demo/tiny_target.py: the test targets' tokenizer corpus is a function of the code alone."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-CORPUS_HASH = ("import hashlib; {imports}from peagle.testing.tiny_target import tokenizer_corpus; "
+CORPUS_HASH = ("import hashlib; {imports}from peagle.demo.tiny_target import tokenizer_corpus; "
                "print(hashlib.sha256('\\x00'.join(tokenizer_corpus()).encode()).hexdigest())")
 
 
