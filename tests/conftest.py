@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny targets built once per test session (real transformers models, saved locally)."""
+"""Shared fixtures: tiny targets built once per test session (real transformers models, saved locally)
+and the session's runner of `peagle` commands (``cli_runner``, ``run_peagle``)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from typing import Iterator
 import pytest
 from hypothesis import settings
 
-from peagle.testing.family_targets import build_family_target
 from peagle.demo.tiny_target import TinyTargetSpec, build_tiny_target
+from peagle.testing.family_targets import build_family_target
 from peagle.testing.warm_cli import Runner
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -80,7 +81,8 @@ def cli_runner(tmp_path_factory) -> Iterator[Runner]:
 
 
 def starts_vllm(args: tuple) -> bool:
-    """A command line that starts vLLM (``--backend vllm``, ``--mode vllm``, ``--eval-modes ...vllm``)."""
+    """A command line that may start vLLM (``--backend vllm``, ``--mode vllm``, ``--eval-modes ...vllm``):
+    any argument that says vllm, a path too (cold is never wrong, only slower)."""
     return any("vllm" in str(a) for a in args)
 
 

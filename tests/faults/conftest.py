@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from faultkit import (  # noqa: E402
     BAD_LINES, EXTRACT_FLAGS, NUM_RECORDS, TRAIN_FLAGS, TRAIN_STEPS, Figures, ok, snapshot, train_steps)
-from peagle.testing.warm_cli import Runner  # noqa: E402
 from peagle.testing.chat_data import write_chat_jsonl
+from peagle.testing.warm_cli import Runner
 
 _collected: list[dict] = []  # one entry per test that used ``figures``
 _summary_path: list[Path] = []
