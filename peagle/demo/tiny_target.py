@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from peagle.pipeline.atomic import atomic_dir
+
 MASK_TOKEN = "<|mask|>"
 PAD_TOKEN = "<|pad|>"
 
@@ -162,22 +164,16 @@ def build_tiny_target(out_dir: str | Path, spec: TinyTargetSpec = TinyTargetSpec
 
     ``tokenizer_texts``: what the BPE tokenizer is trained on (default: :func:`tokenizer_corpus`).
 
-    The write is atomic (temp dir, then rename), so a cache dir never holds half a model.
-    Returns the model directory.
+    The write is atomic (``atomic_dir``: a temp dir, then one rename), so a cache dir never holds
+    half a model. Returns the model directory.
     """
-    import os
-    import shutil
-    import tempfile
-
     import torch
     from transformers import AutoModelForCausalLM
 
     out_dir = Path(out_dir)
     if (out_dir / "config.json").exists():
         return out_dir
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir) as tmp:
         tokenizer = build_tokenizer(spec.vocab_size, spec.arch, tokenizer_texts)
         config = build_config(spec, tokenizer)
         torch.manual_seed(spec.seed)
@@ -186,8 +182,4 @@ def build_tiny_target(out_dir: str | Path, spec: TinyTargetSpec = TinyTargetSpec
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "tiny_target.json").write_text(json.dumps({"spec": spec.__dict__, "mask_token": MASK_TOKEN}))
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir

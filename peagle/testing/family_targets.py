@@ -32,15 +32,13 @@ row counts.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from peagle.demo.tiny_target import tokenizer_corpus
+from peagle.pipeline.atomic import atomic_dir
 from peagle.testing.chat_templates import (GPT2_CHAT_TEMPLATE, LLAMA3_TEMPLATE, MISTRAL_TEMPLATE, QWEN3_TEMPLATE,
                                            SMOLLM2_TEMPLATE)
-from peagle.demo.tiny_target import tokenizer_corpus
 
 FAMILIES = ("llama3", "qwen3", "mistral", "smollm2", "gpt2")
 
@@ -245,7 +243,8 @@ def build_family_config(family: str, tokenizer, *, hidden_size: int = 64, num_la
 def build_family_target(out_dir: str | Path, family: str, *, seed: int = 0) -> Path:
     """Build the family's random-weight target (model + tokenizer + template) into ``out_dir``.
 
-    Written atomically (temp dir, then rename); an existing target is returned as it is.
+    Written atomically (``atomic_dir``: a temp dir, then one rename); an existing target is returned as
+    it is.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -255,9 +254,7 @@ def build_family_target(out_dir: str | Path, family: str, *, seed: int = 0) -> P
     out_dir = Path(out_dir)
     if (out_dir / "config.json").exists():
         return out_dir
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir) as tmp:
         tokenizer = build_family_tokenizer(family)
         config = build_family_config(family, tokenizer)
         config.architectures = [f"{SPECS[family].architecture}ForCausalLM"]
@@ -265,8 +262,4 @@ def build_family_target(out_dir: str | Path, family: str, *, seed: int = 0) -> P
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
