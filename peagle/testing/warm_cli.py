@@ -38,6 +38,14 @@ def peagle_bin() -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "peagle"]
 
 
+def limit_file_size(fsize: int | None) -> None:
+    """In a command's own process, before it runs: writes past ``fsize`` bytes fail with EFBIG (as on
+    a full disk) instead of killing it with SIGXFSZ. None: no limit."""
+    if fsize is not None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+
+
 def command_env(env: dict[str, str | None] | None) -> dict[str, str]:
     """The whole environment of one command: the caller's now, then BASE_ENV, then ``env``."""
     merged: dict[str, str | None] = {**os.environ, **BASE_ENV, **(env or {})}
@@ -177,15 +185,10 @@ class Runner:
         environ = command_env(env)
         cwd = cwd or self.logs
         if cold or (cold is None and self.cold):
-            def limit() -> None:
-                if fsize is not None:
-                    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-                    resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-
             with open(job.stdout, "wb") as out, open(job.stderr, "wb") as err:
                 job._popen = subprocess.Popen([*peagle_bin(), *args], stdout=out, stderr=err,
                                               stdin=subprocess.DEVNULL, env=environ, cwd=cwd,
-                                              preexec_fn=limit)
+                                              preexec_fn=lambda: limit_file_size(fsize))
             job.pid = job._popen.pid
             return job
         event = threading.Event()

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import select
 import signal
 import sys
@@ -31,6 +30,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import peagle.cli as cli  # noqa: E402
+from peagle.testing.warm_cli import limit_file_size  # noqa: E402
 
 cli._register()
 # Modules the stages import lazily, imported here once (no torch op runs here: no thread pools).
@@ -77,9 +77,7 @@ def _child(req: dict) -> None:
         threads = os.environ.get("OMP_NUM_THREADS", "")
         if threads.isdigit() and int(threads) > 0:
             torch.set_num_threads(int(threads))
-        if req.get("fsize") is not None:
-            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
-            resource.setrlimit(resource.RLIMIT_FSIZE, (req["fsize"], req["fsize"]))
+        limit_file_size(req.get("fsize"))
         sys.argv = ["peagle", *req["args"]]
         try:
             cli.main(list(req["args"]))
