@@ -37,12 +37,6 @@ def data(tmp_path_factory) -> dict[str, Path]:
             "b": write_chat_jsonl(d / "b.jsonl", 6, seed=1)}
 
 
-@pytest.fixture(scope="module")
-def runner(cli_runner):
-    """Starts `peagle ...` commands as children of the session's warm fork server (peagle/testing/warm_cli.py)."""
-    return cli_runner
-
-
 def _args(data: dict[str, Path], target: Path, out: Path, *extra: str, files=("a",)) -> list[str]:
     return ["extract", *[a for f in files for a in ("--data", str(data[f]))], "--target", str(target),
             "--out", str(out), *COMMON, *extra]
@@ -92,7 +86,7 @@ def test_help_explains_every_config_field(run_peagle):
         assert f"--{name.replace('_', '-')}" in proc.stdout
 
 
-def test_store_layout_matches_design(baseline, runner):
+def test_store_layout_matches_design(baseline, cli_runner):
     files = set(_snapshot(baseline))
     indices = [f"{i:05d}" for i in range(5)]
     expected = {S.MANIFEST_FILE, S.STORE_SETTINGS_FILE} | {f"shards/{i}.parquet" for i in indices} \
@@ -112,62 +106,64 @@ def test_store_layout_matches_design(baseline, runner):
         "skipped", "num_truncated", "backend", "stats", "token_counts", "num_supervised_turns"}
     stats = manifest["shards"][0]["stats"]  # content statistics, one entry per aux layer (peagle store check)
     assert len(stats["layers"]) == 3 and stats["layers"][0]["zero_rows"] == 0 and stats["topk"]["non_finite_rows"] == 0
-    info = _ok(runner.run("store", "info", "--store", baseline)).stdout
+    info = _ok(cli_runner.run("store", "info", "--store", baseline)).stdout
     assert "shards       5 of 5 committed (backend hf)" in info
     assert f"tokens       {manifest['num_tokens']:,}" in info and "malformed_json 1" in info
     assert "on disk vs 816 raw tensor bytes" in info
-    assert "verify ok: 5 committed shards" in _ok(runner.run("store", "verify", "--store", baseline)).stdout
+    assert "verify ok: 5 committed shards" in _ok(cli_runner.run("store", "verify", "--store", baseline)).stdout
 
 
-def test_two_concurrent_workers_write_the_same_bytes_as_one(baseline, data, tiny_llama, tmp_path, runner):
+def test_two_concurrent_workers_write_the_same_bytes_as_one(baseline, data, tiny_llama, tmp_path, cli_runner):
     out = tmp_path / "two"
-    jobs = [runner.start(*_args(data, tiny_llama, out, "--shard-index", str(i), "--num-shards", "2")) for i in (0, 1)]
+    jobs = [cli_runner.start(*_args(data, tiny_llama, out, "--shard-index", str(i), "--num-shards", "2"))
+            for i in (0, 1)]
     for job in jobs:
         _ok(job.wait(300))
     assert _snapshot(out) == _snapshot(baseline)
 
 
-def test_rerun_skips_committed_shards(baseline, data, tiny_llama, runner):
+def test_rerun_skips_committed_shards(baseline, data, tiny_llama, cli_runner):
     """Nothing is rewritten: every file keeps its bytes (so `store info` and `store verify` say what
     test_store_layout_matches_design saw them say of these bytes) and the shards their mtimes."""
     before = _snapshot(baseline)
     mtimes = {p: p.stat().st_mtime_ns for p in (baseline / S.SHARDS_DIR).iterdir()}
-    proc = _ok(runner.run(*_args(data, tiny_llama, baseline)))
+    proc = _ok(cli_runner.run(*_args(data, tiny_llama, baseline)))
     assert "5 already committed, 0 to do" in proc.stdout and "nothing to do" in proc.stdout
     assert _snapshot(baseline) == before
     assert {p: p.stat().st_mtime_ns for p in (baseline / S.SHARDS_DIR).iterdir()} == mtimes
 
 
-def test_rerun_with_other_settings_is_one_line_naming_both(baseline, data, tiny_llama, runner):
-    proc = runner.run(*_args(data, tiny_llama, baseline, "--aux-layers", "1,4,5"))
+def test_rerun_with_other_settings_is_one_line_naming_both(baseline, data, tiny_llama, cli_runner):
+    proc = cli_runner.run(*_args(data, tiny_llama, baseline, "--aux-layers", "1,4,5"))
     _one_line_error(proc, "aux_layer_ids=[2, 4, 5]", "aux_layer_ids=[1, 4, 5]")
 
 
-def test_missing_model_dir_and_unreadable_data_are_one_line(data, tiny_llama, tmp_path, runner):
-    _one_line_error(runner.run(*_args(data, tmp_path / "no-model", tmp_path / "s")), "no-model does not exist")
+def test_missing_model_dir_and_unreadable_data_are_one_line(data, tiny_llama, tmp_path, cli_runner):
+    _one_line_error(cli_runner.run(*_args(data, tmp_path / "no-model", tmp_path / "s")), "no-model does not exist")
     (tmp_path / "dir.jsonl").mkdir()
-    proc = runner.run("extract", "--data", tmp_path / "dir.jsonl", "--target", tiny_llama, "--out", tmp_path / "s")
+    proc = cli_runner.run("extract", "--data", tmp_path / "dir.jsonl", "--target", tiny_llama, "--out", tmp_path / "s")
     _one_line_error(proc, "dir.jsonl is not a regular file")
-    _one_line_error(runner.run(*_args(data, tiny_llama, tmp_path / "s", "--aux-layers", "4,2")), "strictly ascending")
+    _one_line_error(cli_runner.run(*_args(data, tiny_llama, tmp_path / "s", "--aux-layers", "4,2")),
+                    "strictly ascending")
     assert not (tmp_path / "s").exists()
 
 
-def test_config_file_keys_are_the_flags(data, tiny_llama, tmp_path, runner):
+def test_config_file_keys_are_the_flags(data, tiny_llama, tmp_path, cli_runner):
     cfg = tmp_path / "extract.yaml"
     cfg.write_text(f"data: [{data['b']}]\ntarget: {tiny_llama}\nout: {tmp_path / 's'}\naux-layers: 1,3,6\n"
                    "topk: 4\ndry_run: true\n")
-    proc = _ok(runner.run("extract", "--config", cfg, "--max-seq-len", "100"))
+    proc = _ok(cli_runner.run("extract", "--config", cfg, "--max-seq-len", "100"))
     assert "aux layers 1,3,6, top-k 4 (float16), max len 100" in proc.stdout
     assert not (tmp_path / "s").exists()
     cfg.write_text("topk_typo: 3\n")
-    _one_line_error(runner.run("extract", "--config", cfg), "unknown key 'topk_typo'")
+    _one_line_error(cli_runner.run("extract", "--config", cfg), "unknown key 'topk_typo'")
 
 
-def test_appending_a_data_file_adds_new_shards(baseline, data, tiny_llama, tmp_path, runner):
+def test_appending_a_data_file_adds_new_shards(baseline, data, tiny_llama, tmp_path, cli_runner):
     out = tmp_path / "appended"
     shutil.copytree(baseline, out)
     before = _snapshot(out)
-    proc = _ok(runner.run(*_args(data, tiny_llama, out, files=("a", "b"))))
+    proc = _ok(cli_runner.run(*_args(data, tiny_llama, out, files=("a", "b"))))
     assert "5 already committed, 2 to do" in proc.stdout
     after = _snapshot(out)
     assert {k: v for k, v in after.items() if k in before and k != S.MANIFEST_FILE} == \
@@ -176,13 +172,13 @@ def test_appending_a_data_file_adds_new_shards(baseline, data, tiny_llama, tmp_p
     assert [(s["index"], s["input_file"]) for s in manifest["shards"]][-2:] == [(5, "b.jsonl"), (6, "b.jsonl")]
 
 
-def test_the_plan_of_a_regeneration_bounds_the_answers_it_has_not_written(tiny_llama, tmp_path, runner):
+def test_the_plan_of_a_regeneration_bounds_the_answers_it_has_not_written(tiny_llama, tmp_path, cli_runner):
     """Prompt-only records (`--regenerate`) have no answer to count yet: the plan must not print
     ~0 tokens and ~0 B, but an upper bound (prompts + --max-new-tokens per answer, capped)."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question {i} about rivers?"}]})
                                + "\n" for i in range(4)))
-    proc = _ok(runner.run("extract", "--data", prompts, "--target", tiny_llama, "--out", tmp_path / "s", *COMMON,
+    proc = _ok(cli_runner.run("extract", "--data", prompts, "--target", tiny_llama, "--out", tmp_path / "s", *COMMON,
                           "--regenerate", "--max-new-tokens", "40", "--max-seq-len", "256", "--dry-run"))
     line = next(ln for ln in proc.stdout.splitlines() if ln.strip().startswith("tokens"))
     assert "at most: answers not written yet, up to 40 tokens each" in line, line
@@ -192,7 +188,7 @@ def test_the_plan_of_a_regeneration_bounds_the_answers_it_has_not_written(tiny_l
     assert not (tmp_path / "s").exists()
     answers = next(ln for ln in proc.stdout.splitlines() if ln.startswith("  answers"))
     assert "written by the target, sampled at T 0.7, top-p 0.95, up to 40 tokens, in " in answers, answers
-    greedy = _ok(runner.run("extract", "--data", prompts, "--target", tiny_llama, "--out", tmp_path / "s", *COMMON,
+    greedy = _ok(cli_runner.run("extract", "--data", prompts, "--target", tiny_llama, "--out", tmp_path / "s", *COMMON,
                             "--regenerate", "--temperature", "0", "--generation-dtype", "bfloat16",
                             "--max-new-tokens", "40", "--max-seq-len", "256", "--dry-run", "--dtype", "float32"))
     assert "  answers    written by the target, greedy, up to 40 tokens, in bfloat16 (states in float32; " \
